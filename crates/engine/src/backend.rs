@@ -1,0 +1,116 @@
+//! Block backends: where block data lives, addressed by PBA.
+//!
+//! The engine is generic over the backend: a file (production) or memory
+//! (tests). A backend only stores bytes; all dedup logic is above it.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::RwLock;
+
+use crate::block::{Pba, BLOCK_SIZE_U64};
+
+/// Storage for block data, addressed by PBA in 4 KiB units.
+pub trait BlockBackend: Send + Sync {
+    /// Reads `buf.len()` bytes (a multiple of 4 KiB) starting at block `pba`.
+    /// Never-written blocks read as zeros.
+    fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> io::Result<()>;
+    /// Writes `data` (a multiple of 4 KiB) starting at block `pba`; grows the
+    /// storage as needed. Fails with ENOSPC when the backing store is full.
+    fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn sync(&self) -> io::Result<()>;
+    /// Bytes the backend occupies (the data file's length).
+    fn len_bytes(&self) -> io::Result<u64>;
+}
+
+/// Block data in one file, PBA × 4096 = byte offset; the file grows on
+/// demand (thin provisioning) and is sparse where never written.
+#[derive(Debug)]
+pub struct FileBackend {
+    file: File,
+}
+
+impl FileBackend {
+    /// Uses `file`, opened for reading and writing.
+    pub fn new(file: File) -> Self {
+        FileBackend { file }
+    }
+}
+
+impl BlockBackend for FileBackend {
+    fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> io::Result<()> {
+        let off = pba.0 * BLOCK_SIZE_U64;
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], off + done as u64) {
+                Ok(0) => {
+                    // past the end of the file: never written, reads as zeros
+                    buf[done..].fill(0);
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(data, pba.0 * BLOCK_SIZE_U64)
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn len_bytes(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+}
+
+/// Block data in memory, for tests.
+#[derive(Debug, Default)]
+pub struct MemoryBackend {
+    bytes: RwLock<Vec<u8>>,
+}
+
+impl BlockBackend for MemoryBackend {
+    fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> io::Result<()> {
+        let b = self
+            .bytes
+            .read()
+            .map_err(|_| io::Error::other("poisoned"))?;
+        let off = (pba.0 * BLOCK_SIZE_U64) as usize;
+        for (i, out) in buf.iter_mut().enumerate() {
+            *out = b.get(off + i).copied().unwrap_or(0);
+        }
+        Ok(())
+    }
+
+    fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
+        let mut b = self
+            .bytes
+            .write()
+            .map_err(|_| io::Error::other("poisoned"))?;
+        let off = (pba.0 * BLOCK_SIZE_U64) as usize;
+        if b.len() < off + data.len() {
+            b.resize(off + data.len(), 0);
+        }
+        b[off..off + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn len_bytes(&self) -> io::Result<u64> {
+        Ok(self
+            .bytes
+            .read()
+            .map_err(|_| io::Error::other("poisoned"))?
+            .len() as u64)
+    }
+}

@@ -1,0 +1,841 @@
+//! The engine: volumes over one deduplicated block store.
+//!
+//! Write path (inline dedup, SmartDedup §3.1 / dmdedup §2): each 4 KiB
+//! block is checked for zeros (unmapped, never stored), fingerprinted
+//! outside any lock, then looked up in the fingerprint index. A hit maps the
+//! LBA to the existing PBA (reference count + 1); a miss reserves a free PBA,
+//! writes the data there, then indexes and maps it. Stored blocks are never
+//! modified in place (redirect-on-write): an overwrite maps the LBA to
+//! another PBA and releases the old one, which becomes reusable only after
+//! the journal commit that records the remap (deferred free).
+//!
+//! Durability: FLUSH (and FUA) syncs the data file, then commits the changed
+//! metadata pages to the journal with one `fdatasync`; a checkpoint writes
+//! them in place when the journal passes its size bound. A FLUSH on any
+//! connection covers every completed write of every connection.
+//!
+//! Concurrency: one mutex guards the metadata; hashing and data I/O run
+//! outside it. Reads hold a shared "reuse guard" from map lookup to the end
+//! of their data read, and freed PBAs return to the free list only under the
+//! exclusive guard, so a read never sees a PBA reused under it.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard, RwLock};
+
+use crate::backend::{BlockBackend, FileBackend, MemoryBackend};
+use crate::block::{is_zero, Lba, Pba, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::error::{EngineError, Result};
+use crate::fingerprint::{Fingerprint, HashAlgorithm};
+use crate::journal::{self, Journal, MetaFile, Op};
+use crate::meta::{Meta, Volume};
+use crate::paged::PagedArray;
+use crate::stats::{proc_status_bytes, Stats};
+use crate::store::{decode_checked, State, StoreDir, VolumeRecord};
+
+/// Number of locks serialising read-modify-write of partial blocks.
+const RMW_STRIPES: usize = 64;
+
+/// Tunables of an open engine; every bound is in bytes.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Journal length that triggers a checkpoint (default 32 MiB). Memory
+    /// for committed-but-not-checkpointed page images is bounded by it.
+    pub journal_size_bytes: u64,
+    /// Metadata changed since the last commit that triggers a commit from
+    /// the write path (default 16 MiB).
+    pub max_dirty_bytes: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            journal_size_bytes: 32 << 20,
+            max_dirty_bytes: 16 << 20,
+        }
+    }
+}
+
+/// A volume as listed to users.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VolumeInfo {
+    /// Stable id.
+    pub id: VolumeId,
+    /// Name (the NBD export name).
+    pub name: String,
+    /// Size in bytes.
+    pub size_bytes: u64,
+    /// Bytes of the volume mapped to stored data.
+    pub mapped_bytes: u64,
+}
+
+/// Latest committed image of each metadata page, waiting for a checkpoint.
+#[derive(Debug, Default)]
+struct CheckpointBuffer {
+    ops: Vec<Op>,
+    position: HashMap<(MetaFile, u64), usize>,
+    bytes: u64,
+}
+
+impl CheckpointBuffer {
+    fn add(&mut self, ops: Vec<Op>) {
+        for op in ops {
+            let key = match &op {
+                Op::Write { file, offset, .. } => Some((*file, *offset)),
+                Op::Replace { file, .. } => Some((*file, u64::MAX)),
+                Op::SetLen { file, .. } | Op::Remove { file } => {
+                    let f = *file;
+                    self.position.retain(|(g, _), _| *g != f);
+                    None
+                }
+            };
+            let len = match &op {
+                Op::Write { data, .. } | Op::Replace { data, .. } => data.len() as u64,
+                _ => 0,
+            };
+            match key.and_then(|k| self.position.get(&k).copied()) {
+                Some(i) => self.ops[i] = op,
+                None => {
+                    if let Some(k) = key {
+                        self.position.insert(k, self.ops.len());
+                    }
+                    self.bytes += len;
+                    self.ops.push(op);
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CommitState {
+    journal: Option<Journal>,
+    checkpoint: CheckpointBuffer,
+    durable_changes: u64,
+}
+
+/// Where a block of a write ends up, decided under the metadata lock.
+enum Placement {
+    Done,
+    New { pba: Pba, fp: Fingerprint },
+    SameAs(usize),
+}
+
+/// An open store: volumes, metadata and block data. Safe to share between
+/// threads (`Arc<Engine>`); every method may be called concurrently.
+pub struct Engine {
+    dir: Option<StoreDir>,
+    hash: HashAlgorithm,
+    backend: Box<dyn BlockBackend>,
+    meta: Mutex<Meta>,
+    reuse: RwLock<()>,
+    commit: Mutex<CommitState>,
+    rmw: Vec<Mutex<()>>,
+    config: EngineConfig,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // a panic while holding the lock is a bug; the data is still the best we have
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Engine {
+    /// Creates a new, empty store at `path` with the given fingerprint
+    /// algorithm and opens it. Fails if `path` exists and is not empty.
+    pub fn create(path: &Path, hash: HashAlgorithm, config: EngineConfig) -> Result<Engine> {
+        drop(StoreDir::create(path, hash)?);
+        Engine::open(path, config)
+    }
+
+    /// Opens the store at `path`: replays the journal, loads the metadata and
+    /// rebuilds the fingerprint index and free space.
+    ///
+    /// Errors: [`EngineError::NoStore`], [`EngineError::NotAStore`],
+    /// [`EngineError::Locked`] (another process has it open),
+    /// [`EngineError::Corrupt`] (a metadata file fails its checksum).
+    pub fn open(path: &Path, config: EngineConfig) -> Result<Engine> {
+        let (dir, sb) = StoreDir::open(path)?;
+        let jfile = dir.open_file("journal", true)?;
+        let chain =
+            journal::read_chain(&jfile).map_err(|e| EngineError::io("reading the journal", e))?;
+        if !chain.is_empty() {
+            let ops: Vec<Op> = chain.iter().flat_map(|t| t.ops.iter().cloned()).collect();
+            dir.apply(&ops)?;
+        }
+        let state_path = dir.path(MetaFile::State);
+        let state: State = decode_checked(&dir.read_meta(MetaFile::State)?, &state_path)?;
+        let next_seq = state.journal_seq.max(chain.last().map_or(0, |t| t.seq)) + 1;
+        let mut meta = Meta {
+            next_volume_id: state.next_volume_id,
+            counters: state.counters.clone(),
+            refcounts: PagedArray::from_bytes(&dir.read_meta(MetaFile::Refcounts)?),
+            fingerprints: PagedArray::from_bytes(&dir.read_meta(MetaFile::Fingerprints)?),
+            ..Meta::default()
+        };
+        for rec in &state.volumes {
+            let map = PagedArray::from_bytes(&dir.read_meta(MetaFile::Map(rec.id))?);
+            meta.volumes.insert(
+                rec.id,
+                Volume {
+                    record: rec.clone(),
+                    map,
+                },
+            );
+        }
+        let data = FileBackend::new(dir.open_file("data", true)?);
+        let data_blocks = data
+            .len_bytes()
+            .map_err(|e| EngineError::io("reading the data file size", e))?
+            .div_ceil(BLOCK_SIZE_U64);
+        meta.rebuild_derived(data_blocks);
+        let journal = Journal::new(jfile, 0, next_seq);
+        Ok(Engine {
+            dir: Some(dir),
+            hash: sb.hash,
+            backend: Box::new(data),
+            meta: Mutex::new(meta),
+            reuse: RwLock::new(()),
+            commit: Mutex::new(CommitState {
+                journal: Some(journal),
+                checkpoint: CheckpointBuffer::default(),
+                durable_changes: 0,
+            }),
+            rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
+            config,
+        })
+    }
+
+    /// An engine whose data and metadata live only in memory (tests,
+    /// simulation); FLUSH only recycles freed blocks.
+    pub fn in_memory(hash: HashAlgorithm) -> Engine {
+        Engine {
+            dir: None,
+            hash,
+            backend: Box::new(MemoryBackend::default()),
+            meta: Mutex::new(Meta {
+                next_volume_id: 1,
+                ..Meta::default()
+            }),
+            reuse: RwLock::new(()),
+            commit: Mutex::new(CommitState {
+                journal: None,
+                checkpoint: CheckpointBuffer::default(),
+                durable_changes: 0,
+            }),
+            rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
+            config: EngineConfig::default(),
+        }
+    }
+
+    /// The store's fingerprint algorithm.
+    pub fn hash_algorithm(&self) -> HashAlgorithm {
+        self.hash
+    }
+
+    /// The store directory (None for an in-memory engine).
+    pub fn path(&self) -> Option<&Path> {
+        self.dir.as_ref().map(|d| d.root())
+    }
+
+    // ---- volumes ---------------------------------------------------------
+
+    /// Every volume, ordered by id.
+    pub fn volumes(&self) -> Vec<VolumeInfo> {
+        let m = lock(&self.meta);
+        m.volumes
+            .values()
+            .map(|v| {
+                let mapped = (0..v.size_blocks())
+                    .filter(|&l| v.map.get_u64(l) != 0)
+                    .count() as u64;
+                VolumeInfo {
+                    id: v.record.id,
+                    name: v.record.name.clone(),
+                    size_bytes: v.record.size_bytes,
+                    mapped_bytes: mapped * BLOCK_SIZE_U64,
+                }
+            })
+            .collect()
+    }
+
+    /// Looks a volume up by name: (id, size in bytes).
+    pub fn volume(&self, name: &str) -> Option<(VolumeId, u64)> {
+        let m = lock(&self.meta);
+        m.volumes
+            .values()
+            .find(|v| v.record.name == name)
+            .map(|v| (v.record.id, v.record.size_bytes))
+    }
+
+    /// Size in bytes of volume `id`, or `None` if it no longer exists.
+    pub fn volume_size(&self, id: VolumeId) -> Option<u64> {
+        lock(&self.meta)
+            .volumes
+            .get(&id)
+            .map(|v| v.record.size_bytes)
+    }
+
+    /// Creates a volume of `size_bytes` (a positive multiple of 4096; may
+    /// exceed the physical space: thin provisioning) and makes it durable.
+    /// Names are 1–64 characters of `A-Za-z0-9._-`.
+    pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeId> {
+        validate_name(name)?;
+        validate_size(size_bytes)?;
+        let id = {
+            let mut m = lock(&self.meta);
+            if m.volumes.values().any(|v| v.record.name == name) {
+                return Err(EngineError::VolumeExists(name.into()));
+            }
+            let id = VolumeId(m.next_volume_id);
+            m.next_volume_id += 1;
+            m.volumes.insert(
+                id,
+                Volume {
+                    record: VolumeRecord {
+                        id,
+                        name: name.into(),
+                        size_bytes,
+                    },
+                    map: PagedArray::default(),
+                },
+            );
+            m.structural_ops.push(Op::SetLen {
+                file: MetaFile::Map(id),
+                len_bytes: size_bytes / BLOCK_SIZE_U64 * 8,
+            });
+            m.state_dirty = true;
+            m.change_count += 1;
+            id
+        };
+        self.flush()?;
+        Ok(id)
+    }
+
+    /// Deletes a volume, releasing every block it maps, and makes it durable.
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        {
+            let mut m = lock(&self.meta);
+            let id = m
+                .volumes
+                .values()
+                .find(|v| v.record.name == name)
+                .map(|v| v.record.id)
+                .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?;
+            let blocks = m.volumes[&id].size_blocks();
+            for lba in 0..blocks {
+                m.remap(id, Lba(lba), None);
+            }
+            m.volumes.remove(&id);
+            m.structural_ops.push(Op::Remove {
+                file: MetaFile::Map(id),
+            });
+            m.state_dirty = true;
+            m.change_count += 1;
+        }
+        self.flush()
+    }
+
+    /// Changes a volume's size (a positive multiple of 4096); shrinking
+    /// releases the blocks past the new end. Durable on return.
+    pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<()> {
+        validate_size(size_bytes)?;
+        {
+            let mut m = lock(&self.meta);
+            let id = m
+                .volumes
+                .values()
+                .find(|v| v.record.name == name)
+                .map(|v| v.record.id)
+                .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?;
+            let old_blocks = m.volumes[&id].size_blocks();
+            let new_blocks = size_bytes / BLOCK_SIZE_U64;
+            for lba in new_blocks..old_blocks {
+                m.remap(id, Lba(lba), None);
+            }
+            let v = m.volumes.get_mut(&id).expect("looked up above");
+            v.record.size_bytes = size_bytes;
+            v.map.truncate(new_blocks * 8);
+            m.structural_ops.push(Op::SetLen {
+                file: MetaFile::Map(id),
+                len_bytes: new_blocks * 8,
+            });
+            m.state_dirty = true;
+            m.change_count += 1;
+        }
+        self.flush()
+    }
+
+    // ---- I/O -------------------------------------------------------------
+
+    fn check_range(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
+        let size_bytes = self
+            .volume_size(vol)
+            .ok_or_else(|| EngineError::NoSuchVolume(format!("#{}", vol.0)))?;
+        if offset.checked_add(len).is_none_or(|end| end > size_bytes) {
+            return Err(EngineError::OutOfRange {
+                offset,
+                len,
+                size_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes of volume `vol` at byte `offset`. Unmapped
+    /// and zero blocks read as zeros without I/O.
+    pub fn read(&self, vol: VolumeId, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(vol, offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let first = offset / BLOCK_SIZE_U64;
+        let last = (offset + buf.len() as u64 - 1) / BLOCK_SIZE_U64;
+        let aligned = offset % BLOCK_SIZE_U64 == 0 && buf.len() % BLOCK_SIZE == 0;
+        if aligned {
+            return self.read_blocks(vol, first, buf);
+        }
+        let mut tmp = vec![0u8; ((last - first + 1) * BLOCK_SIZE_U64) as usize];
+        self.read_blocks(vol, first, &mut tmp)?;
+        let skip = (offset - first * BLOCK_SIZE_U64) as usize;
+        buf.copy_from_slice(&tmp[skip..skip + buf.len()]);
+        Ok(())
+    }
+
+    /// Reads whole blocks starting at `first` into `buf` (multiple of 4 KiB).
+    fn read_blocks(&self, vol: VolumeId, first: u64, buf: &mut [u8]) -> Result<()> {
+        let n = buf.len() / BLOCK_SIZE;
+        let _guard = self.reuse.read().unwrap_or_else(|e| e.into_inner());
+        let pbas: Vec<Option<Pba>> = {
+            let m = lock(&self.meta);
+            let v = m
+                .volumes
+                .get(&vol)
+                .ok_or_else(|| EngineError::NoSuchVolume(format!("#{}", vol.0)))?;
+            (0..n as u64).map(|i| v.get(Lba(first + i))).collect()
+        };
+        let mut i = 0;
+        while i < n {
+            match pbas[i] {
+                None => {
+                    buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].fill(0);
+                    i += 1;
+                }
+                Some(p) => {
+                    // coalesce a run of consecutive PBAs into one read
+                    let mut j = i + 1;
+                    while j < n && pbas[j] == Some(Pba(p.0 + (j - i) as u64)) {
+                        j += 1;
+                    }
+                    self.backend
+                        .read_blocks(p, &mut buf[i * BLOCK_SIZE..j * BLOCK_SIZE])
+                        .map_err(|e| EngineError::io(format!("reading PBA {}", p.0), e))?;
+                    i = j;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` to volume `vol` at byte `offset`, deduplicating inline.
+    /// Unaligned edges are read-modify-write. With `fua` the write is
+    /// durable on return.
+    ///
+    /// Errors: [`EngineError::OutOfRange`], [`EngineError::NoSpace`] (the
+    /// backing file system is full; what was stored stays intact),
+    /// [`EngineError::Io`].
+    pub fn write(&self, vol: VolumeId, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(vol, offset, data.len() as u64)?;
+        self.write_unchecked(vol, offset, Some(data))?;
+        self.after_write(fua)
+    }
+
+    /// Discards `len` bytes at `offset` (TRIM): whole blocks are unmapped and
+    /// released; partial blocks are zeroed. Reads return zeros afterwards.
+    pub fn trim(&self, vol: VolumeId, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_range(vol, offset, len)?;
+        self.write_unchecked_zero(vol, offset, len)?;
+        self.after_write(fua)
+    }
+
+    /// Makes `len` bytes at `offset` read as zeros (WRITE_ZEROES); the same
+    /// as [`Engine::trim`] since zero blocks are never stored.
+    pub fn write_zeroes(&self, vol: VolumeId, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.trim(vol, offset, len, fua)
+    }
+
+    fn after_write(&self, fua: bool) -> Result<()> {
+        if fua {
+            return self.flush();
+        }
+        let dirty_bytes = lock(&self.meta).dirty_pages() as u64 * crate::paged::PAGE_SIZE as u64;
+        if dirty_bytes > self.config.max_dirty_bytes {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn write_unchecked_zero(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
+        let end = offset + len;
+        let first_full = offset.div_ceil(BLOCK_SIZE_U64);
+        let end_full = end / BLOCK_SIZE_U64;
+        if first_full >= end_full {
+            // within one block, or straddling two without a whole block
+            return self.write_partial_span(vol, offset, end, None);
+        }
+        self.write_partial_span(vol, offset, first_full * BLOCK_SIZE_U64, None)?;
+        {
+            let mut m = lock(&self.meta);
+            for lba in first_full..end_full {
+                m.remap(vol, Lba(lba), None);
+            }
+            m.counters.blocks_trimmed += end_full - first_full;
+        }
+        self.write_partial_span(vol, end_full * BLOCK_SIZE_U64, end, None)
+    }
+
+    fn write_unchecked(&self, vol: VolumeId, offset: u64, data: Option<&[u8]>) -> Result<()> {
+        let data = data.unwrap_or(&[]);
+        let end = offset + data.len() as u64;
+        let first_full = offset.div_ceil(BLOCK_SIZE_U64);
+        let end_full = end / BLOCK_SIZE_U64;
+        if first_full >= end_full {
+            return self.write_partial_span(vol, offset, end, Some(data));
+        }
+        let head = ((first_full * BLOCK_SIZE_U64) - offset) as usize;
+        let tail_start = (end_full * BLOCK_SIZE_U64 - offset) as usize;
+        self.write_partial_span(
+            vol,
+            offset,
+            first_full * BLOCK_SIZE_U64,
+            Some(&data[..head]),
+        )?;
+        self.write_full_blocks(vol, first_full, &data[head..tail_start])?;
+        self.write_partial_span(
+            vol,
+            end_full * BLOCK_SIZE_U64,
+            end,
+            Some(&data[tail_start..]),
+        )
+    }
+
+    /// Read-modify-write of bytes `start..end` (at most two blocks, none of
+    /// them whole); `data` None writes zeros.
+    fn write_partial_span(
+        &self,
+        vol: VolumeId,
+        start: u64,
+        end: u64,
+        data: Option<&[u8]>,
+    ) -> Result<()> {
+        let mut pos = start;
+        while pos < end {
+            let lba = pos / BLOCK_SIZE_U64;
+            let block_end = ((lba + 1) * BLOCK_SIZE_U64).min(end);
+            let stripe = &self.rmw
+                [((vol.0 as u64).wrapping_mul(31).wrapping_add(lba) % RMW_STRIPES as u64) as usize];
+            let _g = lock(stripe);
+            let mut block = vec![0u8; BLOCK_SIZE];
+            self.read_blocks(vol, lba, &mut block)?;
+            let in_block = (pos - lba * BLOCK_SIZE_U64) as usize;
+            let n = (block_end - pos) as usize;
+            match data {
+                Some(d) => block[in_block..in_block + n]
+                    .copy_from_slice(&d[(pos - start) as usize..(pos - start) as usize + n]),
+                None => block[in_block..in_block + n].fill(0),
+            }
+            self.write_full_blocks(vol, lba, &block)?;
+            pos = block_end;
+        }
+        Ok(())
+    }
+
+    /// Writes whole blocks (`data.len()` a multiple of 4 KiB) starting at
+    /// LBA `first`, with inline dedup.
+    fn write_full_blocks(&self, vol: VolumeId, first: u64, data: &[u8]) -> Result<()> {
+        let n = data.len() / BLOCK_SIZE;
+        if n == 0 {
+            return Ok(());
+        }
+        let block = |i: usize| &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+        // fingerprint outside the lock; None for zero blocks
+        let fps: Vec<Option<Fingerprint>> = (0..n)
+            .map(|i| {
+                if is_zero(block(i)) {
+                    None
+                } else {
+                    Some(self.hash.fingerprint(block(i)))
+                }
+            })
+            .collect();
+
+        // phase 1: hits and zeros are mapped at once; misses get a reserved PBA
+        let mut placement: Vec<Placement> = Vec::with_capacity(n);
+        {
+            let mut m = lock(&self.meta);
+            if !m.volumes.contains_key(&vol) {
+                return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
+            }
+            let mut first_of: HashMap<Fingerprint, usize> = HashMap::new();
+            m.counters.blocks_written += n as u64;
+            for (i, fp) in fps.iter().enumerate() {
+                let lba = Lba(first + i as u64);
+                match fp {
+                    None => {
+                        m.remap(vol, lba, None);
+                        m.counters.zero_blocks_written += 1;
+                        placement.push(Placement::Done);
+                    }
+                    Some(fp) => {
+                        if let Some(&p) = m.index.get(fp) {
+                            m.remap(vol, lba, Some(p));
+                            m.counters.duplicate_blocks += 1;
+                            placement.push(Placement::Done);
+                        } else if let Some(&j) = first_of.get(fp) {
+                            placement.push(Placement::SameAs(j));
+                        } else {
+                            first_of.insert(*fp, i);
+                            let pba = m.allocate();
+                            placement.push(Placement::New { pba, fp: *fp });
+                        }
+                    }
+                }
+            }
+        }
+
+        // phase 2: write new data, coalescing runs of consecutive PBAs
+        let new: Vec<(usize, Pba)> = placement
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                if let Placement::New { pba, .. } = p {
+                    Some((i, *pba))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut k = 0;
+        let mut failure = None;
+        while k < new.len() {
+            let (i0, p0) = new[k];
+            let mut j = k + 1;
+            while j < new.len() && new[j].0 == i0 + (j - k) && new[j].1 .0 == p0.0 + (j - k) as u64
+            {
+                j += 1;
+            }
+            if let Err(e) = self
+                .backend
+                .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
+            {
+                failure = Some(EngineError::io(format!("writing PBA {}", p0.0), e));
+                break;
+            }
+            k = j;
+        }
+        let mut m = lock(&self.meta);
+        if let Some(e) = failure {
+            for (_, p) in new {
+                m.unreserve(p);
+            }
+            return Err(e);
+        }
+
+        // phase 3: index and map the new blocks (another writer may have
+        // stored the same content meanwhile: then share its copy)
+        let mut final_pba: Vec<Option<Pba>> = vec![None; n];
+        for (i, p) in placement.iter().enumerate() {
+            if let Placement::New { pba, fp } = p {
+                let target = match m.index.get(fp) {
+                    Some(&existing) => {
+                        m.unreserve(*pba);
+                        m.counters.duplicate_blocks += 1;
+                        existing
+                    }
+                    None => {
+                        m.index_new(*pba, *fp);
+                        *pba
+                    }
+                };
+                m.remap(vol, Lba(first + i as u64), Some(target));
+                final_pba[i] = Some(target);
+            }
+        }
+        for (i, p) in placement.iter().enumerate() {
+            if let Placement::SameAs(j) = p {
+                let target =
+                    final_pba[*j].expect("a block's first occurrence is placed before its copies");
+                m.remap(vol, Lba(first + i as u64), Some(target));
+                m.counters.duplicate_blocks += 1;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- durability -------------------------------------------------------
+
+    /// Makes every write completed before this call durable (group commit:
+    /// concurrent flushes share one journal transaction), then releases the
+    /// PBAs freed by the committed changes for reuse.
+    ///
+    /// Errors: [`EngineError::NoSpace`] or [`EngineError::Io`] if the data
+    /// file cannot be synced or the journal cannot be written; the changes
+    /// stay pending and the next flush retries them.
+    pub fn flush(&self) -> Result<()> {
+        let entry_changes = lock(&self.meta).change_count;
+        let mut c = lock(&self.commit);
+        if c.durable_changes >= entry_changes {
+            // a flush that started after us committed everything we need
+            return self
+                .backend
+                .sync()
+                .map_err(|e| EngineError::io("syncing the data file", e));
+        }
+        let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
+        let batch = lock(&self.meta).take_commit(seq);
+        let result = self
+            .backend
+            .sync()
+            .map_err(|e| EngineError::io("syncing the data file", e))
+            .and_then(|()| match c.journal.as_mut() {
+                Some(j) => j
+                    .commit(&batch.ops)
+                    .map(|_| ())
+                    .map_err(|e| EngineError::io("writing the journal", e)),
+                None => Ok(()),
+            });
+        if let Err(e) = result {
+            lock(&self.meta).restore_commit(batch);
+            return Err(e);
+        }
+        c.durable_changes = batch.change_count;
+        {
+            let _w = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+            lock(&self.meta).free.extend(batch.frees.iter().copied());
+        }
+        if c.journal.is_some() {
+            c.checkpoint.add(batch.ops);
+            let used = c.journal.as_ref().map_or(0, |j| j.used_bytes());
+            if used >= self.config.journal_size_bytes {
+                // a failed checkpoint loses nothing: the journal keeps the changes
+                let _ = self.checkpoint_locked(&mut c);
+            }
+        }
+        Ok(())
+    }
+
+    fn checkpoint_locked(&self, c: &mut CommitState) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        dir.apply(&c.checkpoint.ops)?;
+        c.checkpoint = CheckpointBuffer::default();
+        if let Some(j) = c.journal.as_mut() {
+            j.reset();
+        }
+        Ok(())
+    }
+
+    /// Flushes and writes every committed change in place, leaving the
+    /// journal empty; called at shutdown.
+    pub fn close(&self) -> Result<()> {
+        self.flush()?;
+        let mut c = lock(&self.commit);
+        self.checkpoint_locked(&mut c)
+    }
+
+    // ---- observation ---------------------------------------------------------
+
+    /// A snapshot of the engine's figures (see [`Stats`] for definitions).
+    pub fn stats(&self) -> Stats {
+        let (mut s, free_blocks) = {
+            let m = lock(&self.meta);
+            let c = &m.counters;
+            let s = Stats {
+                volumes: m.volumes.len() as u64,
+                provisioned_bytes: m.volumes.values().map(|v| v.record.size_bytes).sum(),
+                logical_bytes_mapped: m.mapped_blocks * BLOCK_SIZE_U64,
+                physical_blocks_stored: m.stored_blocks,
+                physical_bytes_stored: m.stored_blocks * BLOCK_SIZE_U64,
+                blocks_written: c.blocks_written,
+                zero_blocks_written: c.zero_blocks_written,
+                duplicate_writes_eliminated: c.duplicate_blocks,
+                duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
+                blocks_trimmed: c.blocks_trimmed,
+                index_entries: m.index.len() as u64,
+                index_bytes_in_memory: m.index_bytes(),
+                metadata_bytes_in_memory: m.array_bytes(),
+                ..Stats::default()
+            };
+            (s, m.free.len() as u64)
+        };
+        s.free_blocks = free_blocks;
+        s.dedup_ratio = if s.physical_bytes_stored == 0 {
+            1.0
+        } else {
+            s.logical_bytes_mapped as f64 / s.physical_bytes_stored as f64
+        };
+        s.space_savings_percent = if s.logical_bytes_mapped == 0 {
+            0.0
+        } else {
+            100.0 * (1.0 - s.physical_bytes_stored as f64 / s.logical_bytes_mapped as f64)
+        };
+        s.data_file_bytes = self.backend.len_bytes().unwrap_or(0);
+        {
+            let c = lock(&self.commit);
+            s.journal_bytes = c.journal.as_ref().map_or(0, |j| j.used_bytes());
+            s.checkpoint_buffer_bytes = c.checkpoint.bytes;
+        }
+        s.metadata_bytes_on_disk = self.dir.as_ref().map_or(0, |d| d.metadata_bytes_on_disk());
+        s.peak_rss_bytes = proc_status_bytes("VmHWM");
+        s.rss_bytes = proc_status_bytes("VmRSS");
+        s
+    }
+
+    /// Checks the metadata invariants (reference counts equal mappings, no
+    /// referenced block free, every stored block indexed). Call when no
+    /// request is in flight; returns one line per violation.
+    pub fn check(&self) -> Vec<String> {
+        lock(&self.meta).check()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // best effort; errors were reported to whoever called flush/close
+        let _ = self.close();
+    }
+}
+
+fn percent(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
+    }
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        && !name.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(EngineError::InvalidArgument(format!("invalid volume name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ - (not starting with '.')")))
+    }
+}
+
+fn validate_size(size_bytes: u64) -> Result<()> {
+    if size_bytes == 0 || size_bytes % BLOCK_SIZE_U64 != 0 {
+        return Err(EngineError::InvalidArgument(format!(
+            "volume size {size_bytes} bytes is not a positive multiple of 4096"
+        )));
+    }
+    if size_bytes > (1u64 << 50) {
+        return Err(EngineError::InvalidArgument(format!(
+            "volume size {size_bytes} bytes is over the 1 PiB limit"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! Errors of the engine.
+
+use std::path::PathBuf;
+
+/// Everything an engine operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// An I/O error of the backing files; `context` says what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What the engine was doing.
+        context: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backing file system is full. Stored data and metadata are intact;
+    /// reads keep working.
+    #[error("no space left on the backing file system ({context})")]
+    NoSpace {
+        /// What the engine was doing.
+        context: String,
+    },
+    /// The directory does not exist.
+    #[error("store {0} does not exist (create it with `dedupd serve` or `dedupd volume create`)")]
+    NoStore(PathBuf),
+    /// The directory exists but is not a dedupd store (no or foreign superblock).
+    #[error("{path} is not a dedupd store: {detail}")]
+    NotAStore {
+        /// The path given.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A metadata file fails its checksum or is malformed.
+    #[error("metadata file {file} is damaged: {detail}")]
+    Corrupt {
+        /// The damaged file.
+        file: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Another process holds the store open.
+    #[error("store {0} is in use by another dedupd process")]
+    Locked(PathBuf),
+    /// No volume has this name.
+    #[error("no volume named {0:?}")]
+    NoSuchVolume(String),
+    /// A volume with this name exists already.
+    #[error("a volume named {0:?} exists already")]
+    VolumeExists(String),
+    /// A request reaches past the end of its volume.
+    #[error("request at byte {offset} of length {len} is past the end of the volume ({size_bytes} bytes)")]
+    OutOfRange {
+        /// Byte offset of the request.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+        /// Volume size in bytes.
+        size_bytes: u64,
+    },
+    /// An argument is not acceptable (bad name, size not a multiple of 4 KiB, ...).
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+impl EngineError {
+    /// Wraps an I/O error with what was being done; ENOSPC and EDQUOT become
+    /// [`EngineError::NoSpace`].
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        let context = context.into();
+        match source.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => EngineError::NoSpace { context },
+            _ if source.kind() == std::io::ErrorKind::StorageFull => {
+                EngineError::NoSpace { context }
+            }
+            _ => EngineError::Io { context, source },
+        }
+    }
+}
+
+/// Result of engine operations.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,359 @@
+//! In-memory metadata of an open store: volume maps, reference counts,
+//! reverse index, fingerprint index and free space, with the rules that
+//! keep them consistent. Callers hold the engine's metadata lock.
+//!
+//! Invariants (checked by [`Meta::check`]):
+//! - the reference count of a PBA equals the number of (volume, LBA) mapped to it;
+//! - a PBA with reference count 0 is free (or pending free) and not indexed;
+//! - an indexed fingerprint's PBA holds the data with that fingerprint.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE_U64};
+use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
+use crate::journal::{MetaFile, Op};
+use crate::paged::PagedArray;
+use crate::store::{encode_checked, PersistentCounters, State, VolumeRecord};
+
+/// One volume: its record and LBA→PBA map.
+#[derive(Debug)]
+pub struct Volume {
+    /// Name, size and id.
+    pub record: VolumeRecord,
+    /// u64 per LBA: 0 unmapped, else PBA + 1.
+    pub map: PagedArray,
+}
+
+impl Volume {
+    /// Size in 4 KiB blocks.
+    pub fn size_blocks(&self) -> u64 {
+        self.record.size_bytes / BLOCK_SIZE_U64
+    }
+    /// The PBA an LBA maps to, if any.
+    pub fn get(&self, lba: Lba) -> Option<Pba> {
+        match self.map.get_u64(lba.0) {
+            0 => None,
+            v => Some(Pba(v - 1)),
+        }
+    }
+}
+
+/// The metadata of an open store.
+#[derive(Debug, Default)]
+pub struct Meta {
+    /// Volumes by id.
+    pub volumes: BTreeMap<VolumeId, Volume>,
+    /// Id the next created volume gets.
+    pub next_volume_id: u32,
+    /// u32 reference count per PBA.
+    pub refcounts: PagedArray,
+    /// Fingerprint per PBA (reverse index), zero for free PBAs.
+    pub fingerprints: PagedArray,
+    /// Fingerprint → PBA, for every stored block (exact, in memory).
+    pub index: HashMap<Fingerprint, Pba>,
+    /// Free PBAs below the high-water mark, reusable now (lowest last).
+    pub free: Vec<u64>,
+    /// PBAs whose reference count reached 0 since the last journal commit;
+    /// reusable only after the commit that records it (deferred free).
+    pub pending_free: Vec<u64>,
+    /// First PBA never allocated.
+    pub high_water_blocks: u64,
+    /// LBAs mapped, over all volumes.
+    pub mapped_blocks: u64,
+    /// PBAs with reference count > 0.
+    pub stored_blocks: u64,
+    /// Persistent counters.
+    pub counters: PersistentCounters,
+    /// Structural changes (file lengths, removals) since the last commit.
+    pub structural_ops: Vec<Op>,
+    /// True if the volume table or counters changed since the last commit.
+    pub state_dirty: bool,
+    /// Number of metadata changes made (monotonic); a commit makes every
+    /// change up to its snapshot durable.
+    pub change_count: u64,
+}
+
+/// What a journal commit takes from [`Meta`].
+#[derive(Debug, Default)]
+pub struct CommitBatch {
+    /// Operations, in the order they must be applied.
+    pub ops: Vec<Op>,
+    /// PBAs that become reusable once the commit is durable.
+    pub frees: Vec<u64>,
+    /// [`Meta::change_count`] at the snapshot.
+    pub change_count: u64,
+}
+
+impl Meta {
+    /// Builds the free list and derived counts after loading the arrays.
+    /// `data_blocks` is the data file's length in blocks.
+    pub fn rebuild_derived(&mut self, data_blocks: u64) {
+        let rc_blocks = self.refcounts.page_count() * (crate::paged::PAGE_SIZE as u64 / 4);
+        let mut top = 0;
+        self.stored_blocks = 0;
+        self.index.clear();
+        for p in 0..rc_blocks {
+            if self.refcounts.get_u32(p) > 0 {
+                top = p + 1;
+                self.stored_blocks += 1;
+                self.index.insert(self.fingerprint_of(Pba(p)), Pba(p));
+            }
+        }
+        self.high_water_blocks = top.max(data_blocks);
+        self.free = (0..self.high_water_blocks)
+            .rev()
+            .filter(|&p| self.refcounts.get_u32(p) == 0)
+            .collect();
+        self.mapped_blocks = 0;
+        for v in self.volumes.values() {
+            for lba in 0..v.size_blocks() {
+                if v.map.get_u64(lba) != 0 {
+                    self.mapped_blocks += 1;
+                }
+            }
+        }
+    }
+
+    /// The fingerprint recorded for a PBA.
+    pub fn fingerprint_of(&self, pba: Pba) -> Fingerprint {
+        let mut fp = [0u8; FINGERPRINT_SIZE];
+        self.fingerprints
+            .read(pba.0 * FINGERPRINT_SIZE as u64, &mut fp);
+        Fingerprint(fp)
+    }
+
+    /// Takes a free PBA for new data (lowest free, else the high-water mark).
+    /// The PBA is reserved: not free, not referenced, not indexed.
+    pub fn allocate(&mut self) -> Pba {
+        match self.free.pop() {
+            Some(p) => Pba(p),
+            None => {
+                self.high_water_blocks += 1;
+                Pba(self.high_water_blocks - 1)
+            }
+        }
+    }
+
+    /// Returns a reserved PBA that was never referenced; reusable at once.
+    pub fn unreserve(&mut self, pba: Pba) {
+        self.free.push(pba.0);
+    }
+
+    /// Records that `pba` now stores the block with fingerprint `fp`
+    /// (reference count still 0; the caller maps it next).
+    pub fn index_new(&mut self, pba: Pba, fp: Fingerprint) {
+        self.fingerprints
+            .write(pba.0 * FINGERPRINT_SIZE as u64, &fp.0);
+        self.index.insert(fp, pba);
+    }
+
+    /// Maps `lba` of `vol` to `new` (None: unmapped), adjusting reference
+    /// counts; a PBA whose count reaches 0 is unindexed and pending free.
+    pub fn remap(&mut self, vol: VolumeId, lba: Lba, new: Option<Pba>) {
+        let Some(v) = self.volumes.get_mut(&vol) else {
+            return;
+        };
+        let old = v.get(lba);
+        if old == new {
+            return;
+        }
+        v.map.set_u64(lba.0, new.map_or(0, |p| p.0 + 1));
+        self.change_count += 1;
+        match (old.is_some(), new.is_some()) {
+            (false, true) => self.mapped_blocks += 1,
+            (true, false) => self.mapped_blocks -= 1,
+            _ => {}
+        }
+        if let Some(p) = new {
+            let rc = self.refcounts.get_u32(p.0);
+            if rc == 0 {
+                self.stored_blocks += 1;
+            }
+            self.refcounts.set_u32(p.0, rc + 1);
+        }
+        if let Some(p) = old {
+            self.release(p);
+        }
+    }
+
+    fn release(&mut self, p: Pba) {
+        let rc = self.refcounts.get_u32(p.0);
+        debug_assert!(rc > 0, "releasing PBA {} with reference count 0", p.0);
+        let rc = rc.saturating_sub(1);
+        self.refcounts.set_u32(p.0, rc);
+        if rc == 0 {
+            self.stored_blocks -= 1;
+            let fp = self.fingerprint_of(p);
+            if self.index.get(&fp) == Some(&p) {
+                self.index.remove(&fp);
+            }
+            self.fingerprints
+                .write(p.0 * FINGERPRINT_SIZE as u64, &[0u8; FINGERPRINT_SIZE]);
+            self.pending_free.push(p.0);
+        }
+    }
+
+    /// The `state.json` content for the current volume table and counters.
+    pub fn state(&self, journal_seq: u64) -> State {
+        State {
+            next_volume_id: self.next_volume_id,
+            volumes: self.volumes.values().map(|v| v.record.clone()).collect(),
+            counters: self.counters.clone(),
+            journal_seq,
+        }
+    }
+
+    /// Takes every change since the last commit as journal operations.
+    /// The state blob is always included (it carries the sequence number).
+    pub fn take_commit(&mut self, journal_seq: u64) -> CommitBatch {
+        let mut ops = std::mem::take(&mut self.structural_ops);
+        let page = crate::paged::PAGE_SIZE as u64;
+        for (p, img) in self.refcounts.take_dirty() {
+            ops.push(Op::Write {
+                file: MetaFile::Refcounts,
+                offset: p * page,
+                data: img.to_vec(),
+            });
+        }
+        for (p, img) in self.fingerprints.take_dirty() {
+            ops.push(Op::Write {
+                file: MetaFile::Fingerprints,
+                offset: p * page,
+                data: img.to_vec(),
+            });
+        }
+        for (id, v) in self.volumes.iter_mut() {
+            for (p, img) in v.map.take_dirty() {
+                ops.push(Op::Write {
+                    file: MetaFile::Map(*id),
+                    offset: p * page,
+                    data: img.to_vec(),
+                });
+            }
+        }
+        ops.push(Op::Replace {
+            file: MetaFile::State,
+            data: encode_checked(&self.state(journal_seq)),
+        });
+        self.state_dirty = false;
+        CommitBatch {
+            ops,
+            frees: std::mem::take(&mut self.pending_free),
+            change_count: self.change_count,
+        }
+    }
+
+    /// Puts a batch back after its commit failed, so the next commit carries it.
+    pub fn restore_commit(&mut self, batch: CommitBatch) {
+        let page = crate::paged::PAGE_SIZE as u64;
+        let mut structural = Vec::new();
+        for op in batch.ops {
+            match op {
+                Op::Write {
+                    file: MetaFile::Refcounts,
+                    offset,
+                    ..
+                } => self.refcounts.redirty(offset / page),
+                Op::Write {
+                    file: MetaFile::Fingerprints,
+                    offset,
+                    ..
+                } => self.fingerprints.redirty(offset / page),
+                Op::Write {
+                    file: MetaFile::Map(id),
+                    offset,
+                    ..
+                } => {
+                    if let Some(v) = self.volumes.get_mut(&id) {
+                        v.map.redirty(offset / page);
+                    }
+                }
+                Op::Replace { .. } => self.state_dirty = true,
+                other => structural.push(other),
+            }
+        }
+        structural.append(&mut self.structural_ops);
+        self.structural_ops = structural;
+        self.pending_free.extend(batch.frees);
+    }
+
+    /// Pages changed since the last commit, over every array.
+    pub fn dirty_pages(&self) -> usize {
+        self.refcounts.dirty_count()
+            + self.fingerprints.dirty_count()
+            + self
+                .volumes
+                .values()
+                .map(|v| v.map.dirty_count())
+                .sum::<usize>()
+    }
+
+    /// Bytes of memory held by the metadata arrays (maps, reference counts,
+    /// reverse index) and the free lists.
+    pub fn array_bytes(&self) -> u64 {
+        self.refcounts.resident_bytes()
+            + self.fingerprints.resident_bytes()
+            + self
+                .volumes
+                .values()
+                .map(|v| v.map.resident_bytes())
+                .sum::<u64>()
+            + (self.free.capacity() + self.pending_free.capacity()) as u64 * 8
+    }
+
+    /// Bytes of memory held by the fingerprint index (entries plus the hash
+    /// table's control bytes and spare capacity).
+    pub fn index_bytes(&self) -> u64 {
+        let entry = std::mem::size_of::<(Fingerprint, Pba)>() as u64 + 1;
+        self.index.capacity() as u64 * entry
+    }
+
+    /// Checks every invariant; returns a description of each violation.
+    pub fn check(&self) -> Vec<String> {
+        let mut errs = Vec::new();
+        let mut counts: HashMap<u64, u32> = HashMap::new();
+        for v in self.volumes.values() {
+            for lba in 0..v.size_blocks() {
+                if let Some(p) = v.get(Lba(lba)) {
+                    *counts.entry(p.0).or_default() += 1;
+                    if p.0 >= self.high_water_blocks {
+                        errs.push(format!(
+                            "volume {} LBA {lba} maps to PBA {} past the high-water mark",
+                            v.record.name, p.0
+                        ));
+                    }
+                }
+            }
+        }
+        let mut free_or_pending = vec![false; self.high_water_blocks as usize];
+        for &p in self.free.iter().chain(&self.pending_free) {
+            if let Some(f) = free_or_pending.get_mut(p as usize) {
+                if *f {
+                    errs.push(format!("PBA {p} is on the free lists twice"));
+                }
+                *f = true;
+            }
+        }
+        for p in 0..self.high_water_blocks {
+            let rc = self.refcounts.get_u32(p);
+            let want = counts.get(&p).copied().unwrap_or(0);
+            if rc != want {
+                errs.push(format!(
+                    "PBA {p}: reference count {rc}, mapped by {want} LBAs"
+                ));
+            }
+            if rc > 0 && free_or_pending[p as usize] {
+                errs.push(format!("PBA {p} is referenced and free"));
+            }
+            if rc > 0 && self.index.get(&self.fingerprint_of(Pba(p))) != Some(&Pba(p)) {
+                errs.push(format!("PBA {p} is referenced but not indexed"));
+            }
+        }
+        for (fp, p) in &self.index {
+            if self.refcounts.get_u32(p.0) == 0 {
+                errs.push(format!("fingerprint {fp:?} indexed at free PBA {}", p.0));
+            }
+        }
+        errs
+    }
+}

@@ -1,0 +1,69 @@
+//! Figures reported by `dedupd stats`, each with its unit and definition.
+
+use serde::{Deserialize, Serialize};
+
+/// A snapshot of the engine's figures. Definitions (also in docs/stats.md):
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Number of volumes.
+    pub volumes: u64,
+    /// Sum of volume sizes in bytes (what clients see; may exceed physical space).
+    pub provisioned_bytes: u64,
+    /// Bytes of all volumes that map to stored data: mapped LBAs × 4096.
+    /// Unmapped and zero blocks are not counted.
+    pub logical_bytes_mapped: u64,
+    /// Distinct blocks stored (PBAs with reference count > 0).
+    pub physical_blocks_stored: u64,
+    /// `physical_blocks_stored` × 4096.
+    pub physical_bytes_stored: u64,
+    /// Length of the data file in bytes (stored blocks plus free holes).
+    pub data_file_bytes: u64,
+    /// Free PBAs below the data file's end, reusable for new data.
+    pub free_blocks: u64,
+    /// 4 KiB blocks written by clients since the store was created (zero blocks included).
+    pub blocks_written: u64,
+    /// Written blocks that were all zeros: unmapped, never stored, read back as zeros.
+    pub zero_blocks_written: u64,
+    /// Duplicate writes eliminated: written non-zero blocks whose content was
+    /// already stored, so nothing was written to the data file.
+    pub duplicate_writes_eliminated: u64,
+    /// `duplicate_writes_eliminated` as a percentage of `blocks_written`
+    /// (the figure the dedup papers report).
+    pub duplicate_writes_eliminated_percent: f64,
+    /// Blocks discarded by TRIM or WRITE_ZEROES since creation.
+    pub blocks_trimmed: u64,
+    /// Dedup ratio: `logical_bytes_mapped` ÷ `physical_bytes_stored`, as VDO
+    /// and ZFS report it (1.0 when nothing is stored).
+    pub dedup_ratio: f64,
+    /// Space savings: 100 × (1 − physical ÷ logical), in percent (0 when nothing is mapped).
+    pub space_savings_percent: f64,
+    /// Bytes allocated on disk by metadata files (journal, maps, reference
+    /// counts, fingerprints, state).
+    pub metadata_bytes_on_disk: u64,
+    /// Bytes of the journal in use since the last checkpoint.
+    pub journal_bytes: u64,
+    /// Fingerprints in the in-memory index.
+    pub index_entries: u64,
+    /// Bytes of memory held by the fingerprint index.
+    pub index_bytes_in_memory: u64,
+    /// Bytes of memory held by the metadata arrays (maps, reference counts,
+    /// reverse index) and free lists.
+    pub metadata_bytes_in_memory: u64,
+    /// Bytes held for the checkpoint (committed page images not yet written in place).
+    pub checkpoint_buffer_bytes: u64,
+    /// Peak resident set size of the process in bytes (VmHWM).
+    pub peak_rss_bytes: u64,
+    /// Current resident set size of the process in bytes (VmRSS).
+    pub rss_bytes: u64,
+}
+
+/// Reads a `kB` field of `/proc/self/status`, in bytes; 0 if unavailable.
+pub fn proc_status_bytes(field: &str) -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    s.lines()
+        .find_map(|l| l.strip_prefix(field).and_then(|r| r.strip_prefix(':')))
+        .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}

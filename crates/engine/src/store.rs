@@ -1,0 +1,409 @@
+//! The persistent layout of a store directory.
+//!
+//! ```text
+//! <store>/superblock     format version, block size, hash algorithm (checksummed)
+//! <store>/data           block data, PBA × 4096 = byte offset (sparse, grows on demand)
+//! <store>/journal        write-ahead journal of metadata changes (see `journal`)
+//! <store>/refcounts      u32 reference count per PBA
+//! <store>/fingerprints   32-byte fingerprint per PBA (reverse index)
+//! <store>/state.json     volume table and counters (checksummed)
+//! <store>/maps/<id>      u64 per LBA of volume <id>: 0 unmapped, else PBA + 1
+//! <store>/lock           held (flock) by the process that has the store open
+//! ```
+//! Metadata files change only through the journal (see [`crate::journal`]).
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::{VolumeId, BLOCK_SIZE};
+use crate::error::{EngineError, Result};
+use crate::fingerprint::HashAlgorithm;
+use crate::journal::{MetaFile, Op};
+
+/// Version of the on-disk format this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+const SUPERBLOCK_MAGIC: &str = "dedupd-store";
+
+/// The superblock: fixed properties of a store, written once at creation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Superblock {
+    /// Always `"dedupd-store"`.
+    pub magic: String,
+    /// On-disk format version ([`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// Block size in bytes (4096).
+    pub block_size: u32,
+    /// Fingerprint algorithm of every block in the store.
+    pub hash: HashAlgorithm,
+}
+
+/// One volume as recorded in `state.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// Stable id (names the map file).
+    pub id: VolumeId,
+    /// Name, also the NBD export name.
+    pub name: String,
+    /// Size in bytes (a multiple of 4096).
+    pub size_bytes: u64,
+}
+
+/// Counters that persist across restarts (flows since the store was created).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistentCounters {
+    /// 4 KiB blocks written by clients (including zero blocks).
+    pub blocks_written: u64,
+    /// Written blocks that were all zeros (unmapped, never stored).
+    pub zero_blocks_written: u64,
+    /// Written non-zero blocks whose content was already stored, so nothing
+    /// was written to the data file.
+    pub duplicate_blocks: u64,
+    /// Blocks discarded by TRIM or WRITE_ZEROES.
+    pub blocks_trimmed: u64,
+}
+
+/// The content of `state.json`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    /// Id the next created volume gets.
+    pub next_volume_id: u32,
+    /// Every volume.
+    pub volumes: Vec<VolumeRecord>,
+    /// Persistent counters.
+    pub counters: PersistentCounters,
+    /// Sequence number of the journal transaction that wrote this state.
+    pub journal_seq: u64,
+}
+
+/// Serializes `value` as JSON followed by a line `crc32c=<hex>` of the JSON.
+pub fn encode_checked<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut body = serde_json::to_vec_pretty(value).expect("serializable");
+    body.push(b'\n');
+    let crc = crc32c::crc32c(&body);
+    body.extend_from_slice(format!("crc32c={crc:08x}\n").as_bytes());
+    body
+}
+
+/// Parses what [`encode_checked`] wrote; `path` names the file in errors.
+pub fn decode_checked<T: for<'de> Deserialize<'de>>(bytes: &[u8], path: &Path) -> Result<T> {
+    let corrupt = |detail: String| EngineError::Corrupt {
+        file: path.to_path_buf(),
+        detail,
+    };
+    let text = std::str::from_utf8(bytes).map_err(|_| corrupt("not UTF-8".into()))?;
+    let pos = text
+        .rfind("crc32c=")
+        .ok_or_else(|| corrupt("no checksum line".into()))?;
+    let (body, crc_line) = text.split_at(pos);
+    let want = u32::from_str_radix(crc_line.trim_start_matches("crc32c=").trim(), 16)
+        .map_err(|_| corrupt("bad checksum line".into()))?;
+    let got = crc32c::crc32c(body.as_bytes());
+    if got != want {
+        return Err(corrupt(format!(
+            "checksum mismatch (stored {want:08x}, computed {got:08x})"
+        )));
+    }
+    serde_json::from_str(body).map_err(|e| corrupt(format!("malformed: {e}")))
+}
+
+/// The store directory: paths, the lock, reading and applying metadata files.
+#[derive(Debug)]
+pub struct StoreDir {
+    root: PathBuf,
+    _lock: File,
+}
+
+impl StoreDir {
+    /// Creates a new store at `root` (the directory may exist but must be
+    /// empty) and returns it opened and locked.
+    pub fn create(root: &Path, hash: HashAlgorithm) -> Result<StoreDir> {
+        if root.exists() {
+            let mut entries = fs::read_dir(root)
+                .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
+            if entries.next().is_some() {
+                return Err(EngineError::NotAStore {
+                    path: root.to_path_buf(),
+                    detail: "directory is not empty and has no superblock".into(),
+                });
+            }
+        }
+        fs::create_dir_all(root.join("maps"))
+            .map_err(|e| EngineError::io(format!("creating {}", root.display()), e))?;
+        let dir = StoreDir {
+            root: root.to_path_buf(),
+            _lock: lock(root)?,
+        };
+        let sb = Superblock {
+            magic: SUPERBLOCK_MAGIC.into(),
+            format_version: FORMAT_VERSION,
+            block_size: BLOCK_SIZE as u32,
+            hash,
+        };
+        let state = State {
+            next_volume_id: 1,
+            ..State::default()
+        };
+        for (name, bytes) in [
+            ("state.json", encode_checked(&state)),
+            ("journal", Vec::new()),
+            ("data", Vec::new()),
+        ] {
+            write_durable(&root.join(name), &bytes)?;
+        }
+        // the superblock last: a store without one is not a store
+        write_durable(&root.join("superblock"), &encode_checked(&sb))?;
+        sync_dir(root)?;
+        Ok(dir)
+    }
+
+    /// Opens and locks the existing store at `root`, checking its superblock.
+    pub fn open(root: &Path) -> Result<(StoreDir, Superblock)> {
+        if !root.is_dir() {
+            return Err(EngineError::NoStore(root.to_path_buf()));
+        }
+        let sb_path = root.join("superblock");
+        let bytes = match fs::read(&sb_path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(EngineError::NotAStore {
+                    path: root.to_path_buf(),
+                    detail: "no superblock file".into(),
+                })
+            }
+            Err(e) => return Err(EngineError::io(format!("reading {}", sb_path.display()), e)),
+        };
+        let sb: Superblock = decode_checked(&bytes, &sb_path).map_err(|e| match e {
+            EngineError::Corrupt { detail, .. } => EngineError::NotAStore {
+                path: root.to_path_buf(),
+                detail: format!("superblock unreadable ({detail}); if this is a damaged store, run `dedupd fsck`"),
+            },
+            other => other,
+        })?;
+        if sb.magic != SUPERBLOCK_MAGIC {
+            return Err(EngineError::NotAStore {
+                path: root.to_path_buf(),
+                detail: "wrong superblock magic".into(),
+            });
+        }
+        if sb.format_version != FORMAT_VERSION {
+            return Err(EngineError::NotAStore {
+                path: root.to_path_buf(),
+                detail: format!(
+                    "format version {} (this build reads {FORMAT_VERSION})",
+                    sb.format_version
+                ),
+            });
+        }
+        if sb.block_size as usize != BLOCK_SIZE {
+            return Err(EngineError::NotAStore {
+                path: root.to_path_buf(),
+                detail: format!("block size {}", sb.block_size),
+            });
+        }
+        let dir = StoreDir {
+            root: root.to_path_buf(),
+            _lock: lock(root)?,
+        };
+        Ok((dir, sb))
+    }
+
+    /// The store directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Absolute path of a metadata file.
+    pub fn path(&self, file: MetaFile) -> PathBuf {
+        self.root.join(file.relative_path())
+    }
+
+    /// Opens a file of the store for reading and writing, creating it if asked.
+    pub fn open_file(&self, name: &str, create: bool) -> Result<File> {
+        let p = self.root.join(name);
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(false)
+            .open(&p)
+            .map_err(|e| EngineError::io(format!("opening {}", p.display()), e))
+    }
+
+    /// The whole content of a metadata file; empty if it does not exist.
+    pub fn read_meta(&self, file: MetaFile) -> Result<Vec<u8>> {
+        let p = self.path(file);
+        match File::open(&p) {
+            Ok(mut f) => {
+                let mut v = Vec::new();
+                f.read_to_end(&mut v)
+                    .map_err(|e| EngineError::io(format!("reading {}", p.display()), e))?;
+                Ok(v)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(EngineError::io(format!("reading {}", p.display()), e)),
+        }
+    }
+
+    /// Applies `ops` in order to the metadata files and makes them durable
+    /// (every touched file synced, then the directories).
+    pub fn apply(&self, ops: &[Op]) -> Result<()> {
+        let mut open: HashMap<MetaFile, File> = HashMap::new();
+        let mut dir_changed = false;
+        for op in ops {
+            let file = op.file();
+            let path = self.path(file);
+            let ctx = |what: &str| format!("{what} {}", path.display());
+            if let Op::Remove { .. } = op {
+                open.remove(&file);
+                match fs::remove_file(&path) {
+                    Ok(()) => dir_changed = true,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(EngineError::io(ctx("removing"), e)),
+                }
+                continue;
+            }
+            if !open.contains_key(&file) {
+                dir_changed |= !path.exists();
+                let f = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&path)
+                    .map_err(|e| EngineError::io(ctx("opening"), e))?;
+                open.insert(file, f);
+            }
+            let f = &open[&file];
+            match op {
+                Op::Write { offset, data, .. } => f
+                    .write_all_at(data, *offset)
+                    .map_err(|e| EngineError::io(ctx("writing"), e))?,
+                Op::Replace { data, .. } => {
+                    f.set_len(0)
+                        .map_err(|e| EngineError::io(ctx("truncating"), e))?;
+                    f.write_all_at(data, 0)
+                        .map_err(|e| EngineError::io(ctx("writing"), e))?;
+                }
+                Op::SetLen { len_bytes, .. } => f
+                    .set_len(*len_bytes)
+                    .map_err(|e| EngineError::io(ctx("resizing"), e))?,
+                Op::Remove { .. } => unreachable!("handled above"),
+            }
+        }
+        for (file, f) in &open {
+            f.sync_all().map_err(|e| {
+                EngineError::io(format!("syncing {}", self.path(*file).display()), e)
+            })?;
+        }
+        if dir_changed {
+            sync_dir(&self.root.join("maps"))?;
+            sync_dir(&self.root)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes allocated on disk by metadata (every file but `data`).
+    pub fn metadata_bytes_on_disk(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let mut total = 0;
+        let mut visit = |p: &Path| {
+            if let Ok(rd) = fs::read_dir(p) {
+                for e in rd.flatten() {
+                    if let Ok(m) = e.metadata() {
+                        if m.is_file() && e.file_name() != "data" {
+                            total += m.blocks() * 512;
+                        }
+                    }
+                }
+            }
+        };
+        visit(&self.root);
+        visit(&self.root.join("maps"));
+        total
+    }
+}
+
+fn lock(root: &Path) -> Result<File> {
+    let p = root.join("lock");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&p)
+        .map_err(|e| EngineError::io(format!("opening {}", p.display()), e))?;
+    // SAFETY: flock on a file descriptor we own.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(EngineError::Locked(root.to_path_buf()));
+    }
+    Ok(f)
+}
+
+/// Writes a whole file and syncs it.
+fn write_durable(path: &Path, bytes: &[u8]) -> Result<()> {
+    let f = File::create(path)
+        .map_err(|e| EngineError::io(format!("creating {}", path.display()), e))?;
+    f.write_all_at(bytes, 0)
+        .map_err(|e| EngineError::io(format!("writing {}", path.display()), e))?;
+    f.sync_all()
+        .map_err(|e| EngineError::io(format!("syncing {}", path.display()), e))
+}
+
+/// Syncs a directory so created, renamed and removed entries are durable.
+pub fn sync_dir(path: &Path) -> Result<()> {
+    File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| EngineError::io(format!("syncing directory {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checked_json_detects_damage() {
+        let s = State {
+            next_volume_id: 3,
+            ..State::default()
+        };
+        let mut b = encode_checked(&s);
+        let back: State = decode_checked(&b, Path::new("x")).unwrap();
+        assert_eq!(back, s);
+        b[5] ^= 1;
+        assert!(matches!(
+            decode_checked::<State>(&b, Path::new("x")),
+            Err(EngineError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn open_rejects_missing_and_foreign() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            StoreDir::open(&d.path().join("nope")),
+            Err(EngineError::NoStore(_))
+        ));
+        fs::write(d.path().join("something"), b"x").unwrap();
+        assert!(matches!(
+            StoreDir::open(d.path()),
+            Err(EngineError::NotAStore { .. })
+        ));
+        assert!(matches!(
+            StoreDir::create(d.path(), HashAlgorithm::Sha256),
+            Err(EngineError::NotAStore { .. })
+        ));
+        let s = d.path().join("s");
+        let dir = StoreDir::create(&s, HashAlgorithm::Blake3).unwrap();
+        assert!(matches!(StoreDir::open(&s), Err(EngineError::Locked(_))));
+        drop(dir);
+        let (_d, sb) = StoreDir::open(&s).unwrap();
+        assert_eq!(sb.hash, HashAlgorithm::Blake3);
+    }
+}
