@@ -1,0 +1,348 @@
+//! Listeners, connections, shutdown and counters.
+//!
+//! A [`Server`] accepts connections on TCP and/or Unix listeners (one
+//! thread per connection), runs the handshake, then the transmission phase
+//! with a few worker threads per connection.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::budget::Budget;
+use crate::export::ExportProvider;
+use crate::handshake::{self, Outcome};
+use crate::transmission::{self, ReplyWriter, Resources};
+
+/// How often an idle accept loop checks for shutdown.
+const ACCEPT_POLL_MS: libc::c_int = 50;
+/// Read buffer of a connection, in bytes.
+const READ_BUFFER_BYTES: usize = 128 * 1024;
+
+/// Tunables of a [`Server`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Worker threads per connection executing requests concurrently
+    /// (0 is treated as 1). Default 4.
+    pub workers_per_connection: usize,
+    /// Bytes of request payload (WRITE data, READ reply buffers) that may be
+    /// in flight at once, summed over all connections of the server. A
+    /// request waits for room before its buffer is allocated; a single
+    /// request larger than the whole budget runs alone. Default 64 MiB.
+    pub inflight_budget_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            workers_per_connection: 4,
+            inflight_budget_bytes: 64 * 1024 * 1024,
+        }
+    }
+}
+
+/// A snapshot of a server's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Connections currently open (handshake or transmission phase).
+    pub connections_open: u64,
+    /// Connections accepted since the server was created.
+    pub connections_total: u64,
+    /// Transmission requests decoded since the server was created
+    /// (including refused ones and `NBD_CMD_DISC`).
+    pub requests_total: u64,
+    /// Bytes of payload buffers currently taken from the in-flight budget.
+    pub inflight_bytes: u64,
+}
+
+/// A connected socket of either kind, as the connection code needs it.
+trait Socket: Read + Write + Send + Sync + 'static {
+    fn clone_socket(&self) -> io::Result<Box<dyn Socket>>;
+    fn shutdown_socket(&self, how: Shutdown) -> io::Result<()>;
+}
+
+impl Socket for TcpStream {
+    fn clone_socket(&self) -> io::Result<Box<dyn Socket>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+    fn shutdown_socket(&self, how: Shutdown) -> io::Result<()> {
+        self.shutdown(how)
+    }
+}
+
+impl Socket for UnixStream {
+    fn clone_socket(&self) -> io::Result<Box<dyn Socket>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+    fn shutdown_socket(&self, how: Shutdown) -> io::Result<()> {
+        self.shutdown(how)
+    }
+}
+
+/// State shared by the server, its connections and its shutdown handles.
+struct Shared {
+    provider: Arc<dyn ExportProvider>,
+    config: ServerConfig,
+    stopping: AtomicBool,
+    budget: Arc<Budget>,
+    /// Clones of every open connection's socket, to shut their reading
+    /// side down on server shutdown.
+    connections: Mutex<HashMap<u64, Box<dyn Socket>>>,
+    next_id: AtomicU64,
+    connections_open: AtomicU64,
+    connections_total: AtomicU64,
+    requests_total: AtomicU64,
+}
+
+impl Shared {
+    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Box<dyn Socket>>> {
+        self.connections.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// An NBD server (fixed newstyle handshake, simple replies) serving the
+/// exports of one [`ExportProvider`].
+///
+/// `serve_tcp` and `serve_unix` may run at the same time from different
+/// threads; one [`ShutdownHandle`] stops them all.
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+/// Stops a [`Server`]: see [`ShutdownHandle::shutdown`].
+#[derive(Clone)]
+pub struct ShutdownHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ShutdownHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShutdownHandle")
+            .field("stopping", &self.is_shutdown())
+            .finish()
+    }
+}
+
+impl ShutdownHandle {
+    /// Starts the shutdown of the server and returns at once: every
+    /// `serve_*` call stops accepting within about 50 ms, every open
+    /// connection stops reading new requests (its socket's reading side is
+    /// shut down), in-flight requests finish and are replied to, then the
+    /// `serve_*` calls return. Connections still negotiating get
+    /// `NBD_REP_ERR_SHUTDOWN` or are closed. Idempotent and permanent.
+    pub fn shutdown(&self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        for socket in self.shared.registry().values() {
+            let _ = socket.shutdown_socket(Shutdown::Read);
+        }
+    }
+
+    /// True once [`ShutdownHandle::shutdown`] has been called.
+    pub fn is_shutdown(&self) -> bool {
+        self.shared.stopping.load(Ordering::SeqCst)
+    }
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("config", &self.shared.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Server {
+    /// A server for the exports of `provider`, tuned by `config`.
+    pub fn new(provider: Arc<dyn ExportProvider>, config: ServerConfig) -> Server {
+        let budget = Budget::new(config.inflight_budget_bytes);
+        Server {
+            shared: Arc::new(Shared {
+                provider,
+                config,
+                stopping: AtomicBool::new(false),
+                budget,
+                connections: Mutex::new(HashMap::new()),
+                next_id: AtomicU64::new(0),
+                connections_open: AtomicU64::new(0),
+                connections_total: AtomicU64::new(0),
+                requests_total: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// A handle that shuts this server down from any thread.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> ServerStats {
+        let s = &self.shared;
+        ServerStats {
+            connections_open: s.connections_open.load(Ordering::Relaxed),
+            connections_total: s.connections_total.load(Ordering::Relaxed),
+            requests_total: s.requests_total.load(Ordering::Relaxed),
+            inflight_bytes: s.budget.in_use() as u64,
+        }
+    }
+
+    /// Accepts NBD clients on `listener` (TCP_NODELAY is set on each
+    /// accepted socket) until shutdown, then waits for this listener's
+    /// connections to finish and returns `Ok(())`.
+    ///
+    /// Errors: a failure to configure or poll the listener. Failed
+    /// `accept`s (e.g. too many open files) are retried after a pause.
+    /// Returns at once if the server is already shut down.
+    pub fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
+        listener.set_nonblocking(true)?;
+        let fd = listener.as_raw_fd();
+        self.accept_loop(fd, || {
+            let (stream, _) = listener.accept()?;
+            stream.set_nonblocking(false)?;
+            stream.set_nodelay(true)?;
+            Ok(Box::new(stream))
+        })
+    }
+
+    /// Accepts NBD clients on the Unix socket `listener` until shutdown,
+    /// then waits for this listener's connections to finish and returns
+    /// `Ok(())`. Does not remove the socket file.
+    ///
+    /// Errors: as [`Server::serve_tcp`].
+    pub fn serve_unix(&self, listener: UnixListener) -> io::Result<()> {
+        listener.set_nonblocking(true)?;
+        let fd = listener.as_raw_fd();
+        self.accept_loop(fd, || {
+            let (stream, _) = listener.accept()?;
+            stream.set_nonblocking(false)?;
+            Ok(Box::new(stream))
+        })
+    }
+
+    fn accept_loop(
+        &self,
+        fd: RawFd,
+        mut accept: impl FnMut() -> io::Result<Box<dyn Socket>>,
+    ) -> io::Result<()> {
+        let mut threads: Vec<JoinHandle<()>> = Vec::new();
+        let result = loop {
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                break Ok(());
+            }
+            threads.retain(|t| !t.is_finished());
+            match wait_readable(fd, ACCEPT_POLL_MS) {
+                Ok(false) => continue,
+                Ok(true) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => break Err(e),
+            }
+            match accept() {
+                Ok(socket) => match self.spawn_connection(socket) {
+                    Ok(t) => threads.push(t),
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                },
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        || e.kind() == io::ErrorKind::Interrupted => {}
+                // ECONNABORTED, EMFILE, ENOBUFS...: pause and go on.
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        for t in threads {
+            let _ = t.join();
+        }
+        result
+    }
+
+    fn spawn_connection(&self, socket: Box<dyn Socket>) -> io::Result<JoinHandle<()>> {
+        let shared = Arc::clone(&self.shared);
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        std::thread::Builder::new()
+            .name(format!("nbd-conn-{id}"))
+            .spawn(move || handle_connection(&shared, id, socket))
+    }
+}
+
+/// Waits up to `timeout_ms` for `fd` to become readable.
+fn wait_readable(fd: RawFd, timeout_ms: libc::c_int) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is a valid pollfd for the duration of the call and the
+    // count passed is 1.
+    let r = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(r > 0)
+}
+
+/// Unregisters a connection and fixes the counters when it ends.
+struct ConnectionGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for ConnectionGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.registry().remove(&self.id);
+        self.shared.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
+    shared.connections_total.fetch_add(1, Ordering::Relaxed);
+    shared.connections_open.fetch_add(1, Ordering::Relaxed);
+    let _guard = ConnectionGuard { shared, id };
+
+    let (Ok(control), Ok(read_half), Ok(hangup_half)) = (
+        socket.clone_socket(),
+        socket.clone_socket(),
+        socket.clone_socket(),
+    ) else {
+        let _ = socket.shutdown_socket(Shutdown::Both);
+        return;
+    };
+    shared.registry().insert(id, control);
+    // A shutdown that ran before the registration did not see this socket.
+    if shared.stopping.load(Ordering::SeqCst) {
+        let _ = socket.shutdown_socket(Shutdown::Read);
+    }
+
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
+    let mut writer: Box<dyn Socket> = socket;
+    let outcome = handshake::negotiate(
+        &mut reader,
+        &mut writer,
+        shared.provider.as_ref(),
+        &shared.stopping,
+    );
+    let hangup_half = Arc::new(hangup_half);
+    if let Ok(Outcome::Transmission { export }) = outcome {
+        let hangup_socket = Arc::clone(&hangup_half);
+        let replies = Arc::new(ReplyWriter::new(
+            Box::new(writer),
+            Box::new(move || {
+                let _ = hangup_socket.shutdown_socket(Shutdown::Both);
+            }),
+        ));
+        let res = Resources {
+            workers: shared.config.workers_per_connection,
+            budget: &shared.budget,
+            requests_total: &shared.requests_total,
+            stopping: &shared.stopping,
+        };
+        transmission::run(&mut reader, replies, export, &res);
+    }
+    let _ = hangup_half.shutdown_socket(Shutdown::Both);
+}

@@ -1,0 +1,437 @@
+//! In-process integration tests: a running server and a hand-written client.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::Shutdown;
+use std::time::{Duration, Instant};
+
+use common::{Client, Harness, DISK_SIZE};
+use dedupd_nbd::proto::{self, *};
+use dedupd_nbd::ServerConfig;
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn go_and_basic_io_over_tcp() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    let (size, flags) = c.connect_go("disk");
+    assert_eq!(size, DISK_SIZE as u64);
+    for f in [
+        TFLAG_HAS_FLAGS,
+        TFLAG_SEND_FLUSH,
+        TFLAG_SEND_FUA,
+        TFLAG_SEND_TRIM,
+        TFLAG_SEND_WRITE_ZEROES,
+        TFLAG_CAN_MULTI_CONN,
+    ] {
+        assert_ne!(flags & f, 0, "flag {f:#x} missing from {flags:#x}");
+    }
+    assert_eq!(flags & TFLAG_READ_ONLY, 0);
+
+    // Write (with FUA) and read back.
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    assert_eq!(c.simple(CMD_FLAG_FUA, CMD_WRITE, 4096, 8192, &data), 0);
+    assert_eq!(c.read(4096, 8192).unwrap(), data);
+    assert_eq!(
+        &h.provider.disk.data.lock().unwrap()[4096..4096 + 8192],
+        &data[..]
+    );
+
+    // Trim, then zeros read back.
+    assert_eq!(c.simple(0, CMD_TRIM, 4096, 4096, &[]), 0);
+    assert_eq!(c.read(4096, 4096).unwrap(), vec![0u8; 4096]);
+    assert_eq!(c.read(8192, 4096).unwrap(), data[4096..].to_vec());
+
+    // Write zeroes with NO_HOLE and FUA.
+    assert_eq!(
+        c.simple(
+            CMD_FLAG_NO_HOLE | CMD_FLAG_FUA,
+            CMD_WRITE_ZEROES,
+            8192,
+            4096,
+            &[]
+        ),
+        0
+    );
+    assert_eq!(c.read(8192, 4096).unwrap(), vec![0u8; 4096]);
+
+    // Flush.
+    assert_eq!(c.simple(0, CMD_FLUSH, 0, 0, &[]), 0);
+    assert!(*h.provider.disk.flushes.lock().unwrap() >= 1);
+
+    // Past the end -> EINVAL, for every command; WRITE payload is skipped.
+    let end = DISK_SIZE as u64;
+    assert_eq!(c.read(end - 10, 11), Err(NBD_EINVAL));
+    assert_eq!(c.read(u64::MAX - 1, 4), Err(NBD_EINVAL));
+    assert_eq!(c.simple(0, CMD_WRITE, end, 3, b"xyz"), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_TRIM, end - 1, 2, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, end, 1, &[]), NBD_EINVAL);
+    // The stream is still in sync after the refused write.
+    assert_eq!(c.read(end - 4, 4).unwrap(), vec![0u8; 4]);
+
+    // Unknown command -> EINVAL (no payload assumed), unknown flags -> EINVAL.
+    assert_eq!(c.simple(0, 99, 0, 4096, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(1 << 7, CMD_READ, 0, 1, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(1 << 7, CMD_WRITE, 0, 2, b"ab"), NBD_EINVAL);
+    assert_eq!(c.read(0, 2).unwrap(), vec![0u8; 2]);
+
+    // Longer than 32 MiB -> EINVAL for READ, TRIM, WRITE_ZEROES.
+    let big = BLOCK_SIZE_MAX + 1;
+    assert_eq!(c.read(0, big), Err(NBD_EINVAL));
+    assert_eq!(c.simple(0, CMD_TRIM, 0, big, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, 0, big, &[]), NBD_EINVAL);
+
+    // Zero-length requests succeed.
+    assert_eq!(c.read(0, 0).unwrap(), Vec::<u8>::new());
+    assert_eq!(c.simple(0, CMD_WRITE, 0, 0, &[]), 0);
+
+    // Soft disconnect: the server closes after DISC.
+    c.send_request(0, CMD_DISC, 1, 0, 0, &[]);
+    assert!(c.at_eof());
+    wait_until("connection close", || {
+        h.server.stats().connections_open == 0
+    });
+    let stats = h.server.stats();
+    assert!(stats.requests_total >= 20, "{stats:?}");
+    assert_eq!(stats.inflight_bytes, 0);
+    h.stop();
+}
+
+#[test]
+fn export_errors_are_mapped() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.connect_go("full");
+    assert_eq!(c.read(0, 10), Err(NBD_EIO));
+    assert_eq!(c.simple(0, CMD_WRITE, 0, 2, b"ab"), NBD_ENOSPC);
+    assert_eq!(c.simple(0, CMD_TRIM, 0, 2, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, 0, 2, &[]), NBD_EPERM);
+    h.stop();
+}
+
+#[test]
+fn read_only_export_refuses_writes() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    let (size, flags) = c.connect_go("ro");
+    assert_eq!(size, 1 << 20);
+    assert_ne!(flags & TFLAG_READ_ONLY, 0);
+    assert_eq!(c.simple(0, CMD_WRITE, 0, 4, b"abcd"), NBD_EPERM);
+    assert_eq!(c.simple(0, CMD_TRIM, 0, 4, &[]), NBD_EPERM);
+    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, 0, 4, &[]), NBD_EPERM);
+    assert_eq!(c.simple(0, CMD_FLUSH, 0, 0, &[]), 0);
+    assert_eq!(c.read(0, 4).unwrap(), vec![0; 4]);
+    h.stop();
+}
+
+#[test]
+fn pipelined_requests_all_answered_by_handle() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.connect_go("");
+    let n = 64u64;
+    for i in 0..n {
+        let payload = vec![i as u8; 4096];
+        c.send_request(0, CMD_WRITE, 1000 + i, i * 4096, 4096, &payload);
+    }
+    let mut seen = HashMap::new();
+    for _ in 0..n {
+        let (err, handle) = c.reply();
+        assert_eq!(err, 0);
+        *seen.entry(handle).or_insert(0) += 1;
+    }
+    assert_eq!(seen.len() as u64, n);
+    for i in 0..n {
+        c.send_request(0, CMD_READ, 2000 + i, i * 4096, 4096, &[]);
+    }
+    for _ in 0..n {
+        let (err, handle) = c.reply();
+        assert_eq!(err, 0);
+        let data = c.read_n(4096);
+        let i = handle - 2000;
+        assert!(data.iter().all(|&b| b == i as u8), "handle {handle}");
+    }
+    h.stop();
+}
+
+#[test]
+fn replies_complete_out_of_order() {
+    // A slow request does not block a fast one on the same connection.
+    let h = Harness::start(ServerConfig::default());
+    let mut slow = h.tcp();
+    slow.connect_go("slow");
+    // Both on the "slow" export, but the first is a 300 ms read, the second a flush.
+    slow.send_request(0, CMD_READ, 1, 0, 512, &[]);
+    slow.send_request(0, CMD_FLUSH, 2, 0, 0, &[]);
+    let (err, first) = slow.reply();
+    assert_eq!((err, first), (0, 2), "flush should overtake the slow read");
+    let (err, second) = slow.reply();
+    assert_eq!((err, second), (0, 1));
+    slow.read_n(512);
+    h.stop();
+}
+
+#[test]
+fn options_list_info_unsupported_abort() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.greet(proto::FLAG_C_FIXED_NEWSTYLE);
+
+    // LIST
+    c.send_option(OPT_LIST, &[]);
+    let mut names = Vec::new();
+    loop {
+        let r = c.option_reply();
+        assert_eq!(r.option, OPT_LIST);
+        if r.kind == REP_ACK {
+            break;
+        }
+        assert_eq!(r.kind, REP_SERVER);
+        let len = u32::from_be_bytes(r.data[0..4].try_into().unwrap()) as usize;
+        names.push(String::from_utf8(r.data[4..4 + len].to_vec()).unwrap());
+        assert!(!r.data[4 + len..].is_empty(), "description present");
+    }
+    assert_eq!(names, vec!["disk", "ro"]);
+
+    // LIST with data -> INVALID
+    c.send_option(OPT_LIST, b"x");
+    assert_eq!(c.option_reply().kind, REP_ERR_INVALID);
+
+    // INFO with name and description requested
+    let (infos, fin) = c.info_or_go(
+        OPT_INFO,
+        "ro",
+        &[INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE],
+    );
+    assert_eq!(fin.kind, REP_ACK);
+    let by_type: HashMap<u16, Vec<u8>> = infos
+        .iter()
+        .map(|i| (u16::from_be_bytes([i[0], i[1]]), i[2..].to_vec()))
+        .collect();
+    assert_eq!(by_type[&INFO_NAME], b"ro");
+    assert_eq!(by_type[&INFO_DESCRIPTION], b"read-only disk");
+    let e = &by_type[&INFO_EXPORT];
+    assert_eq!(u64::from_be_bytes(e[0..8].try_into().unwrap()), 1 << 20);
+    assert_ne!(u16::from_be_bytes([e[8], e[9]]) & TFLAG_READ_ONLY, 0);
+    let bs = &by_type[&INFO_BLOCK_SIZE];
+    assert_eq!(u32::from_be_bytes(bs[0..4].try_into().unwrap()), 1);
+    assert_eq!(u32::from_be_bytes(bs[4..8].try_into().unwrap()), 4096);
+    assert_eq!(u32::from_be_bytes(bs[8..12].try_into().unwrap()), 32 << 20);
+
+    // INFO for an unknown export
+    let (infos, fin) = c.info_or_go(OPT_INFO, "nope", &[]);
+    assert!(infos.is_empty());
+    assert_eq!(fin.kind, REP_ERR_UNKNOWN);
+    // GO for an unknown export keeps negotiating
+    let (_, fin) = c.info_or_go(OPT_GO, "nope", &[]);
+    assert_eq!(fin.kind, REP_ERR_UNKNOWN);
+
+    // Malformed INFO
+    c.send_option(OPT_INFO, &[0, 0, 0, 9, b'a']);
+    assert_eq!(c.option_reply().kind, REP_ERR_INVALID);
+
+    // Unsupported options
+    for opt in [OPT_STRUCTURED_REPLY, OPT_STARTTLS, 10, 11, 200] {
+        c.send_option(opt, &[]);
+        let r = c.option_reply();
+        assert_eq!((r.option, r.kind), (opt, REP_ERR_UNSUP));
+    }
+
+    // Absurd length: discarded, TOO_BIG, still in sync
+    let mut hdr = IHAVEOPT.to_be_bytes().to_vec();
+    hdr.extend_from_slice(&OPT_INFO.to_be_bytes());
+    hdr.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    c.s.write_all(&hdr).unwrap();
+    c.s.write_all(&vec![0u8; 1 << 20]).unwrap();
+    assert_eq!(c.option_reply().kind, REP_ERR_TOO_BIG);
+
+    // ABORT: ACK, then the server closes
+    c.send_option(OPT_ABORT, &[]);
+    let r = c.option_reply();
+    assert_eq!((r.option, r.kind), (OPT_ABORT, REP_ACK));
+    assert!(c.at_eof());
+    h.stop();
+}
+
+#[test]
+fn export_name_with_and_without_zeroes() {
+    let h = Harness::start(ServerConfig::default());
+    for no_zeroes in [false, true] {
+        let mut c = h.tcp();
+        let flags = FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
+        c.greet(flags);
+        c.send_option(OPT_EXPORT_NAME, b""); // default export
+        let r = c.read_n(10);
+        assert_eq!(
+            u64::from_be_bytes(r[0..8].try_into().unwrap()),
+            DISK_SIZE as u64
+        );
+        assert_ne!(u16::from_be_bytes([r[8], r[9]]) & TFLAG_HAS_FLAGS, 0);
+        if !no_zeroes {
+            assert_eq!(c.read_n(124), vec![0u8; 124]);
+        }
+        assert_eq!(c.simple(0, CMD_WRITE, 0, 3, b"abc"), 0);
+        assert_eq!(c.read(0, 3).unwrap(), b"abc");
+    }
+    // Unknown export with EXPORT_NAME: the server closes.
+    let mut c = h.tcp();
+    c.greet(FLAG_C_FIXED_NEWSTYLE);
+    c.send_option(OPT_EXPORT_NAME, b"nope");
+    assert!(c.at_eof());
+    h.stop();
+}
+
+#[test]
+fn protocol_violations_close_the_connection() {
+    let h = Harness::start(ServerConfig::default());
+    // Unknown client flags.
+    let mut c = h.tcp();
+    c.greet(1 << 5);
+    assert!(c.at_eof());
+    // Bad option magic.
+    let mut c = h.tcp();
+    c.greet(3);
+    c.s.write_all(&[0u8; 16]).unwrap();
+    assert!(c.at_eof());
+    // Bad request magic.
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    c.s.write_all(&[0u8; 28]).unwrap();
+    assert!(c.at_eof());
+    // WRITE longer than 32 MiB: EINVAL, then closed.
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    c.send_request(0, CMD_WRITE, 9, 0, BLOCK_SIZE_MAX + 1, &[]);
+    assert_eq!(c.reply(), (NBD_EINVAL, 9));
+    assert!(c.at_eof());
+    wait_until("connections closed", || {
+        h.server.stats().connections_open == 0
+    });
+    h.stop();
+}
+
+#[test]
+fn truncated_messages_end_the_connection_cleanly() {
+    let h = Harness::start(ServerConfig::default());
+    // Truncated request header, then the client closes its side.
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    c.s.write_all(&REQUEST_MAGIC.to_be_bytes()).unwrap();
+    c.s.write_all(&[0u8; 6]).unwrap();
+    c.s.shutdown(Shutdown::Write).unwrap();
+    assert!(c.at_eof());
+    // Truncated WRITE payload.
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    c.send_request(0, CMD_WRITE, 1, 0, 65536, &[1u8; 1000]);
+    c.s.shutdown(Shutdown::Write).unwrap();
+    assert!(c.at_eof());
+    // Truncated option, then an abrupt drop mid-handshake.
+    let mut c = h.tcp();
+    c.greet(3);
+    c.s.write_all(&IHAVEOPT.to_be_bytes()).unwrap();
+    drop(c);
+    // A client vanishing with requests in flight.
+    let mut c = h.tcp();
+    c.connect_go("slow");
+    for i in 0..8 {
+        c.send_request(0, CMD_READ, i, 0, 4096, &[]);
+    }
+    drop(c);
+    wait_until("connections closed", || {
+        h.server.stats().connections_open == 0
+    });
+    assert_eq!(h.server.stats().inflight_bytes, 0);
+    // The server still works.
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    assert_eq!(c.read(0, 16).unwrap().len(), 16);
+    h.stop();
+}
+
+#[test]
+fn unix_socket_go_and_io() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.unix();
+    let (size, _) = c.connect_go("disk");
+    assert_eq!(size, DISK_SIZE as u64);
+    assert_eq!(c.simple(0, CMD_WRITE, 100, 5, b"hello"), 0);
+    assert_eq!(c.read(100, 5).unwrap(), b"hello");
+    // The TCP side sees the same data.
+    let mut t = h.tcp();
+    t.connect_go("disk");
+    assert_eq!(t.read(100, 5).unwrap(), b"hello");
+    h.stop();
+}
+
+#[test]
+fn small_budget_still_serves_large_requests_concurrently() {
+    let h = Harness::start(ServerConfig {
+        workers_per_connection: 2,
+        inflight_budget_bytes: 64 * 1024,
+    });
+    let addr = h.addr;
+    let threads: Vec<_> = (0..4u8)
+        .map(|k| {
+            std::thread::spawn(move || {
+                let s = std::net::TcpStream::connect(addr).unwrap();
+                let mut c = Client { s };
+                c.connect_go("disk");
+                let big = vec![k + 1; 1 << 20];
+                let off = u64::from(k) * (1 << 20);
+                for i in 0..4 {
+                    c.send_request(0, CMD_WRITE, i, off, 1 << 20, &big);
+                }
+                for _ in 0..4 {
+                    assert_eq!(c.reply().0, 0);
+                }
+                assert_eq!(c.read(off, 1 << 20).unwrap(), big);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(h.server.stats().inflight_bytes, 0);
+    assert!(h.server.stats().connections_total >= 4);
+    h.stop();
+}
+
+#[test]
+fn shutdown_finishes_inflight_requests_then_returns() {
+    let h = Harness::start(ServerConfig::default());
+    let mut idle = h.unix();
+    idle.connect_go("disk");
+    let mut negotiating = h.tcp();
+    negotiating.greet(3);
+    let mut busy = h.tcp();
+    busy.connect_go("slow");
+    busy.send_request(0, CMD_READ, 42, 0, 4096, &[]);
+    std::thread::sleep(Duration::from_millis(50));
+    let started = Instant::now();
+    h.shutdown.shutdown();
+    // The in-flight read is still answered.
+    assert_eq!(busy.reply(), (0, 42));
+    assert_eq!(busy.read_n(4096).len(), 4096);
+    assert!(busy.at_eof());
+    assert!(idle.at_eof());
+    negotiating.send_option(OPT_LIST, &[]);
+    // Either ERR_SHUTDOWN or a closed connection is acceptable.
+    let addr = h.addr;
+    h.stop();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The listener is gone: nothing accepts any more.
+    assert!(std::net::TcpStream::connect(addr).is_err());
+}
