@@ -738,7 +738,11 @@ impl Engine {
     pub fn close(&self) -> Result<()> {
         self.flush()?;
         let mut c = lock(&self.commit);
-        self.checkpoint_locked(&mut c)
+        self.checkpoint_locked(&mut c)?;
+        if let Some(j) = c.journal.as_mut() {
+            j.truncate().map_err(|e| EngineError::io("emptying the journal", e))?;
+        }
+        Ok(())
     }
 
     // ---- observation ---------------------------------------------------------

@@ -312,6 +312,15 @@ impl Journal {
     pub fn reset(&mut self) {
         self.write_offset_bytes = 0;
     }
+
+    /// Empties the journal file (after a checkpoint, at shutdown), so the
+    /// next start has nothing to replay.
+    pub fn truncate(&mut self) -> io::Result<()> {
+        self.file.set_len(0)?;
+        self.file.sync_all()?;
+        self.write_offset_bytes = 0;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,90 @@
+//! Volumes of the engine as NBD exports.
+
+use std::sync::Arc;
+
+use dedupd_engine::{Engine, EngineError, VolumeId};
+use dedupd_nbd::{Export, ExportError, ExportInfo, ExportProvider};
+
+/// Every volume of an engine, exported under its name; the empty name is
+/// the volume `default` if there is one, else the only volume.
+pub struct VolumeExports {
+    engine: Arc<Engine>,
+}
+
+impl VolumeExports {
+    /// Exports the volumes of `engine`.
+    pub fn new(engine: Arc<Engine>) -> Self {
+        VolumeExports { engine }
+    }
+}
+
+impl ExportProvider for VolumeExports {
+    fn list(&self) -> Vec<ExportInfo> {
+        self.engine
+            .volumes()
+            .into_iter()
+            .map(|v| ExportInfo { description: format!("dedupd volume, {} bytes", v.size_bytes), name: v.name })
+            .collect()
+    }
+
+    fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
+        let name = if name.is_empty() {
+            let vols = self.engine.volumes();
+            if vols.iter().any(|v| v.name == "default") {
+                "default".to_string()
+            } else if vols.len() == 1 {
+                vols[0].name.clone()
+            } else {
+                return None;
+            }
+        } else {
+            name.to_string()
+        };
+        let (id, size_bytes) = self.engine.volume(&name)?;
+        Some(Arc::new(VolumeExport { engine: self.engine.clone(), id, size_bytes }))
+    }
+
+    fn flush_covers_all_connections(&self) -> bool {
+        // Engine::flush commits every completed write of the whole store.
+        true
+    }
+}
+
+/// One volume opened by one connection.
+struct VolumeExport {
+    engine: Arc<Engine>,
+    id: VolumeId,
+    size_bytes: u64,
+}
+
+fn to_export_error(e: EngineError) -> ExportError {
+    match e {
+        EngineError::NoSpace { .. } => ExportError::NoSpace,
+        EngineError::OutOfRange { .. } | EngineError::InvalidArgument(_) | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),
+        other => {
+            eprintln!("dedupd: I/O error: {other}");
+            ExportError::Io(other.to_string())
+        }
+    }
+}
+
+impl Export for VolumeExport {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        self.engine.read(self.id, offset, buf).map_err(to_export_error)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+        self.engine.write(self.id, offset, data, fua).map_err(to_export_error)
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        self.engine.flush().map_err(to_export_error)
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
+        self.engine.trim(self.id, offset, len, fua).map_err(to_export_error)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
+        self.engine.write_zeroes(self.id, offset, len, fua).map_err(to_export_error)
+    }
+}

@@ -1,0 +1,239 @@
+//! `dedupd serve`: open (or create) the store, export every volume over
+//! NBD on TCP and/or a Unix socket, answer the control socket, and on
+//! SIGINT/SIGTERM stop accepting, finish in-flight requests, make
+//! everything durable and exit 0.
+
+use std::net::TcpListener;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use dedupd_engine::{Engine, EngineConfig, EngineError, HashAlgorithm};
+use dedupd_nbd::{Server, ServerConfig};
+use serde_json::Value;
+
+use crate::control::{self, Request};
+use crate::exports::VolumeExports;
+use crate::size::{human, parse_size};
+
+/// Options of `dedupd serve`.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// TCP address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    pub listen: String,
+    /// Do not listen on TCP (use with --socket).
+    #[arg(long)]
+    pub no_tcp: bool,
+    /// Also listen on this Unix socket.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Fingerprint algorithm when the store is created: sha256 or blake3.
+    #[arg(long, default_value = "sha256")]
+    pub hash: HashAlgorithm,
+    /// Size of the volume `default` created with a new store.
+    #[arg(long, default_value = "16G")]
+    pub default_volume_size: String,
+    /// Worker threads per NBD connection.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Bytes of request payload in flight at once, over all connections.
+    #[arg(long, default_value = "64M")]
+    pub inflight_budget: String,
+    /// Journal length that triggers a checkpoint of metadata in place.
+    #[arg(long, default_value = "32M")]
+    pub journal_size: String,
+    /// Changed metadata that triggers a journal commit from the write path.
+    #[arg(long, default_value = "16M")]
+    pub max_dirty: String,
+    /// Commit metadata at least this often (milliseconds; 0 = only on FLUSH/FUA and size bounds).
+    #[arg(long, default_value_t = 5000)]
+    pub commit_interval_ms: u64,
+}
+
+impl Default for ServeArgs {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            args: ServeArgs,
+        }
+        Wrapper::parse_from(["serve"]).args
+    }
+}
+
+/// Opens the store, creating it (with a volume `default`) if it does not exist.
+fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyhow::Result<Engine> {
+    let empty_dir = store.is_dir() && std::fs::read_dir(store).map(|mut d| d.next().is_none()).unwrap_or(false);
+    if store.exists() && !empty_dir {
+        return match Engine::open(store, config) {
+            Err(EngineError::Locked(p)) => Err(anyhow::anyhow!("store {} is already being served by another dedupd process", p.display())),
+            other => Ok(other?),
+        };
+    }
+    let size_bytes = parse_size(&args.default_volume_size).map_err(anyhow::Error::msg)?;
+    let engine = Engine::create(store, args.hash, config).with_context(|| format!("creating store {}", store.display()))?;
+    engine.create_volume("default", size_bytes)?;
+    println!("created store {} with volume default ({})", store.display(), human(size_bytes));
+    Ok(engine)
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
+    let config = EngineConfig {
+        journal_size_bytes: parse_size(&args.journal_size).map_err(anyhow::Error::msg)?,
+        max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
+    };
+    let server_config = ServerConfig {
+        workers_per_connection: args.workers.max(1),
+        inflight_budget_bytes: parse_size(&args.inflight_budget).map_err(anyhow::Error::msg)? as usize,
+    };
+    let engine = Arc::new(open_or_create(store, &args, config)?);
+    let server = Arc::new(Server::new(Arc::new(VolumeExports::new(engine.clone())), server_config));
+
+    let tcp = if args.no_tcp {
+        None
+    } else {
+        Some(TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?)
+    };
+    let unix = match &args.socket {
+        Some(p) => {
+            if p.exists() {
+                std::fs::remove_file(p).with_context(|| format!("removing stale socket {}", p.display()))?;
+            }
+            Some((UnixListener::bind(p).with_context(|| format!("listening on {}", p.display()))?, p.clone()))
+        }
+        None => None,
+    };
+    if tcp.is_none() && unix.is_none() {
+        anyhow::bail!("nothing to listen on: give --socket when using --no-tcp");
+    }
+
+    // control socket (we hold the store lock, so an existing one is stale)
+    let ctl_path = control::socket_path(store);
+    let _ = std::fs::remove_file(&ctl_path);
+    let ctl = UnixListener::bind(&ctl_path).with_context(|| format!("binding {}", ctl_path.display()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+
+    let names: Vec<String> = engine.volumes().into_iter().map(|v| v.name).collect();
+    let first = names.iter().find(|n| *n == "default").or(names.first()).cloned().unwrap_or_default();
+    println!("dedupd: store {} ({} volumes: {})", store.display(), names.len(), names.join(", "));
+    if let Some(l) = &tcp {
+        let addr = l.local_addr()?;
+        println!("dedupd: listening on nbd://{addr}");
+        println!("dedupd: try: nbdinfo nbd://{addr}/{first}");
+    }
+    if let Some((_, p)) = &unix {
+        println!("dedupd: listening on nbd+unix:///?socket={}", p.display());
+        println!("dedupd: try: nbdinfo 'nbd+unix:///{first}?socket={}'", p.display());
+    }
+    println!("dedupd: stats: dedupd --store {} stats", store.display());
+    use std::io::Write;
+    std::io::stdout().flush().ok();
+
+    let handle = server.shutdown_handle();
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])?;
+    let signal_handle = signals.handle();
+    {
+        let handle = handle.clone();
+        std::thread::spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                eprintln!("dedupd: signal {sig}: finishing in-flight requests");
+                handle.shutdown();
+            }
+        });
+    }
+
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        {
+            let engine = engine.clone();
+            let server = server.clone();
+            let stop = stop.clone();
+            s.spawn(move || {
+                control::serve(ctl, stop, move |req| answer(&engine, &server, req));
+            });
+        }
+        if args.commit_interval_ms > 0 {
+            let engine = engine.clone();
+            let stop = stop.clone();
+            let interval = Duration::from_millis(args.commit_interval_ms);
+            s.spawn(move || {
+                let step = Duration::from_millis(50);
+                let mut waited = Duration::ZERO;
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(step);
+                    waited += step;
+                    if waited >= interval {
+                        waited = Duration::ZERO;
+                        if let Err(e) = engine.flush() {
+                            eprintln!("dedupd: periodic commit failed: {e}");
+                        }
+                    }
+                }
+            });
+        }
+        let tcp_thread = tcp.map(|l| {
+            let server = server.clone();
+            s.spawn(move || server.serve_tcp(l))
+        });
+        let unix_thread = unix.map(|(l, _)| {
+            let server = server.clone();
+            s.spawn(move || server.serve_unix(l))
+        });
+        let mut result = Ok(());
+        for t in [tcp_thread, unix_thread].into_iter().flatten() {
+            if let Err(e) = t.join().expect("listener thread panicked") {
+                result = Err(anyhow::Error::from(e).context("serving NBD"));
+                handle.shutdown();
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        result
+    })?;
+    signal_handle.close();
+    if let Some(p) = &args.socket {
+        let _ = std::fs::remove_file(p);
+    }
+    let _ = std::fs::remove_file(&ctl_path);
+    engine.close().context("making the store durable at shutdown")?;
+    let st = engine.stats();
+    println!(
+        "dedupd: stopped; {} stored for {} mapped (dedup ratio {:.2})",
+        human(st.physical_bytes_stored),
+        human(st.logical_bytes_mapped),
+        st.dedup_ratio
+    );
+    Ok(())
+}
+
+fn answer(engine: &Engine, server: &Server, req: Request) -> anyhow::Result<Value> {
+    Ok(match req {
+        Request::Stats => {
+            let mut v = serde_json::to_value(engine.stats())?;
+            let s = server.stats();
+            v["connections_open"] = s.connections_open.into();
+            v["connections_total"] = s.connections_total.into();
+            v["requests_total"] = s.requests_total.into();
+            v["inflight_bytes"] = s.inflight_bytes.into();
+            v
+        }
+        Request::VolumeList => serde_json::to_value(engine.volumes())?,
+        Request::VolumeCreate { name, size_bytes } => {
+            engine.create_volume(&name, size_bytes)?;
+            Value::Null
+        }
+        Request::VolumeResize { name, size_bytes } => {
+            engine.resize_volume(&name, size_bytes)?;
+            Value::Null
+        }
+        Request::VolumeDelete { name } => {
+            engine.delete_volume(&name)?;
+            Value::Null
+        }
+    })
+}
