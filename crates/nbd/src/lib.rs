@@ -8,6 +8,8 @@
 //! replies), `budget` (in-flight memory bound) and `server` (listeners,
 //! connections, shutdown; re-exported here).
 
+#![warn(missing_docs)]
+
 mod budget;
 pub mod export;
 mod handshake;

@@ -21,6 +21,9 @@ use crate::transmission::{self, ReplyWriter, Resources};
 
 /// How often an idle accept loop checks for shutdown.
 const ACCEPT_POLL_MS: libc::c_int = 50;
+/// After shutdown, a reply that cannot be sent within this time (the client
+/// does not read) fails, and the connection is dropped.
+const SHUTDOWN_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// Read buffer of a connection, in bytes.
 const READ_BUFFER_BYTES: usize = 128 * 1024;
 
@@ -64,6 +67,7 @@ pub struct ServerStats {
 trait Socket: Read + Write + Send + Sync + 'static {
     fn clone_socket(&self) -> io::Result<Box<dyn Socket>>;
     fn shutdown_socket(&self, how: Shutdown) -> io::Result<()>;
+    fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()>;
 }
 
 impl Socket for TcpStream {
@@ -73,6 +77,9 @@ impl Socket for TcpStream {
     fn shutdown_socket(&self, how: Shutdown) -> io::Result<()> {
         self.shutdown(how)
     }
+    fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_write_timeout(t)
+    }
 }
 
 impl Socket for UnixStream {
@@ -81,6 +88,9 @@ impl Socket for UnixStream {
     }
     fn shutdown_socket(&self, how: Shutdown) -> io::Result<()> {
         self.shutdown(how)
+    }
+    fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_write_timeout(t)
     }
 }
 
@@ -134,11 +144,13 @@ impl ShutdownHandle {
     /// connection stops reading new requests (its socket's reading side is
     /// shut down), in-flight requests finish and are replied to, then the
     /// `serve_*` calls return. Connections still negotiating get
-    /// `NBD_REP_ERR_SHUTDOWN` or are closed. Idempotent and permanent.
+    /// `NBD_REP_ERR_SHUTDOWN` or are closed. A client that does not read
+    /// its replies is given 10 s per reply before its connection is
+    /// dropped. Idempotent and permanent.
     pub fn shutdown(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         for socket in self.shared.registry().values() {
-            let _ = socket.shutdown_socket(Shutdown::Read);
+            stop_socket(socket.as_ref());
         }
     }
 
@@ -271,6 +283,13 @@ impl Server {
     }
 }
 
+/// Stops reading from a connection at shutdown, and bounds how long its
+/// remaining replies may block on a client that does not read them.
+fn stop_socket(socket: &dyn Socket) {
+    let _ = socket.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
+    let _ = socket.shutdown_socket(Shutdown::Read);
+}
+
 /// Waits up to `timeout_ms` for `fd` to become readable.
 fn wait_readable(fd: RawFd, timeout_ms: libc::c_int) -> io::Result<bool> {
     let mut pfd = libc::pollfd {
@@ -316,7 +335,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     shared.registry().insert(id, control);
     // A shutdown that ran before the registration did not see this socket.
     if shared.stopping.load(Ordering::SeqCst) {
-        let _ = socket.shutdown_socket(Shutdown::Read);
+        stop_socket(socket.as_ref());
     }
 
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);

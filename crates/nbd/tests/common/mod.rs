@@ -87,11 +87,13 @@ impl Export for MemExport {
 }
 
 /// Exports: "disk" (default, 8 MiB), "ro" (read-only, 1 MiB), "slow"
-/// (1 MiB, every I/O sleeps 300 ms), "full" (every write fails ENOSPC).
+/// (1 MiB, every I/O sleeps 300 ms), "full" (every request fails),
+/// "null" (1 GiB, no storage).
 pub struct Provider {
     pub disk: Arc<MemExport>,
     pub ro: Arc<MemExport>,
     pub slow: Arc<MemExport>,
+    pub null: Arc<Null>,
 }
 
 pub const DISK_SIZE: usize = 8 * 1024 * 1024;
@@ -102,7 +104,46 @@ impl Provider {
             disk: MemExport::new(DISK_SIZE, false),
             ro: MemExport::new(1024 * 1024, true),
             slow: MemExport::slow(1024 * 1024, Duration::from_millis(300)),
+            null: Arc::new(Null {
+                longest_trim: Mutex::new(0),
+                longest_zero: Mutex::new(0),
+            }),
         })
+    }
+}
+
+/// 1 GiB that reads as zeros and drops writes; counts the longest TRIM and
+/// WRITE_ZEROES it was asked for.
+pub struct Null {
+    pub longest_trim: Mutex<u64>,
+    pub longest_zero: Mutex<u64>,
+}
+
+pub const NULL_SIZE: u64 = 1 << 30;
+
+impl Export for Null {
+    fn size_bytes(&self) -> u64 {
+        NULL_SIZE
+    }
+    fn read(&self, _: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn trim(&self, _: u64, len: u64, _: bool) -> Result<(), ExportError> {
+        let mut l = self.longest_trim.lock().unwrap();
+        *l = (*l).max(len);
+        Ok(())
+    }
+    fn write_zeroes(&self, _: u64, len: u64, _: bool) -> Result<(), ExportError> {
+        let mut l = self.longest_zero.lock().unwrap();
+        *l = (*l).max(len);
+        Ok(())
     }
 }
 
@@ -148,6 +189,7 @@ impl ExportProvider for Provider {
             "ro" => Some(self.ro.clone()),
             "slow" => Some(self.slow.clone()),
             "full" => Some(Arc::new(Full)),
+            "null" => Some(self.null.clone()),
             _ => None,
         }
     }
