@@ -7,6 +7,35 @@
 //! codecs), `handshake` (option haggling), `transmission` (requests and
 //! replies), `budget` (in-flight memory bound) and `server` (listeners,
 //! connections, shutdown; re-exported here).
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::net::TcpListener;
+//! use std::sync::Arc;
+//! use dedupd_nbd::{ExportProvider, Server, ServerConfig};
+//!
+//! fn run(provider: Arc<dyn ExportProvider>) -> std::io::Result<()> {
+//!     let server = Arc::new(Server::new(provider, ServerConfig::default()));
+//!     let stop = server.shutdown_handle();
+//!     // e.g. from a signal handler thread: stop.shutdown();
+//!     # let _ = stop;
+//!     server.serve_tcp(TcpListener::bind("127.0.0.1:10809")?)?; // blocks until shutdown
+//!     println!("{:?}", server.stats());
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # Protocol coverage
+//!
+//! Fixed newstyle handshake with `NBD_OPT_EXPORT_NAME`, `NBD_OPT_GO`,
+//! `NBD_OPT_INFO`, `NBD_OPT_LIST` and `NBD_OPT_ABORT` (every other option is
+//! answered `NBD_REP_ERR_UNSUP`; no TLS, no structured replies, no metadata
+//! contexts). Transmission with simple replies: `READ`, `WRITE`, `FLUSH`,
+//! `TRIM`, `WRITE_ZEROES` (`NO_HOLE` accepted), `DISC`, and `FUA` on every
+//! command. Requests of more than 32 MiB (the advertised maximum block size)
+//! are refused with `NBD_EINVAL`; a WRITE that long also closes the
+//! connection, since its payload is not read.
 
 #![warn(missing_docs)]
 

@@ -5,7 +5,7 @@
 //! with a few worker threads per connection.
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -21,6 +21,9 @@ use crate::transmission::{self, ReplyWriter, Resources};
 
 /// How often an idle accept loop checks for shutdown.
 const ACCEPT_POLL_MS: libc::c_int = 50;
+/// A reply write that makes no progress for this long (the client does not
+/// read) fails, and the connection is dropped.
+const STALLED_CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 /// After shutdown, a reply that cannot be sent within this time (the client
 /// does not read) fails, and the connection is dropped.
 const SHUTDOWN_SEND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -332,6 +335,9 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         let _ = socket.shutdown_socket(Shutdown::Both);
         return;
     };
+    // A client that stops reading its replies cannot block a worker (and
+    // the budget its reply holds) for ever.
+    let _ = socket.set_send_timeout(Some(STALLED_CLIENT_SEND_TIMEOUT));
     shared.registry().insert(id, control);
     // A shutdown that ran before the registration did not see this socket.
     if shared.stopping.load(Ordering::SeqCst) {
@@ -340,12 +346,15 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
 
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
     let mut writer: Box<dyn Socket> = socket;
+    // Replies of one option leave together (negotiate flushes per option).
+    let mut buffered = BufWriter::new(&mut writer);
     let outcome = handshake::negotiate(
         &mut reader,
-        &mut writer,
+        &mut buffered,
         shared.provider.as_ref(),
         &shared.stopping,
     );
+    drop(buffered);
     let hangup_half = Arc::new(hangup_half);
     if let Ok(Outcome::Transmission { export }) = outcome {
         let hangup_socket = Arc::clone(&hangup_half);
