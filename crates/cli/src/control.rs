@@ -43,7 +43,8 @@ pub fn socket_path(store: &Path) -> PathBuf {
 /// Sends `req` to the server of `store`; the reply's result or its error.
 pub fn call(store: &Path, req: &Request) -> anyhow::Result<Value> {
     let path = socket_path(store);
-    let mut s = UnixStream::connect(&path).with_context(|| format!("connecting to the running server at {}", path.display()))?;
+    let mut s = UnixStream::connect(&path)
+        .with_context(|| format!("connecting to the running server at {}", path.display()))?;
     s.set_read_timeout(Some(Duration::from_secs(600)))?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
@@ -60,7 +61,11 @@ pub fn call(store: &Path, req: &Request) -> anyhow::Result<Value> {
 
 /// Serves control requests on `listener` until `stop` is set, answering
 /// each with `handle`.
-pub fn serve(listener: UnixListener, stop: Arc<AtomicBool>, handle: impl Fn(Request) -> anyhow::Result<Value> + Send + Sync + 'static) {
+pub fn serve(
+    listener: UnixListener,
+    stop: Arc<AtomicBool>,
+    handle: impl Fn(Request) -> anyhow::Result<Value> + Send + Sync + 'static,
+) {
     let handle = Arc::new(handle);
     listener.set_nonblocking(true).ok();
     while !stop.load(Ordering::Relaxed) {
@@ -71,13 +76,18 @@ pub fn serve(listener: UnixListener, stop: Arc<AtomicBool>, handle: impl Fn(Requ
                     let _ = answer(stream, &*handle);
                 });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }
 }
 
-fn answer(stream: UnixStream, handle: &dyn Fn(Request) -> anyhow::Result<Value>) -> std::io::Result<()> {
+fn answer(
+    stream: UnixStream,
+    handle: &dyn Fn(Request) -> anyhow::Result<Value>,
+) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut line = String::new();

@@ -23,7 +23,10 @@ impl ExportProvider for VolumeExports {
         self.engine
             .volumes()
             .into_iter()
-            .map(|v| ExportInfo { description: format!("dedupd volume, {} bytes", v.size_bytes), name: v.name })
+            .map(|v| ExportInfo {
+                description: format!("dedupd volume, {} bytes", v.size_bytes),
+                name: v.name,
+            })
             .collect()
     }
 
@@ -41,7 +44,11 @@ impl ExportProvider for VolumeExports {
             name.to_string()
         };
         let (id, size_bytes) = self.engine.volume(&name)?;
-        Some(Arc::new(VolumeExport { engine: self.engine.clone(), id, size_bytes }))
+        Some(Arc::new(VolumeExport {
+            engine: self.engine.clone(),
+            id,
+            size_bytes,
+        }))
     }
 
     fn flush_covers_all_connections(&self) -> bool {
@@ -60,7 +67,9 @@ struct VolumeExport {
 fn to_export_error(e: EngineError) -> ExportError {
     match e {
         EngineError::NoSpace { .. } => ExportError::NoSpace,
-        EngineError::OutOfRange { .. } | EngineError::InvalidArgument(_) | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),
+        EngineError::OutOfRange { .. }
+        | EngineError::InvalidArgument(_)
+        | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),
         other => {
             eprintln!("dedupd: I/O error: {other}");
             ExportError::Io(other.to_string())
@@ -73,18 +82,26 @@ impl Export for VolumeExport {
         self.size_bytes
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
-        self.engine.read(self.id, offset, buf).map_err(to_export_error)
+        self.engine
+            .read(self.id, offset, buf)
+            .map_err(to_export_error)
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        self.engine.write(self.id, offset, data, fua).map_err(to_export_error)
+        self.engine
+            .write(self.id, offset, data, fua)
+            .map_err(to_export_error)
     }
     fn flush(&self) -> Result<(), ExportError> {
         self.engine.flush().map_err(to_export_error)
     }
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
-        self.engine.trim(self.id, offset, len, fua).map_err(to_export_error)
+        self.engine
+            .trim(self.id, offset, len, fua)
+            .map_err(to_export_error)
     }
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
-        self.engine.write_zeroes(self.id, offset, len, fua).map_err(to_export_error)
+        self.engine
+            .write_zeroes(self.id, offset, len, fua)
+            .map_err(to_export_error)
     }
 }

@@ -19,10 +19,19 @@ use crate::control::Request;
 use crate::size::{human, parse_size};
 
 #[derive(Parser, Debug)]
-#[command(name = "dedupd", version, about = "Deduplicating block storage served over NBD")]
+#[command(
+    name = "dedupd",
+    version,
+    about = "Deduplicating block storage served over NBD"
+)]
 struct Cli {
     /// Store directory.
-    #[arg(long, global = true, env = "DEDUPD_STORE", default_value = "./dedupd-store")]
+    #[arg(
+        long,
+        global = true,
+        env = "DEDUPD_STORE",
+        default_value = "./dedupd-store"
+    )]
     store: PathBuf,
     #[command(subcommand)]
     command: Option<Command>,
@@ -76,17 +85,26 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let store = cli.store.clone();
-    match cli.command.unwrap_or(Command::Serve(serve::ServeArgs::default())) {
+    match cli
+        .command
+        .unwrap_or(Command::Serve(serve::ServeArgs::default()))
+    {
         Command::Serve(args) => serve::run(&store, args),
         Command::Init { hash } => {
             let e = Engine::create(&store, hash, EngineConfig::default())?;
             e.close()?;
-            println!("created store {} (fingerprints: {})", store.display(), hash.name());
+            println!(
+                "created store {} (fingerprints: {})",
+                store.display(),
+                hash.name()
+            );
             Ok(())
         }
         Command::Volume(cmd) => volume(&store, cmd),
         Command::Stats { json } => {
-            let v = with_store(&store, Request::Stats, |e| Ok(serde_json::to_value(e.stats())?))?;
+            let v = with_store(&store, Request::Stats, |e| {
+                Ok(serde_json::to_value(e.stats())?)
+            })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -99,14 +117,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// Runs `req` on the running server if the store is in use, else opens the
 /// store and runs `local` on it.
-fn with_store(store: &Path, req: Request, local: impl FnOnce(&Engine) -> anyhow::Result<Value>) -> anyhow::Result<Value> {
+fn with_store(
+    store: &Path,
+    req: Request,
+    local: impl FnOnce(&Engine) -> anyhow::Result<Value>,
+) -> anyhow::Result<Value> {
     match Engine::open(store, EngineConfig::default()) {
         Ok(e) => {
             let v = local(&e)?;
             e.close()?;
             Ok(v)
         }
-        Err(EngineError::Locked(_)) => control::call(store, &req).context("the store is in use by `dedupd serve`"),
+        Err(EngineError::Locked(_)) => {
+            control::call(store, &req).context("the store is in use by `dedupd serve`")
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -115,18 +139,32 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
     match cmd {
         VolumeCommand::Create { name, size } => {
             let size_bytes = parse_size(&size).map_err(anyhow::Error::msg)?;
-            with_store(store, Request::VolumeCreate { name: name.clone(), size_bytes }, |e| {
-                e.create_volume(&name, size_bytes)?;
-                Ok(Value::Null)
-            })?;
+            with_store(
+                store,
+                Request::VolumeCreate {
+                    name: name.clone(),
+                    size_bytes,
+                },
+                |e| {
+                    e.create_volume(&name, size_bytes)?;
+                    Ok(Value::Null)
+                },
+            )?;
             println!("created volume {name} ({})", human(size_bytes));
         }
         VolumeCommand::Resize { name, size } => {
             let size_bytes = parse_size(&size).map_err(anyhow::Error::msg)?;
-            with_store(store, Request::VolumeResize { name: name.clone(), size_bytes }, |e| {
-                e.resize_volume(&name, size_bytes)?;
-                Ok(Value::Null)
-            })?;
+            with_store(
+                store,
+                Request::VolumeResize {
+                    name: name.clone(),
+                    size_bytes,
+                },
+                |e| {
+                    e.resize_volume(&name, size_bytes)?;
+                    Ok(Value::Null)
+                },
+            )?;
             println!("resized volume {name} to {}", human(size_bytes));
         }
         VolumeCommand::Delete { name } => {
@@ -137,11 +175,15 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             println!("deleted volume {name}");
         }
         VolumeCommand::List { json } => {
-            let v = with_store(store, Request::VolumeList, |e| Ok(serde_json::to_value(e.volumes())?))?;
+            let v = with_store(store, Request::VolumeList, |e| {
+                Ok(serde_json::to_value(e.volumes())?)
+            })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                let Some(list) = v.as_array() else { bail!("malformed volume list") };
+                let Some(list) = v.as_array() else {
+                    bail!("malformed volume list")
+                };
                 println!("{:<24} {:>12} {:>12}", "NAME", "SIZE", "MAPPED");
                 for vol in list {
                     println!(
@@ -160,11 +202,25 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
 fn print_stats(v: &Value) {
     let u = |k: &str| v[k].as_u64().unwrap_or(0);
     let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
-    println!("volumes                      {} ({} provisioned)", u("volumes"), human(u("provisioned_bytes")));
-    println!("logical bytes mapped         {}", human(u("logical_bytes_mapped")));
-    println!("physical blocks stored       {} ({})", u("physical_blocks_stored"), human(u("physical_bytes_stored")));
+    println!(
+        "volumes                      {} ({} provisioned)",
+        u("volumes"),
+        human(u("provisioned_bytes"))
+    );
+    println!(
+        "logical bytes mapped         {}",
+        human(u("logical_bytes_mapped"))
+    );
+    println!(
+        "physical blocks stored       {} ({})",
+        u("physical_blocks_stored"),
+        human(u("physical_bytes_stored"))
+    );
     println!("dedup ratio                  {:.3}", f("dedup_ratio"));
-    println!("space savings                {:.1} %", f("space_savings_percent"));
+    println!(
+        "space savings                {:.1} %",
+        f("space_savings_percent")
+    );
     println!("blocks written               {}", u("blocks_written"));
     println!("zero blocks written          {}", u("zero_blocks_written"));
     println!(
@@ -173,13 +229,33 @@ fn print_stats(v: &Value) {
         f("duplicate_writes_eliminated_percent")
     );
     println!("blocks trimmed               {}", u("blocks_trimmed"));
-    println!("data file                    {} ({} free blocks)", human(u("data_file_bytes")), u("free_blocks"));
-    println!("metadata on disk             {}", human(u("metadata_bytes_on_disk")));
+    println!(
+        "data file                    {} ({} free blocks)",
+        human(u("data_file_bytes")),
+        u("free_blocks")
+    );
+    println!(
+        "metadata on disk             {}",
+        human(u("metadata_bytes_on_disk"))
+    );
     println!("journal in use               {}", human(u("journal_bytes")));
-    println!("index entries in memory      {} ({})", u("index_entries"), human(u("index_bytes_in_memory")));
-    println!("metadata arrays in memory    {}", human(u("metadata_bytes_in_memory")));
-    println!("peak RSS                     {}", human(u("peak_rss_bytes")));
+    println!(
+        "index entries in memory      {} ({})",
+        u("index_entries"),
+        human(u("index_bytes_in_memory"))
+    );
+    println!(
+        "metadata arrays in memory    {}",
+        human(u("metadata_bytes_in_memory"))
+    );
+    println!(
+        "peak RSS                     {}",
+        human(u("peak_rss_bytes"))
+    );
     if let Some(c) = v.get("connections_open").and_then(Value::as_u64) {
-        println!("NBD connections open         {c} ({} total)", u("connections_total"));
+        println!(
+            "NBD connections open         {c} ({} total)",
+            u("connections_total")
+        );
     }
 }

@@ -69,17 +69,28 @@ impl Default for ServeArgs {
 
 /// Opens the store, creating it (with a volume `default`) if it does not exist.
 fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyhow::Result<Engine> {
-    let empty_dir = store.is_dir() && std::fs::read_dir(store).map(|mut d| d.next().is_none()).unwrap_or(false);
+    let empty_dir = store.is_dir()
+        && std::fs::read_dir(store)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
     if store.exists() && !empty_dir {
         return match Engine::open(store, config) {
-            Err(EngineError::Locked(p)) => Err(anyhow::anyhow!("store {} is already being served by another dedupd process", p.display())),
+            Err(EngineError::Locked(p)) => Err(anyhow::anyhow!(
+                "store {} is already being served by another dedupd process",
+                p.display()
+            )),
             other => Ok(other?),
         };
     }
     let size_bytes = parse_size(&args.default_volume_size).map_err(anyhow::Error::msg)?;
-    let engine = Engine::create(store, args.hash, config).with_context(|| format!("creating store {}", store.display()))?;
+    let engine = Engine::create(store, args.hash, config)
+        .with_context(|| format!("creating store {}", store.display()))?;
     engine.create_volume("default", size_bytes)?;
-    println!("created store {} with volume default ({})", store.display(), human(size_bytes));
+    println!(
+        "created store {} with volume default ({})",
+        store.display(),
+        human(size_bytes)
+    );
     Ok(engine)
 }
 
@@ -91,22 +102,33 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     };
     let server_config = ServerConfig {
         workers_per_connection: args.workers.max(1),
-        inflight_budget_bytes: parse_size(&args.inflight_budget).map_err(anyhow::Error::msg)? as usize,
+        inflight_budget_bytes: parse_size(&args.inflight_budget).map_err(anyhow::Error::msg)?
+            as usize,
     };
     let engine = Arc::new(open_or_create(store, &args, config)?);
-    let server = Arc::new(Server::new(Arc::new(VolumeExports::new(engine.clone())), server_config));
+    let server = Arc::new(Server::new(
+        Arc::new(VolumeExports::new(engine.clone())),
+        server_config,
+    ));
 
     let tcp = if args.no_tcp {
         None
     } else {
-        Some(TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?)
+        Some(
+            TcpListener::bind(&args.listen)
+                .with_context(|| format!("listening on {}", args.listen))?,
+        )
     };
     let unix = match &args.socket {
         Some(p) => {
             if p.exists() {
-                std::fs::remove_file(p).with_context(|| format!("removing stale socket {}", p.display()))?;
+                std::fs::remove_file(p)
+                    .with_context(|| format!("removing stale socket {}", p.display()))?;
             }
-            Some((UnixListener::bind(p).with_context(|| format!("listening on {}", p.display()))?, p.clone()))
+            Some((
+                UnixListener::bind(p).with_context(|| format!("listening on {}", p.display()))?,
+                p.clone(),
+            ))
         }
         None => None,
     };
@@ -117,12 +139,23 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     // control socket (we hold the store lock, so an existing one is stale)
     let ctl_path = control::socket_path(store);
     let _ = std::fs::remove_file(&ctl_path);
-    let ctl = UnixListener::bind(&ctl_path).with_context(|| format!("binding {}", ctl_path.display()))?;
+    let ctl =
+        UnixListener::bind(&ctl_path).with_context(|| format!("binding {}", ctl_path.display()))?;
     let stop = Arc::new(AtomicBool::new(false));
 
     let names: Vec<String> = engine.volumes().into_iter().map(|v| v.name).collect();
-    let first = names.iter().find(|n| *n == "default").or(names.first()).cloned().unwrap_or_default();
-    println!("dedupd: store {} ({} volumes: {})", store.display(), names.len(), names.join(", "));
+    let first = names
+        .iter()
+        .find(|n| *n == "default")
+        .or(names.first())
+        .cloned()
+        .unwrap_or_default();
+    println!(
+        "dedupd: store {} ({} volumes: {})",
+        store.display(),
+        names.len(),
+        names.join(", ")
+    );
     if let Some(l) = &tcp {
         let addr = l.local_addr()?;
         println!("dedupd: listening on nbd://{addr}");
@@ -130,14 +163,20 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some((_, p)) = &unix {
         println!("dedupd: listening on nbd+unix:///?socket={}", p.display());
-        println!("dedupd: try: nbdinfo 'nbd+unix:///{first}?socket={}'", p.display());
+        println!(
+            "dedupd: try: nbdinfo 'nbd+unix:///{first}?socket={}'",
+            p.display()
+        );
     }
     println!("dedupd: stats: dedupd --store {} stats", store.display());
     use std::io::Write;
     std::io::stdout().flush().ok();
 
     let handle = server.shutdown_handle();
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])?;
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+    ])?;
     let signal_handle = signals.handle();
     {
         let handle = handle.clone();
@@ -200,7 +239,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(p);
     }
     let _ = std::fs::remove_file(&ctl_path);
-    engine.close().context("making the store durable at shutdown")?;
+    engine
+        .close()
+        .context("making the store durable at shutdown")?;
     let st = engine.stats();
     println!(
         "dedupd: stopped; {} stored for {} mapped (dedup ratio {:.2})",

@@ -6,8 +6,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(digits_end);
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix"))?;
-    let shift = match suffix.trim().to_ascii_uppercase().trim_end_matches('B').trim_end_matches('I') {
+    let n: u64 = num.parse().map_err(|_| {
+        format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix")
+    })?;
+    let shift = match suffix
+        .trim()
+        .to_ascii_uppercase()
+        .trim_end_matches('B')
+        .trim_end_matches('I')
+    {
         "" => 0,
         "K" => 10,
         "M" => 20,
@@ -16,7 +23,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "P" => 50,
         _ => return Err(format!("invalid size suffix in {s:?}: use K, M, G, T or P")),
     };
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("size {s:?} is too large"))
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size {s:?} is too large"))
 }
 
 /// Formats bytes with a binary unit (`1.5 GiB`).

@@ -483,12 +483,17 @@ impl Engine {
             return self.write_partial_span(vol, offset, end, None);
         }
         self.write_partial_span(vol, offset, first_full * BLOCK_SIZE_U64, None)?;
-        {
+        // in pieces of 8192 blocks (32 MiB), so a huge TRIM never holds the
+        // metadata lock for long
+        let mut lba = first_full;
+        while lba < end_full {
+            let piece_end = (lba + 8192).min(end_full);
             let mut m = lock(&self.meta);
-            for lba in first_full..end_full {
-                m.remap(vol, Lba(lba), None);
+            for l in lba..piece_end {
+                m.remap(vol, Lba(l), None);
             }
-            m.counters.blocks_trimmed += end_full - first_full;
+            m.counters.blocks_trimmed += piece_end - lba;
+            lba = piece_end;
         }
         self.write_partial_span(vol, end_full * BLOCK_SIZE_U64, end, None)
     }
@@ -740,7 +745,8 @@ impl Engine {
         let mut c = lock(&self.commit);
         self.checkpoint_locked(&mut c)?;
         if let Some(j) = c.journal.as_mut() {
-            j.truncate().map_err(|e| EngineError::io("emptying the journal", e))?;
+            j.truncate()
+                .map_err(|e| EngineError::io("emptying the journal", e))?;
         }
         Ok(())
     }
