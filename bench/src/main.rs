@@ -504,6 +504,9 @@ fn start_dedupd(dedupd: &Path, dir: &Path, volume_bytes: u64) -> anyhow::Result<
     }
 }
 
+/// Longest a region prefill may take before fio is killed.
+const PREFILL_TIMEOUT: Duration = Duration::from_secs(900);
+
 /// The part of fio's JSON output the benchmark reads.
 #[derive(Deserialize)]
 struct FioOutput {
@@ -525,9 +528,17 @@ struct FioDir {
 }
 
 /// Runs fio with `args` against `uri`; returns the parsed read or write figures.
-fn run_fio(dir: &Path, uri: &str, tag: &str, args: &[String]) -> anyhow::Result<(FioDir, FioDir)> {
+fn run_fio(
+    dir: &Path,
+    uri: &str,
+    tag: &str,
+    args: &[String],
+    timeout: Duration,
+) -> anyhow::Result<(FioDir, FioDir)> {
     let json_path = dir.join(format!("fio-{tag}.json"));
-    let out = Command::new("fio")
+    let log_path = dir.join(format!("fio-{tag}.log"));
+    let log = File::create(&log_path)?;
+    let mut child = Command::new("fio")
         .arg(format!("--name={tag}"))
         .arg("--ioengine=nbd")
         .arg(format!("--uri={uri}"))
@@ -535,14 +546,30 @@ fn run_fio(dir: &Path, uri: &str, tag: &str, args: &[String]) -> anyhow::Result<
         .arg("--output-format=json")
         .arg(format!("--output={}", json_path.display()))
         .stdin(Stdio::null())
-        .output()
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
         .context("running fio")?;
-    if !out.status.success() {
+    // A stalled server must not hang the benchmark: kill fio after `timeout`.
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "fio {tag} against {uri} did not finish within {timeout:?}; killed:\n{}",
+                tail_of(&log_path)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if !status.success() {
         bail!(
-            "fio {tag} against {uri} failed ({}):\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout).trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
+            "fio {tag} against {uri} failed ({status}):\n{}",
+            tail_of(&log_path)
         );
     }
     let mut text = String::new();
@@ -612,7 +639,7 @@ fn measure(
             .collect();
         args.push(size.clone());
         args.extend(dedupe.iter().cloned());
-        let (_, w) = run_fio(dir.path(), &running.uri, "prefill", &args)?;
+        let (_, w) = run_fio(dir.path(), &running.uri, "prefill", &args, PREFILL_TIMEOUT)?;
         if w.total_ios * (1 << 20) < settings.region_bytes {
             bail!(
                 "prefill wrote only {} MiB of {} bytes",
@@ -628,7 +655,13 @@ fn measure(
     if workload.is_write() {
         args.extend(dedupe.iter().cloned());
     }
-    let (r, w) = run_fio(dir.path(), &running.uri, &workload.to_string(), &args)?;
+    let (r, w) = run_fio(
+        dir.path(),
+        &running.uri,
+        &workload.to_string(),
+        &args,
+        Duration::from_secs(settings.runtime_s + 120),
+    )?;
     let d = if workload.is_write() { w } else { r };
     let value = match workload.unit() {
         "IOPS" => d.iops,
