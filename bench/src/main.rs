@@ -22,6 +22,8 @@
 //! too, as they share the benchmark's process group; nbdkit is additionally
 //! started with `--exit-with-parent`.
 
+#![warn(missing_docs)]
+
 use std::fmt::Write as _;
 use std::fs::{self, File};
 use std::io::Read as _;
