@@ -47,6 +47,10 @@ pub struct ServeArgs {
     /// Journal length that triggers a checkpoint of metadata in place.
     #[arg(long, default_value = "32M")]
     pub journal_size: String,
+    /// Disk space allocated ahead for the journal, so TRIMs can be
+    /// committed on a full file system.
+    #[arg(long, default_value = "8M")]
+    pub journal_reserve: String,
     /// Changed metadata that triggers a journal commit from the write path.
     #[arg(long, default_value = "16M")]
     pub max_dirty: String,
@@ -99,6 +103,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     let config = EngineConfig {
         journal_size_bytes: parse_size(&args.journal_size).map_err(anyhow::Error::msg)?,
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
+        journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
     };
     let server_config = ServerConfig {
         workers_per_connection: args.workers.max(1),
@@ -240,8 +245,14 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_file(&ctl_path);
     engine
-        .close()
+        .flush()
         .context("making the store durable at shutdown")?;
+    if let Err(e) = engine.checkpoint() {
+        eprintln!(
+            "dedupd: warning: checkpoint at shutdown failed ({e}); \
+             the journal keeps every change and the next start replays it"
+        );
+    }
     let st = engine.stats();
     println!(
         "dedupd: stopped; {} stored for {} mapped (dedup ratio {:.2})",

@@ -28,13 +28,25 @@ impl Fuse {
         std::fs::create_dir_all(dir).unwrap();
         let pidfile = dir.with_extension("pid");
         let _ = std::fs::remove_file(&pidfile);
-        let child = Command::new("nbdfuse").arg("-P").arg(&pidfile).arg(dir).arg(uri).spawn().expect("starting nbdfuse");
+        let child = Command::new("nbdfuse")
+            .arg("-P")
+            .arg(&pidfile)
+            .arg(dir)
+            .arg(uri)
+            .spawn()
+            .expect("starting nbdfuse");
         let start = Instant::now();
         while !pidfile.exists() {
-            assert!(start.elapsed() < Duration::from_secs(30), "nbdfuse did not come up");
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "nbdfuse did not come up"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Fuse { child, dir: dir.to_path_buf() }
+        Fuse {
+            child,
+            dir: dir.to_path_buf(),
+        }
     }
     fn file(&self) -> PathBuf {
         self.dir.join("nbd")
@@ -43,7 +55,10 @@ impl Fuse {
 
 impl Drop for Fuse {
     fn drop(&mut self) {
-        let _ = Command::new("fusermount3").arg("-u").arg(&self.dir).status();
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg(&self.dir)
+            .status();
         let _ = self.child.wait();
     }
 }
@@ -53,7 +68,9 @@ struct Loop(String);
 
 impl Loop {
     fn attach(file: &Path) -> Loop {
-        let out = run(Command::new("losetup").args(["-f", "--show", "--direct-io=off"]).arg(file));
+        let out = run(Command::new("losetup")
+            .args(["-f", "--show", "--direct-io=off"])
+            .arg(file));
         Loop(String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 }
@@ -108,14 +125,29 @@ fn files_under(root: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn ext4_on_nbdfuse_loop_survives_restart_and_dedups_copies() {
-    for t in ["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck", "mount", "sha256sum"] {
+    for t in [
+        "nbdfuse",
+        "fusermount3",
+        "losetup",
+        "mkfs.ext4",
+        "e2fsck",
+        "mount",
+        "sha256sum",
+    ] {
         require(t);
     }
-    assert!(Path::new("/dev/fuse").exists(), "/dev/fuse is missing: this test needs FUSE");
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: this test needs FUSE"
+    );
     let src = source_tree();
     let files = files_under(&src);
     let src_bytes: u64 = files.iter().map(|f| f.metadata().unwrap().len()).sum();
-    assert!(src_bytes >= 200 << 20, "source tree {} has only {src_bytes} bytes; set DEDUPD_E2E_TREE to a tree of ≥ 200 MiB", src.display());
+    assert!(
+        src_bytes >= 200 << 20,
+        "source tree {} has only {src_bytes} bytes; set DEDUPD_E2E_TREE to a tree of ≥ 200 MiB",
+        src.display()
+    );
 
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
@@ -168,5 +200,8 @@ fn ext4_on_nbdfuse_loop_survives_restart_and_dedups_copies() {
         physical >> 20,
         100.0 * physical as f64 / copied as f64
     );
-    assert!(physical * 100 < copied * 60, "stored {physical} bytes for {copied} copied: not < 60 %");
+    assert!(
+        physical * 100 < copied * 60,
+        "stored {physical} bytes for {copied} copied: not < 60 %"
+    );
 }

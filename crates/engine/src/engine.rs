@@ -31,7 +31,7 @@ use crate::journal::{self, Journal, MetaFile, Op};
 use crate::meta::{Meta, Volume};
 use crate::paged::PagedArray;
 use crate::stats::{proc_status_bytes, Stats};
-use crate::store::{decode_checked, State, StoreDir, VolumeRecord};
+use crate::store::{decode_checked, MetaImages, State, StoreDir, VolumeRecord};
 
 /// Number of locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 64;
@@ -45,6 +45,9 @@ pub struct EngineConfig {
     /// Metadata changed since the last commit that triggers a commit from
     /// the write path (default 16 MiB).
     pub max_dirty_bytes: u64,
+    /// Disk space allocated ahead for the journal (default 8 MiB), so the
+    /// TRIMs that free space can be committed on a full file system.
+    pub journal_reserve_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +55,7 @@ impl Default for EngineConfig {
         EngineConfig {
             journal_size_bytes: 32 << 20,
             max_dirty_bytes: 16 << 20,
+            journal_reserve_bytes: 8 << 20,
         }
     }
 }
@@ -158,22 +162,27 @@ impl Engine {
         let jfile = dir.open_file("journal", true)?;
         let chain =
             journal::read_chain(&jfile).map_err(|e| EngineError::io("reading the journal", e))?;
-        if !chain.is_empty() {
-            let ops: Vec<Op> = chain.iter().flat_map(|t| t.ops.iter().cloned()).collect();
-            dir.apply(&ops)?;
+        // Replay into memory, not onto the files: opening never writes, so a
+        // store on a full file system still opens. The replayed changes go to
+        // the next checkpoint.
+        let mut images = MetaImages::new(&dir);
+        let chain_ops: Vec<Op> = chain.iter().flat_map(|t| t.ops.iter().cloned()).collect();
+        for op in &chain_ops {
+            images.apply(op)?;
         }
         let state_path = dir.path(MetaFile::State);
-        let state: State = decode_checked(&dir.read_meta(MetaFile::State)?, &state_path)?;
+        let state: State = decode_checked(images.get(MetaFile::State)?, &state_path)?;
         let next_seq = state.journal_seq.max(chain.last().map_or(0, |t| t.seq)) + 1;
+        let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
             counters: state.counters.clone(),
-            refcounts: PagedArray::from_bytes(&dir.read_meta(MetaFile::Refcounts)?),
-            fingerprints: PagedArray::from_bytes(&dir.read_meta(MetaFile::Fingerprints)?),
+            refcounts: PagedArray::from_bytes(images.get(MetaFile::Refcounts)?),
+            fingerprints: PagedArray::from_bytes(images.get(MetaFile::Fingerprints)?),
             ..Meta::default()
         };
         for rec in &state.volumes {
-            let map = PagedArray::from_bytes(&dir.read_meta(MetaFile::Map(rec.id))?);
+            let map = PagedArray::from_bytes(images.get(MetaFile::Map(rec.id))?);
             meta.volumes.insert(
                 rec.id,
                 Volume {
@@ -182,13 +191,18 @@ impl Engine {
                 },
             );
         }
+        drop(images);
+        let mut checkpoint = CheckpointBuffer::default();
+        checkpoint.add(chain_ops);
         let data = FileBackend::new(dir.open_file("data", true)?);
         let data_blocks = data
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
         meta.rebuild_derived(data_blocks);
-        let journal = Journal::new(jfile, 0, next_seq);
+        let journal = Journal::new(jfile, chain_bytes, next_seq);
+        // best effort: without the reserve the store still works
+        let _ = journal.reserve(config.journal_reserve_bytes);
         Ok(Engine {
             dir: Some(dir),
             hash: sb.hash,
@@ -197,7 +211,7 @@ impl Engine {
             reuse: RwLock::new(()),
             commit: Mutex::new(CommitState {
                 journal: Some(journal),
-                checkpoint: CheckpointBuffer::default(),
+                checkpoint,
                 durable_changes: 0,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
@@ -697,17 +711,20 @@ impl Engine {
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
         let batch = lock(&self.meta).take_commit(seq);
-        let result = self
+        let mut result = self
             .backend
             .sync()
             .map_err(|e| EngineError::io("syncing the data file", e))
-            .and_then(|()| match c.journal.as_mut() {
-                Some(j) => j
-                    .commit(&batch.ops)
-                    .map(|_| ())
-                    .map_err(|e| EngineError::io("writing the journal", e)),
-                None => Ok(()),
-            });
+            .and_then(|()| self.commit_ops(&mut c, &batch.ops));
+        if matches!(result, Err(EngineError::NoSpace { .. }))
+            && c.journal.as_ref().is_some_and(|j| j.used_bytes() > 0)
+        {
+            // the journal cannot grow: put what it holds in place, then
+            // write this transaction at its start, inside the reserve
+            result = self
+                .checkpoint_locked(&mut c)
+                .and_then(|()| self.commit_ops(&mut c, &batch.ops));
+        }
         if let Err(e) = result {
             lock(&self.meta).restore_commit(batch);
             return Err(e);
@@ -728,6 +745,16 @@ impl Engine {
         Ok(())
     }
 
+    fn commit_ops(&self, c: &mut CommitState, ops: &[Op]) -> Result<()> {
+        match c.journal.as_mut() {
+            Some(j) => j
+                .commit(ops)
+                .map(|_| ())
+                .map_err(|e| EngineError::io("writing the journal", e)),
+            None => Ok(()),
+        }
+    }
+
     fn checkpoint_locked(&self, c: &mut CommitState) -> Result<()> {
         let Some(dir) = &self.dir else { return Ok(()) };
         dir.apply(&c.checkpoint.ops)?;
@@ -742,11 +769,19 @@ impl Engine {
     /// journal empty; called at shutdown.
     pub fn close(&self) -> Result<()> {
         self.flush()?;
+        self.checkpoint()
+    }
+
+    /// Writes every committed change in place and empties the journal.
+    /// Failing here (e.g. ENOSPC) loses nothing: the journal keeps the
+    /// changes and the next start replays them.
+    pub fn checkpoint(&self) -> Result<()> {
         let mut c = lock(&self.commit);
         self.checkpoint_locked(&mut c)?;
         if let Some(j) = c.journal.as_mut() {
             j.truncate()
                 .map_err(|e| EngineError::io("emptying the journal", e))?;
+            let _ = j.reserve(self.config.journal_reserve_bytes);
         }
         Ok(())
     }

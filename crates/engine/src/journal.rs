@@ -285,6 +285,27 @@ impl Journal {
         }
     }
 
+    /// Allocates `bytes` of disk space for the journal without changing its
+    /// length, so commits within that space never fail with ENOSPC (a full
+    /// file system can still record the TRIMs that free space).
+    pub fn reserve(&self, bytes: u64) -> io::Result<()> {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: fallocate on a file descriptor we own.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                bytes as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
     /// Bytes of the journal in use since the last checkpoint.
     pub fn used_bytes(&self) -> u64 {
         self.write_offset_bytes

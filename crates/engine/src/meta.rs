@@ -47,7 +47,7 @@ pub struct Meta {
     pub next_volume_id: u32,
     /// u32 reference count per PBA.
     pub refcounts: PagedArray,
-    /// Fingerprint per PBA (reverse index), zero for free PBAs.
+    /// Fingerprint per PBA (reverse index); stale (meaningless) for free PBAs.
     pub fingerprints: PagedArray,
     /// Fingerprint → PBA, for every stored block (exact, in memory).
     pub index: HashMap<Fingerprint, Pba>,
@@ -187,8 +187,8 @@ impl Meta {
             if self.index.get(&fp) == Some(&p) {
                 self.index.remove(&fp);
             }
-            self.fingerprints
-                .write(p.0 * FINGERPRINT_SIZE as u64, &[0u8; FINGERPRINT_SIZE]);
+            // the reverse-index entry is left stale: reference count 0
+            // marks it meaningless, and a TRIM dirties fewer pages
             self.pending_free.push(p.0);
         }
     }

@@ -329,6 +329,60 @@ impl StoreDir {
     }
 }
 
+/// Metadata file contents in memory, read from the store on first use and
+/// changed by journal operations (replay without writing the files).
+#[derive(Debug)]
+pub struct MetaImages<'a> {
+    dir: &'a StoreDir,
+    files: HashMap<MetaFile, Vec<u8>>,
+}
+
+impl<'a> MetaImages<'a> {
+    /// No file read yet.
+    pub fn new(dir: &'a StoreDir) -> Self {
+        MetaImages {
+            dir,
+            files: HashMap::new(),
+        }
+    }
+
+    /// The current content of `file` (empty if it does not exist).
+    pub fn get(&mut self, file: MetaFile) -> Result<&Vec<u8>> {
+        self.load(file)?;
+        Ok(&self.files[&file])
+    }
+
+    fn load(&mut self, file: MetaFile) -> Result<&mut Vec<u8>> {
+        if !self.files.contains_key(&file) {
+            let bytes = self.dir.read_meta(file)?;
+            self.files.insert(file, bytes);
+        }
+        Ok(self.files.get_mut(&file).expect("inserted above"))
+    }
+
+    /// Applies one journal operation to the in-memory content.
+    pub fn apply(&mut self, op: &Op) -> Result<()> {
+        match op {
+            Op::Write { file, offset, data } => {
+                let f = self.load(*file)?;
+                let end = *offset as usize + data.len();
+                if f.len() < end {
+                    f.resize(end, 0);
+                }
+                f[*offset as usize..end].copy_from_slice(data);
+            }
+            Op::Replace { file, data } => {
+                self.files.insert(*file, data.clone());
+            }
+            Op::SetLen { file, len_bytes } => self.load(*file)?.resize(*len_bytes as usize, 0),
+            Op::Remove { file } => {
+                self.files.insert(*file, Vec::new());
+            }
+        }
+        Ok(())
+    }
+}
+
 fn lock(root: &Path) -> Result<File> {
     let p = root.join("lock");
     let f = OpenOptions::new()

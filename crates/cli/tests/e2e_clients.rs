@@ -1,0 +1,325 @@
+//! End to end with qemu-img, qemu-io, nbdinfo and nbdcopy, and the bad-input
+//! cases of the block-device issue that need a running dedupd: a store path
+//! that is missing or not a store, a client vanishing mid-request, garbage
+//! on the wire, a full backing file system.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Command;
+
+use common::{dedupd, require, run, stats, Server};
+
+/// Copies a real file of this machine into `dst`, padded with zeros to a
+/// multiple of 4 KiB; returns the padded size.
+fn real_image(dst: &Path) -> u64 {
+    let out = run(Command::new("rustc").args(["--print", "sysroot"]));
+    let sysroot = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let src = std::fs::read_dir(sysroot.join("lib"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "so"))
+        .max_by_key(|p| p.metadata().map(|m| m.len()).unwrap_or(0))
+        .expect("the Rust toolchain has shared libraries");
+    std::fs::copy(&src, dst).unwrap();
+    let len = std::fs::metadata(dst).unwrap().len().div_ceil(4096) * 4096;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dst)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+    len
+}
+
+#[test]
+fn qemu_img_convert_in_and_out_is_byte_identical() {
+    require("qemu-img");
+    require("nbdcopy");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let img = tmp.path().join("image.raw");
+    let size = real_image(&img);
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    run(Command::new(common::dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "img", &size.to_string()]));
+    run(Command::new(common::dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "img2", &size.to_string()]));
+
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&img)
+        .arg(server.uri("img")));
+    let back = tmp.path().join("back.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(server.uri("img"))
+        .arg(&back));
+    assert!(
+        std::fs::read(&img).unwrap() == std::fs::read(&back).unwrap(),
+        "image differs after a round trip through dedupd"
+    );
+
+    // a second copy with nbdcopy shares every block with the first
+    let before = stats(&store)["physical_blocks_stored"].as_u64().unwrap();
+    run(Command::new("nbdcopy")
+        .arg(server.uri("img"))
+        .arg(server.uri("img2")));
+    let s = stats(&store);
+    assert_eq!(
+        s["physical_blocks_stored"].as_u64().unwrap(),
+        before,
+        "a copy of a volume stored new blocks"
+    );
+    let out = run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(server.uri("img"))
+        .arg(server.uri("img2")));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("identical"));
+    server.stop();
+}
+
+#[test]
+fn bad_store_paths_get_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing");
+    let out = dedupd(&missing, &["stats"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("does not exist"), "stderr: {err}");
+
+    let foreign = tmp.path().join("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("precious.txt"), b"user data").unwrap();
+    for args in [
+        &["serve", "--listen", "127.0.0.1:0"][..],
+        &["stats"],
+        &["volume", "list"],
+    ] {
+        let out = dedupd(&foreign, args);
+        assert!(
+            !out.status.success(),
+            "{args:?} succeeded on a foreign directory"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("not a dedupd store"), "{args:?} stderr: {err}");
+    }
+    assert_eq!(
+        std::fs::read(foreign.join("precious.txt")).unwrap(),
+        b"user data"
+    );
+    assert_eq!(
+        std::fs::read_dir(&foreign).unwrap().count(),
+        1,
+        "dedupd wrote into a foreign directory"
+    );
+
+    // a second server on the same store is refused
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &[]);
+    let out = dedupd(&store, &["serve", "--listen", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already being served"));
+    // bad volume arguments
+    for args in [
+        &["volume", "create", "bad name", "1G"][..],
+        &["volume", "create", "x", "1000"],
+        &["volume", "create", "x", "12Q"],
+        &["volume", "delete", "nope"],
+    ] {
+        let out = dedupd(&store, args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("error"),
+            "{args:?}"
+        );
+    }
+    server.stop();
+}
+
+fn handshake(port: u16, name: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).unwrap();
+    s.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+                                               // NBD_OPT_EXPORT_NAME
+    s.write_all(&0x49484156454F5054u64.to_be_bytes()).unwrap();
+    s.write_all(&1u32.to_be_bytes()).unwrap();
+    s.write_all(&(name.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(name.as_bytes()).unwrap();
+    let mut reply = [0u8; 10];
+    s.read_exact(&mut reply).unwrap();
+    s
+}
+
+#[test]
+fn vanishing_clients_and_garbage_lose_nothing() {
+    require("qemu-io");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    let uri = server.uri("default");
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x5a 0 1M", &uri]));
+
+    // a WRITE header announcing 1 MiB, then half the payload, then gone
+    let mut s = handshake(server.port, "default");
+    let mut hdr = Vec::new();
+    hdr.extend_from_slice(&0x25609513u32.to_be_bytes());
+    hdr.extend_from_slice(&0u16.to_be_bytes());
+    hdr.extend_from_slice(&1u16.to_be_bytes()); // WRITE
+    hdr.extend_from_slice(&7u64.to_be_bytes());
+    hdr.extend_from_slice(&0u64.to_be_bytes());
+    hdr.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    s.write_all(&hdr).unwrap();
+    s.write_all(&vec![0xEE; 512 * 1024]).unwrap();
+    drop(s);
+    // a truncated header
+    let mut s = handshake(server.port, "default");
+    s.write_all(&hdr[..11]).unwrap();
+    drop(s);
+    // garbage instead of a request
+    let mut s = handshake(server.port, "default");
+    s.write_all(&[0xFFu8; 64]).unwrap();
+    let mut sink = Vec::new();
+    let _ = s.read_to_end(&mut sink);
+    // garbage instead of a handshake
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n");
+    let _ = s.read_to_end(&mut sink);
+
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x5a 0 1M", &uri]));
+    // past the end, over 32 MiB: refused, nothing else happens
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 64M 4k", &uri])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("read 4096/4096"),
+        "read past the end succeeded"
+    );
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x5a 0 1M", &uri]));
+    server.stop();
+    let server = Server::start(&store, &[]);
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x5a 0 1M",
+        "-c",
+        "read -P 0 1M 1M",
+        &server.uri("default"),
+    ]));
+    server.stop();
+}
+
+/// A tmpfs of `size` mounted at `at`, unmounted on drop.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(at: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(at).unwrap();
+        run(Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at));
+        Tmpfs(at.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn full_backing_file_system_gives_enospc_and_keeps_data() {
+    require("qemu-io");
+    let tmp = tempfile::tempdir().unwrap();
+    let fs = Tmpfs::mount(&tmp.path().join("small"), "48M");
+    let store = fs.0.join("store");
+    let server = Server::start(&store, &["--default-volume-size", "1G"]);
+    let uri = server.uri("default");
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x11 0 8M",
+        "-c",
+        "flush",
+        &uri,
+    ]));
+    // unique data (a real file's bytes repeat rarely) until the file system is full
+    let noise = tmp.path().join("noise.raw");
+    let mut f = std::fs::File::create(&noise).unwrap();
+    let mut x: u64 = 0x9E3779B97F4A7C15;
+    let mut buf = vec![0u8; 96 << 20];
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    f.write_all(&buf).unwrap();
+    drop(f);
+    run(Command::new(common::dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "fill", "96M"]));
+    let out = Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&noise)
+        .arg(server.uri("fill"))
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "writing 96 MiB of unique data into a 48 MiB file system succeeded"
+    );
+    let err = String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(
+        err.contains("no space") || err.contains("enospc"),
+        "client did not see ENOSPC: {err}"
+    );
+    // earlier data still reads back; the server keeps serving
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x11 0 8M", &uri]));
+    let s = stats(&store);
+    assert!(s["physical_blocks_stored"].as_u64().unwrap() >= 2048);
+    // freeing space makes writes work again
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "discard 0 96M",
+        "-c",
+        "flush",
+        &server.uri("fill"),
+    ]));
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x22 8M 1M",
+        "-c",
+        "flush",
+        &uri,
+    ]));
+    server.stop();
+    let server = Server::start(&store, &[]);
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x11 0 8M",
+        "-c",
+        "read -P 0x22 8M 1M",
+        &server.uri("default"),
+    ]));
+    server.stop();
+}
