@@ -404,7 +404,7 @@ impl Engine {
         }
         let first = offset / BLOCK_SIZE_U64;
         let last = (offset + buf.len() as u64 - 1) / BLOCK_SIZE_U64;
-        let aligned = offset % BLOCK_SIZE_U64 == 0 && buf.len() % BLOCK_SIZE == 0;
+        let aligned = offset.is_multiple_of(BLOCK_SIZE_U64) && buf.len().is_multiple_of(BLOCK_SIZE);
         if aligned {
             return self.read_blocks(vol, first, buf);
         }
@@ -872,7 +872,7 @@ fn validate_name(name: &str) -> Result<()> {
 }
 
 fn validate_size(size_bytes: u64) -> Result<()> {
-    if size_bytes == 0 || size_bytes % BLOCK_SIZE_U64 != 0 {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
         return Err(EngineError::InvalidArgument(format!(
             "volume size {size_bytes} bytes is not a positive multiple of 4096"
         )));

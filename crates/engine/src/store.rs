@@ -268,18 +268,20 @@ impl StoreDir {
                 }
                 continue;
             }
-            if !open.contains_key(&file) {
-                dir_changed |= !path.exists();
-                let f = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .open(&path)
-                    .map_err(|e| EngineError::io(ctx("opening"), e))?;
-                open.insert(file, f);
-            }
-            let f = &open[&file];
+            let f = match open.entry(file) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    dir_changed |= !path.exists();
+                    let f = OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .create(true)
+                        .truncate(false)
+                        .open(&path)
+                        .map_err(|e| EngineError::io(ctx("opening"), e))?;
+                    e.insert(f)
+                }
+            };
             match op {
                 Op::Write { offset, data, .. } => f
                     .write_all_at(data, *offset)
