@@ -114,3 +114,27 @@ impl BlockBackend for MemoryBackend {
             .len() as u64)
     }
 }
+
+/// Stores nothing: writes are dropped, reads return zeros. For simulation,
+/// where only fingerprints matter.
+#[derive(Debug, Default)]
+pub struct NullBackend;
+
+impl BlockBackend for NullBackend {
+    fn read_blocks(&self, _pba: Pba, buf: &mut [u8]) -> io::Result<()> {
+        buf.fill(0);
+        Ok(())
+    }
+
+    fn write_blocks(&self, _pba: Pba, _data: &[u8]) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn len_bytes(&self) -> io::Result<u64> {
+        Ok(0)
+    }
+}

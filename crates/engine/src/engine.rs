@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, RwLock};
 
-use crate::backend::{BlockBackend, FileBackend, MemoryBackend};
+use crate::backend::{BlockBackend, FileBackend, MemoryBackend, NullBackend};
 use crate::block::{is_zero, Lba, Pba, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{EngineError, Result};
 use crate::fingerprint::{Fingerprint, HashAlgorithm};
@@ -239,6 +239,15 @@ impl Engine {
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             config: EngineConfig::default(),
         }
+    }
+
+    /// An engine that keeps metadata in memory and stores no block data
+    /// (the null backend of the simulator): reads return zeros. Replaying a
+    /// trace through it measures the real dedup logic.
+    pub fn simulated(hash: HashAlgorithm) -> Engine {
+        let mut e = Engine::in_memory(hash);
+        e.backend = Box::new(NullBackend);
+        e
     }
 
     /// The store's fingerprint algorithm.
@@ -586,7 +595,39 @@ impl Engine {
                 }
             })
             .collect();
+        self.place_blocks(vol, first, &fps, Some(data))
+    }
 
+    /// Writes blocks known only by fingerprint (`None`: a zero block)
+    /// starting at LBA `first` of `vol`: the dedup logic of a write without
+    /// hashing or storing data. Used to replay content-fingerprinted traces
+    /// through the real engine (with [`Engine::simulated`]).
+    ///
+    /// Errors: [`EngineError::OutOfRange`] if the blocks pass the volume's end.
+    pub fn write_fingerprinted(
+        &self,
+        vol: VolumeId,
+        first: Lba,
+        fps: &[Option<Fingerprint>],
+    ) -> Result<()> {
+        self.check_range(
+            vol,
+            first.0.saturating_mul(BLOCK_SIZE_U64),
+            fps.len() as u64 * BLOCK_SIZE_U64,
+        )?;
+        self.place_blocks(vol, first.0, fps, None)
+    }
+
+    /// The inline dedup of whole blocks: `fps[i]` is block `first + i`'s
+    /// fingerprint; `data` (if any) holds their bytes, written for misses.
+    fn place_blocks(
+        &self,
+        vol: VolumeId,
+        first: u64,
+        fps: &[Option<Fingerprint>],
+        data: Option<&[u8]>,
+    ) -> Result<()> {
+        let n = fps.len();
         // phase 1: hits and zeros are mapped at once; misses get a reserved PBA
         let mut placement: Vec<Placement> = Vec::with_capacity(n);
         {
@@ -635,7 +676,7 @@ impl Engine {
             .collect();
         let mut k = 0;
         let mut failure = None;
-        while k < new.len() {
+        while let Some(data) = data.filter(|_| k < new.len()) {
             let (i0, p0) = new[k];
             let mut j = k + 1;
             while j < new.len() && new[j].0 == i0 + (j - k) && new[j].1 .0 == p0.0 + (j - k) as u64

@@ -19,6 +19,18 @@ impl std::fmt::Debug for Fingerprint {
     }
 }
 
+impl Fingerprint {
+    /// A fingerprint from a digest of up to 32 bytes (e.g. the 16-byte MD5
+    /// digests of block traces), zero-padded on the right; longer digests
+    /// are truncated to 32 bytes.
+    pub fn from_digest(digest: &[u8]) -> Fingerprint {
+        let mut fp = [0u8; FINGERPRINT_SIZE];
+        let n = digest.len().min(FINGERPRINT_SIZE);
+        fp[..n].copy_from_slice(&digest[..n]);
+        Fingerprint(fp)
+    }
+}
+
 /// Hash algorithm of a store, chosen when the store is created and recorded
 /// in its superblock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

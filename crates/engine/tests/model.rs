@@ -209,3 +209,24 @@ fn volume_lifecycle_and_bad_input() {
     assert!(e.volumes().is_empty());
     assert!(e.check().is_empty());
 }
+
+#[test]
+fn simulated_engine_dedups_by_fingerprint() {
+    use dedupd_engine::{Fingerprint, Lba};
+    let e = Engine::simulated(HashAlgorithm::Sha256);
+    let v = e.create_volume("trace", 1 << 30).unwrap();
+    let a = Some(Fingerprint::from_digest(&[1u8; 16]));
+    let b = Some(Fingerprint::from_digest(&[2u8; 16]));
+    e.write_fingerprinted(v, Lba(0), &[a, b, a, None]).unwrap();
+    e.write_fingerprinted(v, Lba(10), &[b]).unwrap();
+    let s = e.stats();
+    assert_eq!(s.blocks_written, 5);
+    assert_eq!(s.zero_blocks_written, 1);
+    assert_eq!(s.duplicate_writes_eliminated, 2);
+    assert_eq!(s.physical_blocks_stored, 2);
+    assert_eq!(s.logical_bytes_mapped, 4 * 4096);
+    assert!(e
+        .write_fingerprinted(v, Lba((1 << 30) / 4096), &[a])
+        .is_err());
+    assert!(e.check().is_empty());
+}
