@@ -103,6 +103,7 @@ fn fio_dedupe_50_percent_matches_reference_and_verifies() {
         "--iodepth=16",
         "--verify=crc32c",
         "--verify_fatal=1",
+        "--verify_state_save=0",
         "--do_verify=1",
         "--group_reporting",
         "--output-format=terse",
