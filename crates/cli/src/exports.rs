@@ -67,6 +67,7 @@ struct VolumeExport {
 fn to_export_error(e: EngineError) -> ExportError {
     match e {
         EngineError::NoSpace { .. } => ExportError::NoSpace,
+        EngineError::ReadOnly(_) => ExportError::ReadOnly,
         EngineError::OutOfRange { .. }
         | EngineError::InvalidArgument(_)
         | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),
@@ -80,6 +81,9 @@ fn to_export_error(e: EngineError) -> ExportError {
 impl Export for VolumeExport {
     fn size_bytes(&self) -> u64 {
         self.size_bytes
+    }
+    fn read_only(&self) -> bool {
+        self.engine.volume_read_only(self.id)
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
         self.engine

@@ -104,6 +104,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         journal_size_bytes: parse_size(&args.journal_size).map_err(anyhow::Error::msg)?,
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
+        ..EngineConfig::default()
     };
     let server_config = ServerConfig {
         workers_per_connection: args.workers.max(1),
@@ -161,6 +162,15 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         names.len(),
         names.join(", ")
     );
+    for d in engine.damage() {
+        eprintln!(
+            "dedupd: warning: {} has {} damaged page(s); its volume is served read-only \
+             until `dedupd --store {} fsck --repair`",
+            d.file.display(),
+            d.pages.len(),
+            store.display()
+        );
+    }
     if let Some(l) = &tcp {
         let addr = l.local_addr()?;
         println!("dedupd: listening on nbd://{addr}");

@@ -48,6 +48,9 @@ pub struct EngineConfig {
     /// Disk space allocated ahead for the journal (default 8 MiB), so the
     /// TRIMs that free space can be committed on a full file system.
     pub journal_reserve_bytes: u64,
+    /// Open a store whose reference counts or reverse index fail their
+    /// checksums instead of refusing (for `fsck`). Default false.
+    pub allow_damaged_metadata: bool,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +59,7 @@ impl Default for EngineConfig {
             journal_size_bytes: 32 << 20,
             max_dirty_bytes: 16 << 20,
             journal_reserve_bytes: 8 << 20,
+            allow_damaged_metadata: false,
         }
     }
 }
@@ -71,6 +75,17 @@ pub struct VolumeInfo {
     pub size_bytes: u64,
     /// Bytes of the volume mapped to stored data.
     pub mapped_bytes: u64,
+    /// True if its metadata failed checksums: served read-only until repaired.
+    pub read_only: bool,
+}
+
+/// Metadata pages that failed their checksum when the store was opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damage {
+    /// The damaged file.
+    pub file: std::path::PathBuf,
+    /// Numbers of its damaged 4 KiB pages (they read as zeros).
+    pub pages: Vec<u64>,
 }
 
 /// Latest committed image of each metadata page, waiting for a checkpoint.
@@ -129,6 +144,7 @@ enum Placement {
 /// threads (`Arc<Engine>`); every method may be called concurrently.
 pub struct Engine {
     dir: Option<StoreDir>,
+    damage: Vec<Damage>,
     hash: HashAlgorithm,
     backend: Box<dyn BlockBackend>,
     meta: Mutex<Meta>,
@@ -174,22 +190,51 @@ impl Engine {
         let state: State = decode_checked(images.get(MetaFile::State)?, &state_path)?;
         let next_seq = state.journal_seq.max(chain.last().map_or(0, |t| t.seq)) + 1;
         let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
+        let mut damage: Vec<Damage> = Vec::new();
+        let mut load = |file: MetaFile, damage: &mut Vec<Damage>| -> Result<PagedArray> {
+            let (array, pages) = PagedArray::from_disk(images.get(file)?, file.page_tag());
+            if !pages.is_empty() {
+                damage.push(Damage {
+                    file: dir.path(file),
+                    pages,
+                });
+            }
+            Ok(array)
+        };
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
             counters: state.counters.clone(),
-            refcounts: PagedArray::from_bytes(images.get(MetaFile::Refcounts)?),
-            fingerprints: PagedArray::from_bytes(images.get(MetaFile::Fingerprints)?),
-            ..Meta::default()
+            refcounts: load(MetaFile::Refcounts, &mut damage)?,
+            fingerprints: load(MetaFile::Fingerprints, &mut damage)?,
+            ..Meta::empty()
         };
+        let store_level = damage.len();
         for rec in &state.volumes {
-            let map = PagedArray::from_bytes(images.get(MetaFile::Map(rec.id))?);
+            let mut mine = Vec::new();
+            let map = load(MetaFile::Map(rec.id), &mut mine)?;
+            let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
+            damage.extend(mine);
             meta.volumes.insert(
                 rec.id,
                 Volume {
                     record: rec.clone(),
                     map,
+                    damaged_pages,
                 },
             );
+        }
+        if store_level > 0 && !config.allow_damaged_metadata {
+            let d = &damage[0];
+            return Err(EngineError::Corrupt {
+                file: d.file.clone(),
+                detail: format!(
+                    "{} page(s) fail their checksum (first: page {}); the store is not served. \
+                     Run `dedupd --store {} fsck --repair` to rebuild it from the volume maps",
+                    d.pages.len(),
+                    d.pages[0],
+                    path.display()
+                ),
+            });
         }
         drop(images);
         let mut checkpoint = CheckpointBuffer::default();
@@ -205,6 +250,7 @@ impl Engine {
         let _ = journal.reserve(config.journal_reserve_bytes);
         Ok(Engine {
             dir: Some(dir),
+            damage,
             hash: sb.hash,
             backend: Box::new(data),
             meta: Mutex::new(meta),
@@ -224,11 +270,12 @@ impl Engine {
     pub fn in_memory(hash: HashAlgorithm) -> Engine {
         Engine {
             dir: None,
+            damage: Vec::new(),
             hash,
             backend: Box::new(MemoryBackend::default()),
             meta: Mutex::new(Meta {
                 next_volume_id: 1,
-                ..Meta::default()
+                ..Meta::empty()
             }),
             reuse: RwLock::new(()),
             commit: Mutex::new(CommitState {
@@ -276,6 +323,7 @@ impl Engine {
                     name: v.record.name.clone(),
                     size_bytes: v.record.size_bytes,
                     mapped_bytes: mapped * BLOCK_SIZE_U64,
+                    read_only: v.read_only(),
                 }
             })
             .collect()
@@ -319,12 +367,13 @@ impl Engine {
                         name: name.into(),
                         size_bytes,
                     },
-                    map: PagedArray::default(),
+                    map: PagedArray::new(MetaFile::Map(id).page_tag()),
+                    damaged_pages: Vec::new(),
                 },
             );
             m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),
-                len_bytes: size_bytes / BLOCK_SIZE_U64 * 8,
+                len_bytes: crate::paged::disk_len(size_bytes / BLOCK_SIZE_U64 * 8),
             });
             m.state_dirty = true;
             m.change_count += 1;
@@ -380,7 +429,7 @@ impl Engine {
             v.map.truncate(new_blocks * 8);
             m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),
-                len_bytes: new_blocks * 8,
+                len_bytes: crate::paged::disk_len(new_blocks * 8),
             });
             m.state_dirty = true;
             m.change_count += 1;
@@ -389,6 +438,27 @@ impl Engine {
     }
 
     // ---- I/O -------------------------------------------------------------
+
+    /// Metadata pages that failed their checksums when the store was opened.
+    pub fn damage(&self) -> &[Damage] {
+        &self.damage
+    }
+
+    /// True if volume `id` is served read-only (damaged metadata).
+    pub fn volume_read_only(&self, id: VolumeId) -> bool {
+        lock(&self.meta)
+            .volumes
+            .get(&id)
+            .is_some_and(|v| v.read_only())
+    }
+
+    fn check_writable(&self, vol: VolumeId) -> Result<()> {
+        let m = lock(&self.meta);
+        match m.volumes.get(&vol) {
+            Some(v) if v.read_only() => Err(EngineError::ReadOnly(v.record.name.clone())),
+            _ => Ok(()),
+        }
+    }
 
     fn check_range(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
         let size_bytes = self
@@ -468,6 +538,7 @@ impl Engine {
     /// [`EngineError::Io`].
     pub fn write(&self, vol: VolumeId, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_range(vol, offset, data.len() as u64)?;
+        self.check_writable(vol)?;
         self.write_unchecked(vol, offset, Some(data))?;
         self.after_write(fua)
     }
@@ -476,6 +547,7 @@ impl Engine {
     /// released; partial blocks are zeroed. Reads return zeros afterwards.
     pub fn trim(&self, vol: VolumeId, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_range(vol, offset, len)?;
+        self.check_writable(vol)?;
         self.write_unchecked_zero(vol, offset, len)?;
         self.after_write(fua)
     }

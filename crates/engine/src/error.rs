@@ -59,6 +59,10 @@ pub enum EngineError {
         /// Volume size in bytes.
         size_bytes: u64,
     },
+    /// The volume's metadata failed its checksums; it is served read-only
+    /// until `dedupd fsck --repair`.
+    #[error("volume {0:?} is read-only: its metadata is damaged (run `dedupd fsck --repair`)")]
+    ReadOnly(String),
     /// An argument is not acceptable (bad name, size not a multiple of 4 KiB, ...).
     #[error("{0}")]
     InvalidArgument(String),

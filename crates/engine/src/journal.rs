@@ -62,6 +62,17 @@ impl MetaFile {
         })
     }
 
+    /// Tag carried in the trailer of each of the file's pages (see
+    /// [`crate::paged`]), so a page in the wrong file is detected.
+    pub fn page_tag(self) -> u32 {
+        match self {
+            MetaFile::Refcounts => 1,
+            MetaFile::Fingerprints => 2,
+            MetaFile::State => 3,
+            MetaFile::Map(v) => 0x1000_0000 | v.0,
+        }
+    }
+
     /// Path of the file relative to the store directory.
     pub fn relative_path(self) -> String {
         match self {

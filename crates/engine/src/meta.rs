@@ -22,12 +22,19 @@ pub struct Volume {
     pub record: VolumeRecord,
     /// u64 per LBA: 0 unmapped, else PBA + 1.
     pub map: PagedArray,
+    /// Map pages that failed their checksum at open (their LBAs read as
+    /// unmapped); a volume with any is served read-only until repaired.
+    pub damaged_pages: Vec<u64>,
 }
 
 impl Volume {
     /// Size in 4 KiB blocks.
     pub fn size_blocks(&self) -> u64 {
         self.record.size_bytes / BLOCK_SIZE_U64
+    }
+    /// True if the volume's metadata cannot be trusted (served read-only).
+    pub fn read_only(&self) -> bool {
+        !self.damaged_pages.is_empty()
     }
     /// The PBA an LBA maps to, if any.
     pub fn get(&self, lba: Lba) -> Option<Pba> {
@@ -85,10 +92,19 @@ pub struct CommitBatch {
 }
 
 impl Meta {
+    /// Empty metadata with each array tagged for its file.
+    pub fn empty() -> Meta {
+        Meta {
+            refcounts: PagedArray::new(MetaFile::Refcounts.page_tag()),
+            fingerprints: PagedArray::new(MetaFile::Fingerprints.page_tag()),
+            ..Meta::default()
+        }
+    }
+
     /// Builds the free list and derived counts after loading the arrays.
     /// `data_blocks` is the data file's length in blocks.
     pub fn rebuild_derived(&mut self, data_blocks: u64) {
-        let rc_blocks = self.refcounts.page_count() * (crate::paged::PAGE_SIZE as u64 / 4);
+        let rc_blocks = self.refcounts.logical_len() / 4;
         let mut top = 0;
         self.stored_blocks = 0;
         self.index.clear();

@@ -1,36 +1,102 @@
-//! Dense per-block metadata arrays kept in memory as 4 KiB pages, with the
-//! set of pages changed since the last journal commit.
+//! Dense per-block metadata arrays kept in memory as pages, with the set of
+//! pages changed since the last journal commit, and their checksummed
+//! on-disk page format.
 //!
 //! Used for the LBA→PBA map of each volume, the reference counts and the
 //! PBA→fingerprint reverse index. Pages that are all zero are not allocated,
-//! so a sparsely written volume costs memory in proportion to what is mapped
-//! (one 4 KiB page per 512 mapped LBAs at most).
+//! so a sparsely written volume costs memory in proportion to what is mapped.
+//!
+//! On disk each 4 KiB page holds [`PAYLOAD_SIZE`] (4064) bytes of entries
+//! (508 `u64`, 1016 `u32` or 127 fingerprints) and a 32-byte trailer:
+//! CRC32C of the payload, page number and file tag; a magic; the file tag;
+//! the page number. An all-zero page is a hole and reads as zeros. A page
+//! whose trailer does not verify is *damaged*: it is reported, never
+//! silently used.
 
-/// Size in bytes of one metadata page (the unit of journaling).
+/// Size in bytes of one on-disk metadata page (the unit of journaling).
 pub const PAGE_SIZE: usize = 4096;
+/// Bytes of entries per page.
+pub const PAYLOAD_SIZE: usize = 4064;
+const PAGE_MAGIC: u32 = u32::from_le_bytes(*b"DDPG");
 
-/// A growable byte array split into 4 KiB pages, tracking dirty pages.
+type Page = Box<[u8; PAYLOAD_SIZE]>;
+
+/// Bytes on disk of an array whose logical content is `logical_bytes` long
+/// (whole pages).
+pub fn disk_len(logical_bytes: u64) -> u64 {
+    logical_bytes.div_ceil(PAYLOAD_SIZE as u64) * PAGE_SIZE as u64
+}
+
+/// Encodes a page for disk: payload plus trailer.
+fn encode_page(payload: &[u8; PAYLOAD_SIZE], tag: u32, page_no: u64) -> Box<[u8; PAGE_SIZE]> {
+    let mut out = Box::new([0u8; PAGE_SIZE]);
+    out[..PAYLOAD_SIZE].copy_from_slice(payload);
+    let mut crc = crc32c::crc32c(payload);
+    crc = crc32c::crc32c_append(crc, &tag.to_le_bytes());
+    crc = crc32c::crc32c_append(crc, &page_no.to_le_bytes());
+    let t = &mut out[PAYLOAD_SIZE..];
+    t[0..4].copy_from_slice(&crc.to_le_bytes());
+    t[4..8].copy_from_slice(&PAGE_MAGIC.to_le_bytes());
+    t[8..12].copy_from_slice(&tag.to_le_bytes());
+    t[16..24].copy_from_slice(&page_no.to_le_bytes());
+    out
+}
+
+/// Decodes an on-disk page: `Ok(None)` for a hole, `Ok(Some(payload))`,
+/// or `Err(())` if the trailer does not verify.
+#[allow(clippy::result_unit_err)]
+pub fn decode_page(bytes: &[u8], tag: u32, page_no: u64) -> Result<Option<Page>, ()> {
+    if bytes.iter().all(|&b| b == 0) {
+        return Ok(None);
+    }
+    if bytes.len() != PAGE_SIZE {
+        return Err(());
+    }
+    let mut payload: Page = Box::new([0u8; PAYLOAD_SIZE]);
+    payload.copy_from_slice(&bytes[..PAYLOAD_SIZE]);
+    let expect = encode_page(&payload, tag, page_no);
+    if expect[PAYLOAD_SIZE..] == bytes[PAYLOAD_SIZE..] {
+        Ok(Some(payload))
+    } else {
+        Err(())
+    }
+}
+
+/// A growable array of bytes split into pages, tracking dirty pages.
 #[derive(Debug, Default)]
 pub struct PagedArray {
-    pages: Vec<Option<Box<[u8; PAGE_SIZE]>>>,
+    tag: u32,
+    pages: Vec<Option<Page>>,
     dirty: Vec<u64>,
     dirty_flag: Vec<bool>,
 }
 
 impl PagedArray {
-    /// Builds an array from its persisted bytes (any length; the tail page
-    /// is zero-padded). Nothing is dirty.
-    pub fn from_bytes(bytes: &[u8]) -> Self {
-        let mut a = PagedArray::default();
+    /// An empty array whose on-disk pages carry `tag` (identifies the file,
+    /// so a page written to the wrong file or place is detected).
+    pub fn new(tag: u32) -> Self {
+        PagedArray {
+            tag,
+            ..PagedArray::default()
+        }
+    }
+
+    /// Builds an array from its on-disk bytes (whole pages; a short tail is
+    /// zero-padded). Nothing is dirty. Returns the array and the numbers of
+    /// damaged pages, which read as zeros.
+    pub fn from_disk(bytes: &[u8], tag: u32) -> (Self, Vec<u64>) {
+        let mut a = PagedArray::new(tag);
+        let mut damaged = Vec::new();
         for (i, chunk) in bytes.chunks(PAGE_SIZE).enumerate() {
             a.ensure_pages(i as u64 + 1);
-            if chunk.iter().any(|&b| b != 0) {
-                let mut p = Box::new([0u8; PAGE_SIZE]);
-                p[..chunk.len()].copy_from_slice(chunk);
-                a.pages[i] = Some(p);
+            let mut full = [0u8; PAGE_SIZE];
+            full[..chunk.len()].copy_from_slice(chunk);
+            match decode_page(&full, tag, i as u64) {
+                Ok(p) => a.pages[i] = p,
+                Err(()) => damaged.push(i as u64),
             }
         }
-        a
+        (a, damaged)
     }
 
     /// Number of pages (allocated or not) the array spans.
@@ -38,11 +104,17 @@ impl PagedArray {
         self.pages.len() as u64
     }
 
-    /// Bytes of memory held by allocated pages.
+    /// Logical bytes the array spans (page count × payload).
+    pub fn logical_len(&self) -> u64 {
+        self.page_count() * PAYLOAD_SIZE as u64
+    }
+
+    /// Bytes of memory held by allocated pages and the page table.
     pub fn resident_bytes(&self) -> u64 {
-        self.pages.iter().filter(|p| p.is_some()).count() as u64 * PAGE_SIZE as u64
-            + self.pages.capacity() as u64
-                * std::mem::size_of::<Option<Box<[u8; PAGE_SIZE]>>>() as u64
+        self.pages.iter().filter(|p| p.is_some()).count() as u64 * PAYLOAD_SIZE as u64
+            + self.pages.capacity() as u64 * std::mem::size_of::<Option<Page>>() as u64
+            + self.dirty_flag.capacity() as u64
+            + self.dirty.capacity() as u64 * 8
     }
 
     fn ensure_pages(&mut self, n: u64) {
@@ -53,15 +125,15 @@ impl PagedArray {
         }
     }
 
-    /// Copies `out.len()` bytes at byte offset `off`; bytes past the end
-    /// read as zero.
+    /// Copies `out.len()` bytes at logical byte offset `off`; bytes past the
+    /// end read as zero.
     pub fn read(&self, off: u64, out: &mut [u8]) {
         let mut done = 0;
         while done < out.len() {
             let pos = off + done as u64;
-            let page = (pos / PAGE_SIZE as u64) as usize;
-            let in_page = (pos % PAGE_SIZE as u64) as usize;
-            let n = (PAGE_SIZE - in_page).min(out.len() - done);
+            let page = (pos / PAYLOAD_SIZE as u64) as usize;
+            let in_page = (pos % PAYLOAD_SIZE as u64) as usize;
+            let n = (PAYLOAD_SIZE - in_page).min(out.len() - done);
             match self.pages.get(page).and_then(|p| p.as_ref()) {
                 Some(p) => out[done..done + n].copy_from_slice(&p[in_page..in_page + n]),
                 None => out[done..done + n].fill(0),
@@ -70,15 +142,15 @@ impl PagedArray {
         }
     }
 
-    /// Writes `data` at byte offset `off`, growing the array as needed and
-    /// marking the touched pages dirty.
+    /// Writes `data` at logical byte offset `off`, growing the array as
+    /// needed and marking the touched pages dirty.
     pub fn write(&mut self, off: u64, data: &[u8]) {
         let mut done = 0;
         while done < data.len() {
             let pos = off + done as u64;
-            let page = pos / PAGE_SIZE as u64;
-            let in_page = (pos % PAGE_SIZE as u64) as usize;
-            let n = (PAGE_SIZE - in_page).min(data.len() - done);
+            let page = pos / PAYLOAD_SIZE as u64;
+            let in_page = (pos % PAYLOAD_SIZE as u64) as usize;
+            let n = (PAYLOAD_SIZE - in_page).min(data.len() - done);
             self.ensure_pages(page + 1);
             let slot = &mut self.pages[page as usize];
             if slot.is_none() {
@@ -86,7 +158,7 @@ impl PagedArray {
                     done += n;
                     continue;
                 }
-                *slot = Some(Box::new([0u8; PAGE_SIZE]));
+                *slot = Some(Box::new([0u8; PAYLOAD_SIZE]));
             }
             if let Some(p) = slot.as_mut() {
                 p[in_page..in_page + n].copy_from_slice(&data[done..done + n]);
@@ -127,14 +199,20 @@ impl PagedArray {
         self.write(i * 4, &v.to_le_bytes());
     }
 
-    /// Takes the images of every page dirtied since the last call, as
-    /// (page number, copy of the page), and clears the dirty set.
+    /// True if page `page` holds no non-zero entry (not allocated).
+    pub fn page_is_hole(&self, page: u64) -> bool {
+        self.pages.get(page as usize).is_none_or(|p| p.is_none())
+    }
+
+    /// Takes the on-disk images of every page dirtied since the last call,
+    /// as (page number, 4 KiB page with trailer), and clears the dirty set.
     pub fn take_dirty(&mut self) -> Vec<(u64, Box<[u8; PAGE_SIZE]>)> {
         let mut out = Vec::with_capacity(self.dirty.len());
         for page in std::mem::take(&mut self.dirty) {
             self.dirty_flag[page as usize] = false;
             let img = match &self.pages[page as usize] {
-                Some(p) => p.clone(),
+                Some(p) => encode_page(p, self.tag, page),
+                // an emptied page: a hole on disk too
                 None => Box::new([0u8; PAGE_SIZE]),
             };
             out.push((page, img));
@@ -142,7 +220,8 @@ impl PagedArray {
         out
     }
 
-    /// Marks `page` dirty again (after a failed commit).
+    /// Marks `page` dirty again (after a failed commit, or to rewrite a
+    /// damaged page).
     pub fn redirty(&mut self, page: u64) {
         if (page as usize) < self.pages.len() {
             self.mark_dirty(page);
@@ -154,18 +233,18 @@ impl PagedArray {
         self.dirty.len()
     }
 
-    /// Drops every page at or past byte length `len_bytes` (rounded up to a
-    /// page) and zeroes the tail of the last kept page.
+    /// Drops every page past logical length `len_bytes` and zeroes the tail
+    /// of the last kept page.
     pub fn truncate(&mut self, len_bytes: u64) {
-        let keep = len_bytes.div_ceil(PAGE_SIZE as u64) as usize;
+        let keep = len_bytes.div_ceil(PAYLOAD_SIZE as u64) as usize;
         if self.pages.len() > keep {
             self.pages.truncate(keep);
             self.dirty_flag.truncate(keep);
             self.dirty.retain(|&p| (p as usize) < keep);
         }
-        let tail = (len_bytes % PAGE_SIZE as u64) as usize;
+        let tail = (len_bytes % PAYLOAD_SIZE as u64) as usize;
         if tail != 0 && keep > 0 {
-            let zeros = vec![0u8; PAGE_SIZE - tail];
+            let zeros = vec![0u8; PAYLOAD_SIZE - tail];
             self.write(len_bytes, &zeros);
         }
     }
@@ -175,30 +254,60 @@ impl PagedArray {
 mod tests {
     use super::*;
 
+    fn to_disk(a: &mut PagedArray) -> Vec<u8> {
+        let mut bytes = vec![0u8; a.page_count() as usize * PAGE_SIZE];
+        for (p, img) in a.take_dirty() {
+            bytes[p as usize * PAGE_SIZE..(p as usize + 1) * PAGE_SIZE].copy_from_slice(&img[..]);
+        }
+        bytes
+    }
+
     #[test]
     fn sparse_roundtrip_and_dirty() {
-        let mut a = PagedArray::default();
+        let mut a = PagedArray::new(7);
         assert_eq!(a.get_u64(1_000_000), 0);
         a.set_u64(1_000_000, 42);
         assert_eq!(a.get_u64(1_000_000), 42);
         a.set_u64(5, 0); // writing zero into an absent page allocates nothing
-        assert!(a.resident_bytes() < 2 * PAGE_SIZE as u64 + a.page_count() * 8);
-        let d = a.take_dirty();
-        assert_eq!(d.len(), 1);
-        assert_eq!(d[0].0, 8_000_000 / PAGE_SIZE as u64);
-        assert_eq!(a.dirty_count(), 0);
+        assert!(a.page_is_hole(0));
         a.set_u32(3, 7);
         assert_eq!(a.get_u32(3), 7);
-        let mut bytes = vec![0u8; (a.page_count() as usize) * PAGE_SIZE];
-        a.read(0, &mut bytes);
-        let b = PagedArray::from_bytes(&bytes);
+        assert_eq!(a.dirty_count(), 2);
+        let bytes = to_disk(&mut a);
+        assert_eq!(a.dirty_count(), 0);
+        let (b, damaged) = PagedArray::from_disk(&bytes, 7);
+        assert!(damaged.is_empty());
         assert_eq!(b.get_u64(1_000_000), 42);
         assert_eq!(b.get_u32(3), 7);
+        assert_eq!(disk_len(PAYLOAD_SIZE as u64 + 1), 2 * PAGE_SIZE as u64);
+    }
+
+    #[test]
+    fn damage_is_detected_per_page() {
+        let mut a = PagedArray::new(3);
+        a.set_u64(0, 1);
+        a.set_u64(600, 2); // second page
+        let mut bytes = to_disk(&mut a);
+        bytes[PAGE_SIZE + 17] ^= 0x04;
+        let (b, damaged) = PagedArray::from_disk(&bytes, 3);
+        assert_eq!(damaged, vec![1]);
+        assert_eq!(b.get_u64(0), 1);
+        assert_eq!(b.get_u64(600), 0);
+        // the wrong file tag, or a page at the wrong place, is damage too
+        let bytes = to_disk(&mut {
+            let mut c = PagedArray::new(3);
+            c.set_u64(0, 1);
+            c
+        });
+        assert_eq!(PagedArray::from_disk(&bytes, 4).1, vec![0]);
+        let mut moved = vec![0u8; 2 * PAGE_SIZE];
+        moved[PAGE_SIZE..].copy_from_slice(&bytes[..PAGE_SIZE]);
+        assert_eq!(PagedArray::from_disk(&moved, 3).1, vec![1]);
     }
 
     #[test]
     fn truncate_zeroes_tail() {
-        let mut a = PagedArray::default();
+        let mut a = PagedArray::new(1);
         a.set_u64(10, 9);
         a.set_u64(2000, 9);
         a.truncate(10 * 8);
