@@ -953,6 +953,35 @@ impl Engine {
     pub fn check(&self) -> Vec<String> {
         lock(&self.meta).check()
     }
+
+    /// Fragmentation of volume `vol`: the number of extents in its map,
+    /// i.e. maximal runs of consecutive LBAs mapped to consecutive PBAs (an
+    /// unmapped LBA ends a run). 0 for an unknown or empty volume.
+    /// Read-only; walks the allocated map pages only, so it costs time in
+    /// proportion to the mapped part of the volume.
+    pub fn extents(&self, vol: VolumeId) -> u64 {
+        let m = lock(&self.meta);
+        let Some(v) = m.volumes.get(&vol) else {
+            return 0;
+        };
+        let per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        let mut extents = 0;
+        let mut prev = 0u64; // map entry of the previous LBA: 0 unmapped, else PBA + 1
+        for page in 0..v.map.page_count() {
+            if v.map.page_is_hole(page) {
+                prev = 0;
+                continue;
+            }
+            for lba in page * per_page..(page + 1) * per_page {
+                let e = v.map.get_u64(lba);
+                if e != 0 && (prev == 0 || e != prev + 1) {
+                    extents += 1;
+                }
+                prev = e;
+            }
+        }
+        extents
+    }
 }
 
 impl Drop for Engine {
