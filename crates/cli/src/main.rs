@@ -52,6 +52,21 @@ enum Command {
     #[command(subcommand)]
     Volume(VolumeCommand),
     /// Show dedup and resource figures (also while `dedupd serve` runs).
+    /// Check the store's metadata (the server must be stopped). Exit codes as
+    /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
+    /// operational error.
+    Fsck {
+        /// Repair: rebuild reference counts, reverse index and free space
+        /// from the volume maps, merge duplicate copies.
+        #[arg(long)]
+        repair: bool,
+        /// Re-fingerprint every stored block (reads all data).
+        #[arg(long)]
+        rehash: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     Stats {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -101,6 +116,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Volume(cmd) => volume(&store, cmd),
+        Command::Fsck {
+            repair,
+            rehash,
+            json,
+        } => fsck(&store, repair, rehash, json),
         Command::Stats { json } => {
             let v = with_store(&store, Request::Stats, |e| {
                 Ok(serde_json::to_value(e.stats())?)
@@ -197,6 +217,52 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn fsck(store: &Path, repair: bool, rehash: bool, json: bool) -> anyhow::Result<()> {
+    let opts = dedupd_engine::fsck::FsckOptions { repair, rehash };
+    let report = match dedupd_engine::fsck::fsck(store, opts) {
+        Ok(r) => r,
+        Err(EngineError::Locked(p)) => {
+            eprintln!(
+                "dedupd: error: store {} is in use; stop `dedupd serve` before fsck",
+                p.display()
+            );
+            std::process::exit(8);
+        }
+        Err(e) => {
+            eprintln!("dedupd: error: {e}");
+            std::process::exit(8);
+        }
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        for p in &report.problems {
+            println!("problem: {p}");
+        }
+        for l in &report.data_lost {
+            println!("data lost: {l}");
+        }
+        println!(
+            "{}: {} volumes, {} mapped blocks, {} referenced blocks, {} rehashed, {} leaked; {}",
+            store.display(),
+            report.volumes,
+            report.mapped_blocks,
+            report.referenced_blocks,
+            report.blocks_rehashed,
+            report.leaked_blocks,
+            match report.exit_code() {
+                0 => "clean".to_string(),
+                1 => format!("{} problem(s) corrected", report.problems.len()),
+                _ => format!(
+                    "{} problem(s) left uncorrected (run with --repair)",
+                    report.problems.len()
+                ),
+            }
+        );
+    }
+    std::process::exit(report.exit_code());
 }
 
 fn print_stats(v: &Value) {

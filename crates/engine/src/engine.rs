@@ -143,18 +143,18 @@ enum Placement {
 /// An open store: volumes, metadata and block data. Safe to share between
 /// threads (`Arc<Engine>`); every method may be called concurrently.
 pub struct Engine {
-    dir: Option<StoreDir>,
-    damage: Vec<Damage>,
-    hash: HashAlgorithm,
-    backend: Box<dyn BlockBackend>,
-    meta: Mutex<Meta>,
+    pub(crate) dir: Option<StoreDir>,
+    pub(crate) damage: Vec<Damage>,
+    pub(crate) hash: HashAlgorithm,
+    pub(crate) backend: Box<dyn BlockBackend>,
+    pub(crate) meta: Mutex<Meta>,
     reuse: RwLock<()>,
     commit: Mutex<CommitState>,
     rmw: Vec<Mutex<()>>,
     config: EngineConfig,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // a panic while holding the lock is a bug; the data is still the best we have
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -14,6 +14,7 @@ pub mod block;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
+pub mod fsck;
 pub mod journal;
 pub mod meta;
 pub mod paged;

@@ -1,0 +1,250 @@
+//! Damage detection and repair: one flipped bit in each kind of metadata
+//! file, a torn last journal record, and `fsck` finding and fixing each.
+
+use std::path::{Path, PathBuf};
+
+use dedupd_engine::fsck::{fsck, FsckOptions};
+use dedupd_engine::{Engine, EngineConfig, EngineError, HashAlgorithm};
+
+fn pattern(i: u64) -> Vec<u8> {
+    let mut b: Vec<u8> = (0..4096u64)
+        .map(|b| ((b * 7 + i * 13) % 251) as u8 + 1)
+        .collect();
+    b[..8].copy_from_slice(&i.to_le_bytes());
+    b
+}
+
+/// A closed store with two volumes sharing content: `a` holds patterns
+/// 0..600 (two map pages), `b` holds patterns 0..100.
+fn build(dir: &Path) -> PathBuf {
+    let path = dir.join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let a = e.create_volume("a", 8 << 20).unwrap();
+    let b = e.create_volume("b", 8 << 20).unwrap();
+    let data: Vec<u8> = (0..600).flat_map(pattern).collect();
+    e.write(a, 0, &data, false).unwrap();
+    e.write(b, 0, &data[..100 * 4096], false).unwrap();
+    e.close().unwrap();
+    path
+}
+
+fn flip(file: &Path, offset: u64) {
+    let mut bytes = std::fs::read(file).unwrap();
+    bytes[offset as usize] ^= 0x20;
+    std::fs::write(file, bytes).unwrap();
+}
+
+fn assert_intact(path: &Path, volumes: &[(&str, u64)]) {
+    let e = Engine::open(path, EngineConfig::default()).unwrap();
+    for (name, blocks) in volumes {
+        let (id, _) = e.volume(name).unwrap();
+        for i in 0..*blocks {
+            let mut buf = vec![0u8; 4096];
+            e.read(id, i * 4096, &mut buf).unwrap();
+            assert!(buf == pattern(i), "volume {name} block {i} differs");
+        }
+    }
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
+fn repair(path: &Path) -> i32 {
+    let check = fsck(path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "damage not found: {check:?}");
+    let fixed = fsck(
+        path,
+        FsckOptions {
+            repair: true,
+            rehash: false,
+        },
+    )
+    .unwrap();
+    let code = fixed.exit_code();
+    assert_eq!(
+        fsck(
+            path,
+            FsckOptions {
+                repair: false,
+                rehash: true
+            }
+        )
+        .unwrap()
+        .exit_code(),
+        0
+    );
+    code
+}
+
+#[test]
+fn clean_store_is_clean() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let r = fsck(
+        &path,
+        FsckOptions {
+            repair: false,
+            rehash: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(r.exit_code(), 0, "{r:?}");
+    assert_eq!(r.referenced_blocks, 600);
+    assert_eq!(r.mapped_blocks, 700);
+    assert_eq!(r.blocks_rehashed, 600);
+}
+
+#[test]
+fn flipped_reference_count_page_stops_the_store_and_fsck_rebuilds_it() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    flip(&path.join("refcounts"), 10);
+    match Engine::open(&path, EngineConfig::default()) {
+        Err(EngineError::Corrupt { file, detail }) => {
+            assert!(file.ends_with("refcounts"));
+            assert!(detail.contains("fsck --repair"), "{detail}");
+        }
+        other => panic!("opened a damaged store: {:?}", other.err()),
+    }
+    assert_eq!(repair(&path), 1);
+    assert_intact(&path, &[("a", 600), ("b", 100)]);
+}
+
+#[test]
+fn flipped_reverse_index_page_is_rehashed() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    flip(&path.join("fingerprints"), 4096 + 5);
+    assert!(matches!(
+        Engine::open(&path, EngineConfig::default()),
+        Err(EngineError::Corrupt { .. })
+    ));
+    assert_eq!(repair(&path), 1);
+    assert_intact(&path, &[("a", 600), ("b", 100)]);
+}
+
+#[test]
+fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let map = std::fs::read_dir(path.join("maps"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .min()
+        .unwrap();
+    flip(&map, 4096 + 100); // page 1 of volume a: LBAs 508..1016
+    {
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let (a, _) = e.volume("a").unwrap();
+        assert!(e.volume_read_only(a));
+        assert!(matches!(
+            e.write(a, 0, &[1u8; 4096], false),
+            Err(EngineError::ReadOnly(_))
+        ));
+        let mut buf = vec![0u8; 4096];
+        e.read(a, 0, &mut buf).unwrap();
+        assert!(
+            buf == pattern(0),
+            "undamaged page of a read-only volume reads wrong"
+        );
+        let (b, _) = e.volume("b").unwrap();
+        e.write(b, 200 * 4096, &pattern(5), false).unwrap();
+        e.close().unwrap();
+    }
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4);
+    let fixed = fsck(
+        &path,
+        FsckOptions {
+            repair: true,
+            rehash: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1);
+    assert!(!fixed.data_lost.is_empty());
+    assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    assert!(!e.volume_read_only(a));
+    e.write(a, 0, &[1u8; 4096], false).unwrap();
+    assert!(e.check().is_empty());
+}
+
+#[test]
+fn flipped_state_and_superblock_are_refused_with_names() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    flip(&path.join("state.json"), 20);
+    match Engine::open(&path, EngineConfig::default()) {
+        Err(EngineError::Corrupt { file, .. }) => assert!(file.ends_with("state.json")),
+        other => panic!("{:?}", other.err()),
+    }
+    let path2 = build(&d.path().join("2"));
+    flip(&path2.join("superblock"), 20);
+    let err = Engine::open(&path2, EngineConfig::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("fsck") && err.contains("superblock"), "{err}");
+}
+
+/// Copies a store directory as it is on disk now (a crash image).
+fn crash_copy(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst.join("maps")).unwrap();
+    for sub in ["", "maps"] {
+        for e in std::fs::read_dir(src.join(sub)).unwrap().flatten() {
+            if e.file_type().unwrap().is_file() && e.file_name() != "lock" {
+                std::fs::copy(e.path(), dst.join(sub).join(e.file_name())).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn torn_last_journal_record_loses_only_that_commit() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    e.write(b, 300 * 4096, &pattern(1), true).unwrap(); // committed
+    let committed_len = std::fs::metadata(path.join("journal")).unwrap().len();
+    e.write(b, 301 * 4096, &pattern(2), true).unwrap(); // to be torn
+    let full_len = std::fs::metadata(path.join("journal")).unwrap().len();
+    assert!(full_len > committed_len);
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    for cut in [1, 9, (full_len - committed_len) / 2] {
+        let img = d.path().join(format!("crash-{cut}"));
+        crash_copy(&crash, &img);
+        let j = std::fs::OpenOptions::new()
+            .write(true)
+            .open(img.join("journal"))
+            .unwrap();
+        j.set_len(full_len - cut).unwrap();
+        let e = Engine::open(&img, EngineConfig::default()).unwrap();
+        let (b, _) = e.volume("b").unwrap();
+        let mut buf = vec![0u8; 4096];
+        e.read(b, 300 * 4096, &mut buf).unwrap();
+        assert!(buf == pattern(1), "committed write lost (cut {cut})");
+        e.read(b, 301 * 4096, &mut buf).unwrap();
+        assert!(
+            buf.iter().all(|&x| x == 0),
+            "torn commit half-applied (cut {cut})"
+        );
+        assert!(e.check().is_empty(), "{:?}", e.check());
+        drop(e);
+        assert_eq!(
+            fsck(
+                &img,
+                FsckOptions {
+                    repair: false,
+                    rehash: true
+                }
+            )
+            .unwrap()
+            .exit_code(),
+            0
+        );
+    }
+}
