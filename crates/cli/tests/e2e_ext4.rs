@@ -11,135 +11,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use common::{require, run, sha256_file, stats, Server};
-
-/// nbdfuse exposing one export as `<dir>/nbd`, unmounted on drop.
-struct Fuse {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Fuse {
-    fn mount(dir: &Path, uri: &str) -> Fuse {
-        std::fs::create_dir_all(dir).unwrap();
-        let pidfile = dir.with_extension("pid");
-        let _ = std::fs::remove_file(&pidfile);
-        let child = Command::new("nbdfuse")
-            .arg("-P")
-            .arg(&pidfile)
-            .arg(dir)
-            .arg(uri)
-            .spawn()
-            .expect("starting nbdfuse");
-        let start = Instant::now();
-        while !pidfile.exists() {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "nbdfuse did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Fuse {
-            child,
-            dir: dir.to_path_buf(),
-        }
-    }
-    fn file(&self) -> PathBuf {
-        self.dir.join("nbd")
-    }
-}
-
-impl Drop for Fuse {
-    fn drop(&mut self) {
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.dir)
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-/// A loop device over a file, detached on drop.
-struct Loop(String);
-
-impl Loop {
-    fn attach(file: &Path) -> Loop {
-        let out = run(Command::new("losetup")
-            .args(["-f", "--show", "--direct-io=off"])
-            .arg(file));
-        Loop(String::from_utf8_lossy(&out.stdout).trim().to_string())
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
-    }
-}
-
-/// A mounted file system, unmounted on drop.
-struct Mount(PathBuf);
-
-impl Mount {
-    fn new(dev: &str, at: &Path, opts: &str) -> Mount {
-        std::fs::create_dir_all(at).unwrap();
-        run(Command::new("mount").args(["-o", opts, dev]).arg(at));
-        Mount(at.to_path_buf())
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
-}
-
-fn source_tree() -> PathBuf {
-    if let Some(p) = std::env::var_os("DEDUPD_E2E_TREE") {
-        return PathBuf::from(p);
-    }
-    let out = run(Command::new("rustc").args(["--print", "sysroot"]));
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("lib")
-}
-
-fn files_under(root: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let ft = e.file_type().unwrap();
-            if ft.is_dir() {
-                stack.push(e.path());
-            } else if ft.is_file() {
-                out.push(e.path());
-            }
-        }
-    }
-    out.sort();
-    out
-}
+use common::{files_under, require_ext4_tools, run, sha256_file, source_tree, stats};
+use common::{Fuse, Loop, Mount, Server};
 
 #[test]
 fn ext4_on_nbdfuse_loop_survives_restart_and_dedups_copies() {
-    for t in [
-        "nbdfuse",
-        "fusermount3",
-        "losetup",
-        "mkfs.ext4",
-        "e2fsck",
-        "mount",
-        "sha256sum",
-    ] {
-        require(t);
-    }
-    assert!(
-        Path::new("/dev/fuse").exists(),
-        "/dev/fuse is missing: this test needs FUSE"
-    );
+    require_ext4_tools();
     let src = source_tree();
     let files = files_under(&src);
     let src_bytes: u64 = files.iter().map(|f| f.metadata().unwrap().len()).sum();

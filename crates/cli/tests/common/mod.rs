@@ -168,3 +168,179 @@ pub fn sha256_file(path: &Path) -> String {
         .unwrap_or_default()
         .to_string()
 }
+
+/// nbdfuse exposing one export as `<dir>/nbd`, unmounted on drop.
+pub struct Fuse {
+    child: Option<Child>,
+    dir: PathBuf,
+}
+
+impl Fuse {
+    /// Starts nbdfuse on `dir` for `uri` and waits until it serves.
+    pub fn mount(dir: &Path, uri: &str) -> Fuse {
+        Fuse::start(dir, uri, Stdio::inherit())
+    }
+
+    /// As [`Fuse::mount`], with nbdfuse's messages discarded (for tests
+    /// that kill the server under it, where every failed request is logged).
+    pub fn mount_quiet(dir: &Path, uri: &str) -> Fuse {
+        Fuse::start(dir, uri, Stdio::null())
+    }
+
+    fn start(dir: &Path, uri: &str, stderr: Stdio) -> Fuse {
+        std::fs::create_dir_all(dir).unwrap();
+        let pidfile = dir.with_extension("pid");
+        let _ = std::fs::remove_file(&pidfile);
+        let child = Command::new("nbdfuse")
+            .arg("-P")
+            .arg(&pidfile)
+            .arg(dir)
+            .arg(uri)
+            .stderr(stderr)
+            .spawn()
+            .expect("starting nbdfuse");
+        let start = Instant::now();
+        while !pidfile.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "nbdfuse did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Fuse {
+            child: Some(child),
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// The file that is the export.
+    pub fn file(&self) -> PathBuf {
+        self.dir.join("nbd")
+    }
+
+    /// Tears down a FUSE mount whose server is gone: lazy unmount
+    /// (`fusermount3 -u -z`), then SIGTERM to nbdfuse and wait.
+    pub fn abandon(mut self) {
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg("-z")
+            .arg(&self.dir)
+            .status();
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: sending a signal to our own child process.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Fuse {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.dir)
+                .status();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A loop device over a file, detached on drop.
+pub struct Loop(pub String);
+
+impl Loop {
+    /// `losetup -f --show --direct-io=off file`.
+    pub fn attach(file: &Path) -> Loop {
+        let out = run(Command::new("losetup")
+            .args(["-f", "--show", "--direct-io=off"])
+            .arg(file));
+        Loop(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+/// A mounted file system, unmounted on drop.
+pub struct Mount(PathBuf);
+
+impl Mount {
+    /// `mount -o opts dev at`.
+    pub fn new(dev: &str, at: &Path, opts: &str) -> Mount {
+        std::fs::create_dir_all(at).unwrap();
+        run(Command::new("mount").args(["-o", opts, dev]).arg(at));
+        Mount(at.to_path_buf())
+    }
+
+    /// Unmounts, asserting that `umount` succeeds.
+    pub fn unmount(self) {
+        run(Command::new("umount").arg(&self.0));
+        std::mem::forget(self);
+    }
+
+    /// Detaches a mount whose device is gone (`umount -l`), without waiting
+    /// for its users.
+    pub fn abandon(self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A real directory tree of this machine: `$DEDUPD_E2E_TREE` if set, else
+/// the Rust toolchain's `lib` directory (`rustc --print sysroot`).
+pub fn source_tree() -> PathBuf {
+    if let Some(p) = std::env::var_os("DEDUPD_E2E_TREE") {
+        return PathBuf::from(p);
+    }
+    let out = run(Command::new("rustc").args(["--print", "sysroot"]));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("lib")
+}
+
+/// Regular files under `root`, sorted.
+pub fn files_under(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let ft = e.file_type().unwrap();
+            if ft.is_dir() {
+                stack.push(e.path());
+            } else if ft.is_file() {
+                out.push(e.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Fails the test with a clear message unless the tools of the ext4 tests
+/// (nbdfuse, loop devices, mkfs.ext4, e2fsck, mount) and /dev/fuse exist.
+pub fn require_ext4_tools() {
+    for t in [
+        "nbdfuse",
+        "fusermount3",
+        "losetup",
+        "mkfs.ext4",
+        "e2fsck",
+        "mount",
+        "umount",
+        "sha256sum",
+    ] {
+        require(t);
+    }
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: this test needs FUSE"
+    );
+}
