@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// Size of the volume `default` created with a new store.
     #[arg(long, default_value = "16G")]
     pub default_volume_size: String,
+    /// Byte-compare each block with the stored copy on a fingerprint hit
+    /// before sharing it (like ZFS dedup=verify; off by default).
+    #[arg(long)]
+    pub verify: bool,
     /// Worker threads per NBD connection.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -104,6 +108,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         journal_size_bytes: parse_size(&args.journal_size).map_err(anyhow::Error::msg)?,
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
+        verify: args.verify,
         ..EngineConfig::default()
     };
     let server_config = ServerConfig {

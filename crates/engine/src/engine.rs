@@ -51,6 +51,10 @@ pub struct EngineConfig {
     /// Open a store whose reference counts or reverse index fail their
     /// checksums instead of refusing (for `fsck`). Default false.
     pub allow_damaged_metadata: bool,
+    /// Byte-compare a block with the stored one on every fingerprint hit
+    /// before sharing it (like ZFS `dedup=verify`). Default false: with
+    /// SHA-256 a collision is far less likely than an undetected disk error.
+    pub verify: bool,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +64,7 @@ impl Default for EngineConfig {
             max_dirty_bytes: 16 << 20,
             journal_reserve_bytes: 8 << 20,
             allow_damaged_metadata: false,
+            verify: false,
         }
     }
 }
@@ -136,7 +141,13 @@ struct CommitState {
 /// Where a block of a write ends up, decided under the metadata lock.
 enum Placement {
     Done,
-    New { pba: Pba, fp: Fingerprint },
+    /// Store at a reserved PBA; `indexed` false for a block whose
+    /// fingerprint matched different bytes (a collision found by verify).
+    New {
+        pba: Pba,
+        fp: Fingerprint,
+        indexed: bool,
+    },
     SameAs(usize),
 }
 
@@ -718,16 +729,29 @@ impl Engine {
                         placement.push(Placement::Done);
                     }
                     Some(fp) => {
-                        if let Some(&p) = m.index.get(fp) {
+                        let block =
+                            |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
+                        let hit = m.index.get(fp).copied();
+                        let same_request = first_of.get(fp).copied();
+                        if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
                             m.remap(vol, lba, Some(p));
                             m.counters.duplicate_blocks += 1;
                             placement.push(Placement::Done);
-                        } else if let Some(&j) = first_of.get(fp) {
+                        } else if let Some(j) =
+                            same_request.filter(|&j| !self.config.verify || block(i) == block(j))
+                        {
                             placement.push(Placement::SameAs(j));
                         } else {
-                            first_of.insert(*fp, i);
+                            let indexed = hit.is_none() && same_request.is_none();
+                            if indexed {
+                                first_of.insert(*fp, i);
+                            }
                             let pba = m.allocate();
-                            placement.push(Placement::New { pba, fp: *fp });
+                            placement.push(Placement::New {
+                                pba,
+                                fp: *fp,
+                                indexed,
+                            });
                         }
                     }
                 }
@@ -776,7 +800,13 @@ impl Engine {
         // stored the same content meanwhile: then share its copy)
         let mut final_pba: Vec<Option<Pba>> = vec![None; n];
         for (i, p) in placement.iter().enumerate() {
-            if let Placement::New { pba, fp } = p {
+            if let Placement::New { pba, fp, indexed } = p {
+                if !indexed {
+                    m.record_unindexed(*pba, *fp);
+                    m.remap(vol, Lba(first + i as u64), Some(*pba));
+                    final_pba[i] = Some(*pba);
+                    continue;
+                }
                 let target = match m.index.get(fp) {
                     Some(&existing) => {
                         m.unreserve(*pba);
@@ -801,6 +831,22 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// With `verify` on, true only if PBA `p` holds exactly `block` (a
+    /// byte compare on a fingerprint hit, like ZFS `dedup=verify`); a
+    /// mismatch is counted. Without verify, or without data, true.
+    fn verified(&self, p: Pba, block: Option<&[u8]>, m: &mut Meta) -> bool {
+        let (true, Some(block)) = (self.config.verify, block) else {
+            return true;
+        };
+        let mut stored = vec![0u8; BLOCK_SIZE];
+        // under the metadata lock: the PBA cannot be released meanwhile
+        if self.backend.read_blocks(p, &mut stored).is_ok() && stored == block {
+            return true;
+        }
+        m.counters.verify_mismatches += 1;
+        false
     }
 
     // ---- durability -------------------------------------------------------
@@ -917,6 +963,7 @@ impl Engine {
                 duplicate_writes_eliminated: c.duplicate_blocks,
                 duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
                 blocks_trimmed: c.blocks_trimmed,
+                verify_mismatches: c.verify_mismatches,
                 index_entries: m.index.len() as u64,
                 index_bytes_in_memory: m.index_bytes(),
                 metadata_bytes_in_memory: m.array_bytes(),

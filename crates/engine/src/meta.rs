@@ -163,6 +163,13 @@ impl Meta {
         self.index.insert(fp, pba);
     }
 
+    /// Records the fingerprint of a block stored without being indexed (its
+    /// fingerprint is indexed for other bytes: a verify mismatch).
+    pub fn record_unindexed(&mut self, pba: Pba, fp: Fingerprint) {
+        self.fingerprints
+            .write(pba.0 * FINGERPRINT_SIZE as u64, &fp.0);
+    }
+
     /// Maps `lba` of `vol` to `new` (None: unmapped), adjusting reference
     /// counts; a PBA whose count reaches 0 is unindexed and pending free.
     pub fn remap(&mut self, vol: VolumeId, lba: Lba, new: Option<Pba>) {
@@ -361,7 +368,10 @@ impl Meta {
             if rc > 0 && free_or_pending[p as usize] {
                 errs.push(format!("PBA {p} is referenced and free"));
             }
-            if rc > 0 && self.index.get(&self.fingerprint_of(Pba(p))) != Some(&Pba(p)) {
+            // (a verify mismatch is stored unindexed: its fingerprint is
+            // indexed for another, referenced PBA)
+            let indexed_at = self.index.get(&self.fingerprint_of(Pba(p)));
+            if rc > 0 && indexed_at.is_none_or(|q| self.refcounts.get_u32(q.0) == 0) {
                 errs.push(format!("PBA {p} is referenced but not indexed"));
             }
         }

@@ -32,6 +32,9 @@ pub struct Stats {
     pub duplicate_writes_eliminated_percent: f64,
     /// Blocks discarded by TRIM or WRITE_ZEROES since creation.
     pub blocks_trimmed: u64,
+    /// Fingerprint hits whose bytes differed from the stored block (verify
+    /// on); each such block was stored separately.
+    pub verify_mismatches: u64,
     /// Dedup ratio: `logical_bytes_mapped` ÷ `physical_bytes_stored`, as VDO
     /// and ZFS report it (1.0 when nothing is stored).
     pub dedup_ratio: f64,

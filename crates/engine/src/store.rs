@@ -66,6 +66,10 @@ pub struct PersistentCounters {
     pub duplicate_blocks: u64,
     /// Blocks discarded by TRIM or WRITE_ZEROES.
     pub blocks_trimmed: u64,
+    /// Fingerprint hits whose bytes differed from the stored block (with
+    /// verify on); those blocks were stored separately.
+    #[serde(default)]
+    pub verify_mismatches: u64,
 }
 
 /// The content of `state.json`.

@@ -248,3 +248,40 @@ fn torn_last_journal_record_loses_only_that_commit() {
         );
     }
 }
+
+#[test]
+fn verify_refuses_to_share_a_block_whose_bytes_differ() {
+    // a stored block rots on disk; writing its original content again
+    // dedups onto the rotten copy without verify, and is stored anew with it
+    for verify in [false, true] {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s");
+        let config = EngineConfig {
+            verify,
+            ..EngineConfig::default()
+        };
+        let e = Engine::create(&path, HashAlgorithm::Sha256, config.clone()).unwrap();
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &pattern(1), true).unwrap();
+        flip(&path.join("data"), 100);
+        e.write(v, 4096, &pattern(1), true).unwrap();
+        let mut buf = vec![0u8; 4096];
+        e.read(v, 4096, &mut buf).unwrap();
+        let s = e.stats();
+        if verify {
+            assert!(
+                buf == pattern(1),
+                "verify shared a block with different bytes"
+            );
+            assert_eq!(s.verify_mismatches, 1);
+            assert_eq!(s.physical_blocks_stored, 2);
+        } else {
+            assert!(
+                buf != pattern(1),
+                "the rotten block was expected to be shared"
+            );
+            assert_eq!(s.physical_blocks_stored, 1);
+        }
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+}
