@@ -5,8 +5,10 @@
 
 mod control;
 mod exports;
+mod replay;
 mod serve;
 mod size;
+mod trace;
 
 use std::path::{Path, PathBuf};
 
@@ -51,6 +53,12 @@ enum Command {
     /// Manage volumes (each volume is one NBD export).
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// Replay block traces (FIU, smartphone, native; .gz/.zst) through a
+    /// simulated engine and report dedup figures (no store is used).
+    Replay(replay::ReplayArgs),
+    /// Convert, inspect and generate block traces.
+    #[command(subcommand)]
+    Trace(trace::TraceCommand),
     /// Show dedup and resource figures (also while `dedupd serve` runs).
     /// Check the store's metadata (the server must be stopped). Exit codes as
     /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
@@ -116,6 +124,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Volume(cmd) => volume(&store, cmd),
+        Command::Replay(args) => replay::run(args),
+        Command::Trace(cmd) => trace::run(cmd),
         Command::Fsck {
             repair,
             rehash,

@@ -1,0 +1,179 @@
+//! `dedupd replay`: replays block traces through a simulated engine and
+//! prints a report (docs/replay.md). The work is in `dedupd_sim::replay`.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use dedupd_sim::{Format, Progress, ReplayConfig, Report, StreamBy};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::size::{human, parse_size};
+
+/// Arguments of `dedupd replay`.
+#[derive(clap::Args, Debug)]
+pub struct ReplayArgs {
+    /// Trace files (plain, .gz or .zst, detected from their bytes); several
+    /// are interleaved by time stamp.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Trace format: fiu, mobile, native or auto (detect per file).
+    #[arg(long, default_value = "auto")]
+    format: String,
+    /// What makes a stream (one volume each): file, process or pid.
+    #[arg(long, default_value = "file")]
+    stream_by: StreamBy,
+    /// Count and skip malformed lines instead of stopping at the first.
+    #[arg(long)]
+    skip_bad: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also write the JSON report to FILE.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Fingerprint-index policy (only `exact` is available yet).
+    #[arg(long, default_value = "exact")]
+    policy: String,
+    /// Memory budget of the fingerprint index (suffixes K, M, G); needs a
+    /// bounded policy.
+    #[arg(long, value_name = "SIZE")]
+    index_memory: Option<String>,
+}
+
+/// Parses `auto` (None) or a format name.
+pub fn parse_format(s: &str) -> anyhow::Result<Option<Format>> {
+    if s == "auto" {
+        Ok(None)
+    } else {
+        s.parse().map(Some).map_err(anyhow::Error::msg)
+    }
+}
+
+/// Runs `dedupd replay`.
+pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    let index_memory_bytes = match &args.index_memory {
+        Some(s) => Some(parse_size(s).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    let cfg = ReplayConfig {
+        format: parse_format(&args.format)?,
+        stream_by: args.stream_by,
+        skip_bad: args.skip_bad,
+        policy: args.policy.clone(),
+        index_memory_bytes,
+    };
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    if args.quiet || !std::io::stderr().is_terminal() {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let mut on_progress = |p: &Progress| {
+        bar.set_length(p.bytes_total);
+        bar.set_position(p.bytes_read.min(p.bytes_total));
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "{} req ({:.0} req/s)",
+            p.requests,
+            p.requests as f64 / secs
+        ));
+    };
+    let result = dedupd_sim::replay(&args.traces, &cfg, &mut on_progress);
+    bar.finish_and_clear();
+    let report = result?;
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(path) = &args.report {
+        std::fs::write(path, format!("{json}\n"))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.json {
+        println!("{json}");
+    } else {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+fn print_report(r: &Report) {
+    println!("traces                        {}", r.traces.join(", "));
+    println!(
+        "policy                        {}{}",
+        r.policy,
+        r.index_memory_bytes
+            .map(|b| format!(" (index budget {})", human(b)))
+            .unwrap_or_default()
+    );
+    println!(
+        "requests                      {} ({} reads, {} writes, {} trims)",
+        r.requests, r.reads, r.writes, r.trims
+    );
+    if r.bad_records_skipped > 0 {
+        println!("bad records skipped           {}", r.bad_records_skipped);
+    }
+    println!(
+        "blocks written                {} ({} zero), {} read",
+        r.blocks_written, r.zero_blocks_written, r.blocks_read
+    );
+    println!(
+        "duplicates found inline       {} ({:.2} % of blocks written: duplicate writes eliminated)",
+        r.duplicate_blocks_inline, r.duplicate_writes_eliminated_percent
+    );
+    println!(
+        "duplicates (exact dedup)      {} ({:.2} %; {} distinct fingerprints; inline found {:.1} % of them)",
+        r.exact_duplicate_blocks,
+        r.exact_duplicate_percent,
+        r.distinct_fingerprints,
+        r.inline_of_exact_percent
+    );
+    println!("dedup ratio                   {:.3}", r.dedup_ratio);
+    println!(
+        "data writes avoided           {} blocks, {} ({:.2} %)",
+        r.data_writes_avoided_blocks,
+        human(r.data_writes_avoided_bytes),
+        r.data_writes_avoided_percent
+    );
+    println!("journal bytes (metadata I/O)  {}", human(r.journal_bytes));
+    println!(
+        "index memory                  peak {} ({} entries at end)",
+        human(r.peak_index_bytes_in_memory),
+        r.index_entries
+    );
+    println!(
+        "fragmentation                 {} extents over {} mapped blocks ({:.2} blocks/extent)",
+        r.extents, r.mapped_blocks, r.mean_extent_blocks
+    );
+    println!(
+        "streams                       {} (by {})",
+        r.streams.len(),
+        match r.stream_by {
+            StreamBy::File => "file",
+            StreamBy::Process => "process",
+            StreamBy::Pid => "pid",
+        }
+    );
+    for s in r.streams.iter().take(20) {
+        println!(
+            "  {:<40} {:>9} req {:>10} blocks written {:>8} extents",
+            s.name, s.requests, s.blocks_written, s.extents
+        );
+    }
+    if r.streams.len() > 20 {
+        println!("  … {} more (see --json)", r.streams.len() - 20);
+    }
+    println!(
+        "time                          {:.2} s ({:.0} requests/s)",
+        r.elapsed_seconds, r.requests_per_second
+    );
+}

@@ -1,0 +1,215 @@
+//! `dedupd trace convert|stats|gen`: trace conversion to the native format,
+//! trace figures, and seeded synthetic traces (docs/replay.md).
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use clap::Subcommand;
+use dedupd_sim::gen::{parse_streams, workload, Locality, StreamSpec};
+use dedupd_sim::GenSpec;
+
+use crate::replay::parse_format;
+use crate::size::parse_size;
+
+/// Subcommands of `dedupd trace`.
+#[derive(Subcommand, Debug)]
+pub enum TraceCommand {
+    /// Convert a trace (fiu, mobile, native; plain, .gz or .zst) to the
+    /// native binary format.
+    Convert {
+        /// Input trace.
+        input: PathBuf,
+        /// Output file (native format).
+        output: PathBuf,
+        /// Input format: fiu, mobile, native or auto.
+        #[arg(long, default_value = "auto")]
+        format: String,
+        /// Count and skip malformed lines.
+        #[arg(long)]
+        skip_bad: bool,
+    },
+    /// Show a trace's figures: requests, blocks, distinct fingerprints,
+    /// exact duplicate %, reuse distance, streams, LBA range.
+    Stats {
+        /// Trace file.
+        trace: PathBuf,
+        /// Format: fiu, mobile, native or auto.
+        #[arg(long, default_value = "auto")]
+        format: String,
+        /// Count and skip malformed lines.
+        #[arg(long)]
+        skip_bad: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate a seeded synthetic trace in the native format.
+    Gen(GenArgs),
+}
+
+/// Arguments of `dedupd trace gen`.
+#[derive(clap::Args, Debug)]
+pub struct GenArgs {
+    /// fio (uniform duplicates), locality (one good- or weak-locality
+    /// stream) or mix (several streams interleaved by time stamp).
+    #[arg(long, default_value = "fio")]
+    kind: String,
+    /// Bytes written in total (suffixes K, M, G).
+    #[arg(long, default_value = "64M")]
+    size: String,
+    /// Bytes per request (a multiple of 4K).
+    #[arg(long, default_value = "4K")]
+    bs: String,
+    /// Address space of each stream.
+    #[arg(long, default_value = "1G")]
+    volume_size: String,
+    /// Address pattern: random or seq.
+    #[arg(long, default_value = "random")]
+    rw: String,
+    /// Percentage of blocks that repeat earlier content.
+    #[arg(long, default_value_t = 50.0)]
+    dup_percent: f64,
+    /// For --kind locality: good or weak.
+    #[arg(long, default_value = "good")]
+    locality: String,
+    /// Mean reuse distance of good-locality streams, in written blocks.
+    #[arg(long, default_value_t = 64.0)]
+    mean_reuse: f64,
+    /// For --kind mix: streams as KIND:SHARE,… with KIND good, weak or
+    /// uniform (e.g. good:3,weak:1).
+    #[arg(long, conflicts_with = "workload")]
+    streams: Option<String>,
+    /// For --kind mix: HPDedup workload A (good:weak 3:1), B (1:1) or C (1:3).
+    #[arg(long)]
+    workload: Option<String>,
+    /// Seed of the random generator (same seed, same bytes).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output file.
+    #[arg(short, long)]
+    output: PathBuf,
+}
+
+/// Runs `dedupd trace …`.
+pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
+    match cmd {
+        TraceCommand::Convert {
+            input,
+            output,
+            format,
+            skip_bad,
+        } => {
+            let s = dedupd_sim::convert(&input, parse_format(&format)?, skip_bad, &output)?;
+            println!(
+                "wrote {} requests from {} sources to {}{}",
+                s.requests,
+                s.sources,
+                output.display(),
+                if s.bad_records_skipped > 0 {
+                    format!(" ({} bad lines skipped)", s.bad_records_skipped)
+                } else {
+                    String::new()
+                }
+            );
+            Ok(())
+        }
+        TraceCommand::Stats {
+            trace,
+            format,
+            skip_bad,
+            json,
+        } => {
+            let s = dedupd_sim::trace_stats(&trace, parse_format(&format)?, skip_bad)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+                return Ok(());
+            }
+            let fmt = serde_json::to_value(s.format)?;
+            println!("format                  {}", fmt.as_str().unwrap_or("?"));
+            println!(
+                "requests                {} ({} reads, {} writes, {} trims)",
+                s.requests, s.reads, s.writes, s.trims
+            );
+            if s.bad_records_skipped > 0 {
+                println!("bad records skipped     {}", s.bad_records_skipped);
+            }
+            println!(
+                "blocks                  {} written ({} zero), {} read",
+                s.blocks_written, s.zero_blocks_written, s.blocks_read
+            );
+            println!("distinct fingerprints   {}", s.distinct_fingerprints);
+            println!(
+                "exact duplicates        {} ({:.2} % of blocks written)",
+                s.exact_duplicate_blocks, s.exact_duplicate_percent
+            );
+            println!(
+                "mean reuse distance     {:.1} blocks",
+                s.mean_reuse_distance_blocks
+            );
+            println!(
+                "streams                 {} sources ({} pids, {} processes)",
+                s.sources, s.pids, s.processes
+            );
+            match (s.lba_min_sectors, s.lba_end_sectors) {
+                (Some(a), Some(b)) => println!("LBA range (sectors)     {a}..{b}"),
+                _ => println!("LBA range (sectors)     empty"),
+            }
+            if let (Some(a), Some(b)) = (s.first_ts_ns, s.last_ts_ns) {
+                println!(
+                    "duration                {:.3} s",
+                    b.saturating_sub(a) as f64 / 1e9
+                );
+            }
+            Ok(())
+        }
+        TraceCommand::Gen(g) => gen(g),
+    }
+}
+
+fn gen(g: GenArgs) -> anyhow::Result<()> {
+    let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+    let streams: Vec<StreamSpec> = match g.kind.as_str() {
+        "fio" => vec![StreamSpec {
+            locality: Locality::Uniform,
+            share: 1,
+            name: "fio".into(),
+        }],
+        "locality" => {
+            let locality = match g.locality.as_str() {
+                "good" => Locality::Good {
+                    mean_reuse_blocks: g.mean_reuse,
+                },
+                "weak" => Locality::Weak,
+                l => bail!("unknown locality {l:?} (good, weak)"),
+            };
+            vec![StreamSpec {
+                locality,
+                share: 1,
+                name: g.locality.clone(),
+            }]
+        }
+        "mix" => match (&g.workload, &g.streams) {
+            (Some(w), _) => workload(w, g.mean_reuse)?,
+            (None, Some(s)) => parse_streams(s, g.mean_reuse)?,
+            (None, None) => workload("B", g.mean_reuse)?,
+        },
+        k => bail!("unknown generator kind {k:?} (fio, locality, mix)"),
+    };
+    let sequential = match g.rw.as_str() {
+        "random" | "rand" => false,
+        "seq" | "sequential" => true,
+        r => bail!("unknown address pattern {r:?} (random, seq)"),
+    };
+    let spec = GenSpec {
+        streams,
+        size_bytes: size(&g.size)?,
+        block_bytes: size(&g.bs)?,
+        volume_bytes: size(&g.volume_size)?,
+        sequential,
+        dup_percent: g.dup_percent,
+        seed: g.seed,
+    };
+    let n = dedupd_sim::generate(&spec, &g.output)?;
+    println!("wrote {n} requests to {}", g.output.display());
+    Ok(())
+}

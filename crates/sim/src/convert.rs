@@ -1,0 +1,60 @@
+//! Conversion of any readable trace to the native format.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use crate::error::{io_err, Result};
+use crate::native::NativeWriter;
+use crate::reader::{Format, TraceReader};
+use crate::request::Request;
+
+/// What a conversion did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ConvertSummary {
+    /// Requests written.
+    pub requests: u64,
+    /// Sources (pid, process) written.
+    pub sources: u64,
+    /// Malformed lines skipped (with `skip_bad`).
+    pub bad_records_skipped: u64,
+}
+
+/// Reads `input` (format `format`, or detected) and writes it to `output`
+/// in the native format, streaming. Per-sector FIU digests become per-block
+/// digests as the reader derives them (see [`crate::text`]).
+///
+/// Errors: reading the input (as [`TraceReader::next_into`]) or writing
+/// the output fails.
+pub fn convert(
+    input: &Path,
+    format: Option<Format>,
+    skip_bad: bool,
+    output: &Path,
+) -> Result<ConvertSummary> {
+    let mut reader = TraceReader::open(input, format, skip_bad, Arc::new(AtomicU64::new(0)))?;
+    let out_name = output.display().to_string();
+    let file = File::create(output).map_err(io_err(&out_name))?;
+    let mut w =
+        NativeWriter::new(BufWriter::with_capacity(256 * 1024, file)).map_err(io_err(&out_name))?;
+    let mut req = Request::default();
+    let mut summary = ConvertSummary::default();
+    while reader.next_into(&mut req)? {
+        while summary.sources < reader.sources().len() as u64 {
+            w.define_source(&reader.sources()[summary.sources as usize])
+                .map_err(io_err(&out_name))?;
+            summary.sources += 1;
+        }
+        w.write(&req).map_err(io_err(&out_name))?;
+        summary.requests += 1;
+    }
+    let out = w.finish().map_err(io_err(&out_name))?;
+    out.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(&out_name))?;
+    summary.bad_records_skipped = reader.bad_records();
+    Ok(summary)
+}

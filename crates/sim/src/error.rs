@@ -1,0 +1,60 @@
+//! Errors of trace reading, conversion, generation and replay.
+
+/// Everything that can go wrong in this crate. Messages name the file and,
+/// for text traces, the 1-based line number (`file:line: …`).
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// An I/O error on a named file.
+    #[error("{file}: {source}")]
+    Io {
+        /// The file's path as given.
+        file: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A malformed text line (skipped and counted instead with `skip_bad`).
+    #[error("{file}:{line}: {msg}")]
+    BadLine {
+        /// The file's path as given.
+        file: String,
+        /// 1-based line number.
+        line: u64,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A malformed or truncated native trace.
+    #[error("{file}: native trace at byte {offset}: {msg}")]
+    BadNative {
+        /// The file's path as given.
+        file: String,
+        /// Byte offset (in the decompressed stream) of the failing chunk.
+        offset: u64,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A request the engine refused (e.g. beyond the 1 PiB volume limit).
+    #[error("{location}: {msg}")]
+    Request {
+        /// `file:line` or `file:record N`.
+        location: String,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// Bad configuration (unknown policy, bad generator parameters, …).
+    #[error("{0}")]
+    Config(String),
+    /// An engine error outside any single request.
+    #[error("engine: {0}")]
+    Engine(#[from] dedupd_engine::EngineError),
+}
+
+/// Result with [`TraceError`].
+pub type Result<T> = std::result::Result<T, TraceError>;
+
+/// Wraps an I/O error with the file it happened on.
+pub(crate) fn io_err(file: &str) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
+    move |source| TraceError::Io {
+        file: file.to_string(),
+        source,
+    }
+}

@@ -1,0 +1,311 @@
+//! Seeded synthetic trace generators (`dedupd trace gen`), writing the
+//! native format. The same [`GenSpec`] (seed included) always produces the
+//! same bytes: randomness comes only from a ChaCha8 generator seeded with
+//! [`GenSpec::seed`].
+//!
+//! Content model: every written block either repeats an earlier block's
+//! digest (with probability `dup_percent`) or gets a fresh random digest.
+//! Which earlier block is repeated depends on the stream's [`Locality`]:
+//! - [`Locality::Uniform`] (kind `fio`): any earlier distinct content,
+//!   uniformly, like fio's `dedupe_percentage`;
+//! - [`Locality::Good`]: the block written `d` writes ago, `d` geometric
+//!   with the given mean — short, skewed reuse distances (FIU mail/web in
+//!   HPDedup §II-B, Fig. 1);
+//! - [`Locality::Weak`]: the block written `d` writes ago, `d` uniform over
+//!   the whole history (up to [`HISTORY_BLOCKS`]) — long reuse distances
+//!   (Cloud-FTP in Fig. 1).
+//!
+//! Mixes interleave several streams, each with its own pid, process name
+//! and content: each request goes to a stream drawn with probability
+//! proportional to its share, and time advances by an exponential
+//! inter-arrival (mean 100 µs), so the output is ordered by time stamp.
+//! HPDedup §V's workloads A, B and C mix good- and weak-locality streams at
+//! data-size ratios 3:1, 1:1 and 1:3 ([`workload`]).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{io_err, Result, TraceError};
+use crate::native::NativeWriter;
+use crate::request::{Digest, Op, Request, Source, SECTORS_PER_BLOCK};
+
+/// Blocks of history a stream keeps for choosing what to repeat (16 bytes
+/// each: 16 MiB per stream at most).
+pub const HISTORY_BLOCKS: usize = 1 << 20;
+/// Mean time between requests in nanoseconds.
+const MEAN_INTERARRIVAL_NS: f64 = 100_000.0;
+
+/// How a stream picks the earlier content it repeats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Locality {
+    /// Any earlier distinct content, uniformly (fio-like).
+    Uniform,
+    /// Reuse distance geometric with this mean, in written blocks.
+    Good {
+        /// Mean reuse distance in written blocks (≥ 1).
+        mean_reuse_blocks: f64,
+    },
+    /// Reuse distance uniform over the whole history.
+    Weak,
+}
+
+/// One stream of a generated trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamSpec {
+    /// How it repeats content.
+    pub locality: Locality,
+    /// Relative share of the requests (and so of the data written).
+    pub share: u32,
+    /// Process name recorded for it.
+    pub name: String,
+}
+
+/// Parameters of a generated trace. Sizes in bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenSpec {
+    /// Streams (at least one).
+    pub streams: Vec<StreamSpec>,
+    /// Bytes written in total (rounded up to whole requests).
+    pub size_bytes: u64,
+    /// Bytes per request: a positive multiple of 4096.
+    pub block_bytes: u64,
+    /// Address space of each stream in bytes (a multiple of `block_bytes`).
+    pub volume_bytes: u64,
+    /// Sequential (wrapping) addresses instead of uniformly random ones.
+    pub sequential: bool,
+    /// Percentage (0–100) of blocks that repeat earlier content.
+    pub dup_percent: f64,
+    /// Seed of the random generator.
+    pub seed: u64,
+}
+
+/// The streams of HPDedup §V workload `A`, `B` or `C`: a good- and a
+/// weak-locality stream at shares 3:1, 1:1 or 1:3. `mean_reuse_blocks` is
+/// the good stream's mean reuse distance.
+///
+/// Errors: [`TraceError::Config`] for another letter.
+pub fn workload(letter: &str, mean_reuse_blocks: f64) -> Result<Vec<StreamSpec>> {
+    let (good, weak) = match letter {
+        "A" | "a" => (3, 1),
+        "B" | "b" => (1, 1),
+        "C" | "c" => (1, 3),
+        _ => {
+            return Err(TraceError::Config(format!(
+                "unknown workload {letter:?} (A, B or C)"
+            )))
+        }
+    };
+    Ok(vec![
+        StreamSpec {
+            locality: Locality::Good { mean_reuse_blocks },
+            share: good,
+            name: "good".into(),
+        },
+        StreamSpec {
+            locality: Locality::Weak,
+            share: weak,
+            name: "weak".into(),
+        },
+    ])
+}
+
+/// Parses a stream list like `good:3,weak:1` (or `uniform:1`); `good` uses
+/// `mean_reuse_blocks`. Names get the stream's index appended.
+///
+/// Errors: [`TraceError::Config`] for a malformed list.
+pub fn parse_streams(list: &str, mean_reuse_blocks: f64) -> Result<Vec<StreamSpec>> {
+    let mut out = Vec::new();
+    for (i, item) in list.split(',').enumerate() {
+        let (kind, share) = item.split_once(':').unwrap_or((item, "1"));
+        let share: u32 = share
+            .trim()
+            .parse()
+            .map_err(|_| TraceError::Config(format!("bad share in stream {item:?}")))?;
+        let locality = match kind.trim() {
+            "good" => Locality::Good { mean_reuse_blocks },
+            "weak" => Locality::Weak,
+            "uniform" | "fio" => Locality::Uniform,
+            k => {
+                return Err(TraceError::Config(format!(
+                    "unknown stream kind {k:?} (good, weak, uniform)"
+                )))
+            }
+        };
+        out.push(StreamSpec {
+            locality,
+            share,
+            name: format!("{}{i}", kind.trim()),
+        });
+    }
+    Ok(out)
+}
+
+struct StreamState {
+    history: Vec<Digest>,
+    next: usize,
+    full: bool,
+    seq_block: u64,
+}
+
+impl StreamState {
+    fn len(&self) -> usize {
+        if self.full {
+            HISTORY_BLOCKS
+        } else {
+            self.next
+        }
+    }
+    /// The digest written `d` blocks ago (1 = the last one).
+    fn ago(&self, d: usize) -> Digest {
+        let i = (self.next + HISTORY_BLOCKS - d) % HISTORY_BLOCKS;
+        self.history[i]
+    }
+    fn push(&mut self, x: Digest) {
+        if self.history.len() < HISTORY_BLOCKS {
+            self.history.push(x);
+        } else {
+            self.history[self.next] = x;
+        }
+        self.next = (self.next + 1) % HISTORY_BLOCKS;
+        if self.next == 0 {
+            self.full = true;
+        }
+    }
+}
+
+fn check(spec: &GenSpec) -> Result<()> {
+    let bad = |m: &str| Err(TraceError::Config(m.to_string()));
+    if spec.streams.is_empty() || spec.streams.iter().all(|s| s.share == 0) {
+        return bad("a generated trace needs at least one stream with a positive share");
+    }
+    if spec.block_bytes == 0 || !spec.block_bytes.is_multiple_of(4096) {
+        return bad("request size must be a positive multiple of 4096 bytes");
+    }
+    if spec.volume_bytes < spec.block_bytes || !spec.volume_bytes.is_multiple_of(spec.block_bytes) {
+        return bad("volume size must be a positive multiple of the request size");
+    }
+    if !(0.0..=100.0).contains(&spec.dup_percent) {
+        return bad("duplicate percentage must be within 0–100");
+    }
+    for s in &spec.streams {
+        if let Locality::Good { mean_reuse_blocks } = s.locality {
+            if mean_reuse_blocks.is_nan() || mean_reuse_blocks < 1.0 {
+                return bad("mean reuse distance must be at least 1 block");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes the trace described by `spec` to `out` in the native format.
+/// Returns the number of requests.
+///
+/// Errors: [`TraceError::Config`] for inconsistent parameters; I/O errors
+/// of `out` (reported against `name`).
+pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> {
+    check(spec)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
+    let mut w = NativeWriter::new(out).map_err(io_err(name))?;
+    for (i, s) in spec.streams.iter().enumerate() {
+        w.define_source(&Source {
+            pid: 1000 + i as u32,
+            process: s.name.clone(),
+        })
+        .map_err(io_err(name))?;
+    }
+    let total_share: u64 = spec.streams.iter().map(|s| s.share as u64).sum();
+    let blocks_per_req = spec.block_bytes / 4096;
+    let slots = spec.volume_bytes / spec.block_bytes;
+    let requests = spec.size_bytes.div_ceil(spec.block_bytes);
+    let mut states: Vec<StreamState> = spec
+        .streams
+        .iter()
+        .map(|_| StreamState {
+            history: Vec::new(),
+            next: 0,
+            full: false,
+            seq_block: 0,
+        })
+        .collect();
+    let mut req = Request {
+        op: Some(Op::Write),
+        sectors: blocks_per_req * SECTORS_PER_BLOCK,
+        ..Request::default()
+    };
+    let mut ts: u64 = 0;
+    let dup_p = spec.dup_percent / 100.0;
+    for _ in 0..requests {
+        // which stream
+        let mut x = rng.random_range(0..total_share);
+        let mut si = 0;
+        while x >= spec.streams[si].share as u64 {
+            x -= spec.streams[si].share as u64;
+            si += 1;
+        }
+        let u: f64 = rng.random();
+        ts += (-(1.0 - u).ln() * MEAN_INTERARRIVAL_NS) as u64 + 1;
+        let st = &mut states[si];
+        let slot = if spec.sequential {
+            let s = st.seq_block;
+            st.seq_block = (st.seq_block + 1) % slots;
+            s
+        } else {
+            rng.random_range(0..slots)
+        };
+        req.ts_ns = ts;
+        req.source = si as u32;
+        req.lba_sectors = slot * blocks_per_req * SECTORS_PER_BLOCK;
+        req.blocks.clear();
+        for _ in 0..blocks_per_req {
+            let n = st.len();
+            let repeat = n > 0 && rng.random_bool(dup_p);
+            let d = if repeat {
+                let dist = match spec.streams[si].locality {
+                    Locality::Uniform | Locality::Weak => rng.random_range(1..=n),
+                    Locality::Good { mean_reuse_blocks } => {
+                        // geometric on {1, 2, …} with mean m: p = 1/m
+                        let p = 1.0 / mean_reuse_blocks;
+                        let u: f64 = rng.random();
+                        let k = if p >= 1.0 {
+                            1.0
+                        } else {
+                            ((1.0 - u).ln() / (1.0 - p).ln()).floor() + 1.0
+                        };
+                        (k as usize).min(n)
+                    }
+                };
+                st.ago(dist)
+            } else {
+                let mut d = [0u8; 16];
+                rng.fill_bytes(&mut d);
+                d
+            };
+            // fio-like streams remember only distinct content, so every
+            // earlier distinct block is equally likely to repeat; the others
+            // remember every write, so distances count writes
+            if !repeat || spec.streams[si].locality != Locality::Uniform {
+                st.push(d);
+            }
+            req.blocks.push(Some(d));
+        }
+        w.write(&req).map_err(io_err(name))?;
+    }
+    let mut out = w.finish().map_err(io_err(name))?;
+    out.flush().map_err(io_err(name))?;
+    Ok(requests)
+}
+
+/// Writes the trace described by `spec` to the file `path` (see
+/// [`generate_to`]).
+///
+/// Errors: as [`generate_to`], or the file cannot be created.
+pub fn generate(spec: &GenSpec, path: &Path) -> Result<u64> {
+    let name = path.display().to_string();
+    let f = File::create(path).map_err(io_err(&name))?;
+    let n = generate_to(spec, BufWriter::with_capacity(256 * 1024, f), &name)?;
+    Ok(n)
+}

@@ -1,0 +1,219 @@
+//! One reader for every trace format: detection, decompression, line
+//! numbers in errors, and skipping of malformed lines.
+
+use std::io::BufRead;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use crate::error::{io_err, Result, TraceError};
+use crate::input;
+use crate::native::{NativeReader, MAGIC};
+use crate::request::{Request, Source};
+use crate::text::{parse_fiu, parse_mobile, Layout, SourceTable, TextFormat};
+
+/// A trace format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// FIU IODedup text (see [`crate::text`]).
+    Fiu,
+    /// MobileAppTraces text (see [`crate::text`]).
+    Mobile,
+    /// The native binary format (see [`crate::native`]).
+    Native,
+}
+
+impl std::str::FromStr for Format {
+    type Err = String;
+    /// Parses `fiu`, `mobile` or `native`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "fiu" => Ok(Format::Fiu),
+            "mobile" => Ok(Format::Mobile),
+            "native" => Ok(Format::Native),
+            _ => Err(format!(
+                "unknown trace format {s:?} (fiu, mobile, native, auto)"
+            )),
+        }
+    }
+}
+
+/// Detects the format from the first (decompressed) bytes: the native
+/// magic, else a tab in the first line means MobileAppTraces, else FIU.
+pub fn detect_format(head: &[u8]) -> Format {
+    if head.starts_with(&MAGIC) {
+        return Format::Native;
+    }
+    let first = head.split(|&c| c == b'\n').next().unwrap_or(&[]);
+    if first.contains(&b'\t') {
+        Format::Mobile
+    } else {
+        Format::Fiu
+    }
+}
+
+enum Inner {
+    Text {
+        input: Box<dyn BufRead>,
+        format: TextFormat,
+        line: Vec<u8>,
+        line_no: u64,
+        sources: SourceTable,
+        layout: Layout,
+    },
+    Native(NativeReader),
+}
+
+/// A trace being read request by request (streaming: memory does not grow
+/// with the trace, apart from its table of sources).
+pub struct TraceReader {
+    name: String,
+    format: Format,
+    skip_bad: bool,
+    bad: u64,
+    inner: Inner,
+}
+
+impl TraceReader {
+    /// Opens `path` in `format` (`None`: detect), decompressing gzip/zstd.
+    /// Bytes read from the file are added to `consumed` (for progress).
+    /// With `skip_bad`, malformed text lines are counted
+    /// ([`TraceReader::bad_records`]) instead of failing.
+    ///
+    /// Errors: the file cannot be opened, or a native header is bad.
+    pub fn open(
+        path: &Path,
+        format: Option<Format>,
+        skip_bad: bool,
+        consumed: Arc<AtomicU64>,
+    ) -> Result<Self> {
+        let name = path.display().to_string();
+        let (mut input, _) = input::open(path, consumed).map_err(io_err(&name))?;
+        let format = match format {
+            Some(f) => f,
+            None => detect_format(input.fill_buf().map_err(io_err(&name))?),
+        };
+        let inner = match format {
+            Format::Native => {
+                Inner::Native(NativeReader::new(input).map_err(|(offset, msg)| {
+                    TraceError::BadNative {
+                        file: name.clone(),
+                        offset,
+                        msg,
+                    }
+                })?)
+            }
+            Format::Fiu | Format::Mobile => Inner::Text {
+                input,
+                format: if format == Format::Fiu {
+                    TextFormat::Fiu
+                } else {
+                    TextFormat::Mobile
+                },
+                line: Vec::with_capacity(1024),
+                line_no: 0,
+                sources: SourceTable::default(),
+                layout: Layout::PerPage,
+            },
+        };
+        Ok(TraceReader {
+            name,
+            format,
+            skip_bad,
+            bad: 0,
+            inner,
+        })
+    }
+
+    /// The file name as given.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The format being read.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Malformed lines skipped so far (with `skip_bad`).
+    pub fn bad_records(&self) -> u64 {
+        self.bad
+    }
+
+    /// Sources seen so far; a request's `source` indexes this slice, which
+    /// only grows.
+    pub fn sources(&self) -> &[Source] {
+        match &self.inner {
+            Inner::Text { sources, .. } => &sources.sources,
+            Inner::Native(n) => &n.sources,
+        }
+    }
+
+    /// Where the last request came from: `file:line` or `file:record N`.
+    pub fn location(&self) -> String {
+        match &self.inner {
+            Inner::Text { line_no, .. } => format!("{}:{}", self.name, line_no),
+            Inner::Native(n) => format!("{}:record {}", self.name, n.records()),
+        }
+    }
+
+    /// Counts one bad request found by the caller (e.g. out of range) when
+    /// skipping is on; returns whether it may be skipped.
+    pub fn skip_bad_request(&mut self) -> bool {
+        if self.skip_bad {
+            self.bad += 1;
+        }
+        self.skip_bad
+    }
+
+    /// Reads the next request into `req` (reusing its buffers); false at
+    /// the end. Empty lines and lines starting with `#` are ignored.
+    ///
+    /// Errors: I/O, a malformed line (unless skipping), a bad native chunk.
+    pub fn next_into(&mut self, req: &mut Request) -> Result<bool> {
+        match &mut self.inner {
+            Inner::Native(n) => n
+                .next_into(req)
+                .map_err(|(offset, msg)| TraceError::BadNative {
+                    file: self.name.clone(),
+                    offset,
+                    msg,
+                }),
+            Inner::Text {
+                input,
+                format,
+                line,
+                line_no,
+                sources,
+                layout,
+            } => loop {
+                line.clear();
+                let n = input.read_until(b'\n', line).map_err(io_err(&self.name))?;
+                if n == 0 {
+                    return Ok(false);
+                }
+                *line_no += 1;
+                let l = line.trim_ascii();
+                if l.is_empty() || l[0] == b'#' {
+                    continue;
+                }
+                let r = match format {
+                    TextFormat::Fiu => parse_fiu(l, req, sources, layout),
+                    TextFormat::Mobile => parse_mobile(l, req, sources),
+                };
+                match r {
+                    Ok(()) => return Ok(true),
+                    Err(_) if self.skip_bad => self.bad += 1,
+                    Err(msg) => {
+                        return Err(TraceError::BadLine {
+                            file: self.name.clone(),
+                            line: *line_no,
+                            msg,
+                        })
+                    }
+                }
+            },
+        }
+    }
+}

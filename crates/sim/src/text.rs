@@ -1,0 +1,332 @@
+//! Parsers of the two text trace formats, one line at a time, without
+//! allocating per line (fields are byte slices; hex is decoded in place).
+//!
+//! **FIU IODedup** (SNIA IOTTA; whitespace-separated):
+//! `ts_ns pid process lba_sectors size_sectors R|W major minor digests`.
+//! `digests` concatenates 32-hex MD5 digests with no separator: one per
+//! 4 KiB page (most traces) or one per 512-byte sector (the *homes*
+//! traces). The layout is detected per line from the digest count `n` and
+//! the size `s`: `n = s ≥ 2` is per sector; `n = ceil(s/8)` or `n` = pages
+//! touched is per page; the ambiguous `n = s = 1` follows the last
+//! unambiguous line of the file (per page at first). Per-page digests equal
+//! to the MD5 of 4096 zero bytes are zero blocks. Per-sector digests are
+//! combined per 4 KiB block: a block whose 8 sector digests are all the MD5
+//! of 512 zero bytes is a zero block; otherwise its digest is the first 16
+//! bytes of SHA-256 over the 8 digests in sector order (a sector the
+//! request does not cover contributes 16 zero bytes). A process name with
+//! spaces is accepted: the fields are taken from both ends.
+//!
+//! **MobileAppTraces** (XMU smartphone traces; tab-separated):
+//! `time_s R|W lba_sectors size_sectors pid process md5-md5-…`, one MD5 per
+//! 4 KiB page joined by `-`; time in (fractional) seconds.
+
+use std::collections::HashMap;
+
+use sha2::{Digest as _, Sha256};
+
+use crate::request::{Digest, Op, Request, Source, MD5_ZERO_4K, MD5_ZERO_512, SECTORS_PER_BLOCK};
+
+/// Which text format a line is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextFormat {
+    /// FIU IODedup blkparse lines.
+    Fiu,
+    /// MobileAppTraces lines.
+    Mobile,
+}
+
+/// Digest layout of FIU lines (per 4 KiB page or per 512-byte sector).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// One digest per 4 KiB page.
+    PerPage,
+    /// One digest per 512-byte sector (FIU homes).
+    PerSector,
+}
+
+/// The (pid, process) → id table of a text trace, looked up without
+/// allocating when the source was seen before.
+#[derive(Debug, Default)]
+pub struct SourceTable {
+    /// Sources in order of first appearance; a request's `source` indexes it.
+    pub sources: Vec<Source>,
+    by_pid: HashMap<u32, Vec<u32>>,
+    last: Option<u32>,
+}
+
+impl SourceTable {
+    /// The id of (pid, process), adding it if new.
+    pub fn id(&mut self, pid: u32, process: &str) -> u32 {
+        if let Some(l) = self.last {
+            let s = &self.sources[l as usize];
+            if s.pid == pid && s.process == process {
+                return l;
+            }
+        }
+        let ids = self.by_pid.entry(pid).or_default();
+        let found = ids
+            .iter()
+            .copied()
+            .find(|&i| self.sources[i as usize].process == process);
+        let id = match found {
+            Some(i) => i,
+            None => {
+                let i = self.sources.len() as u32;
+                self.sources.push(Source {
+                    pid,
+                    process: process.to_string(),
+                });
+                ids.push(i);
+                i
+            }
+        };
+        self.last = Some(id);
+        id
+    }
+}
+
+fn hex_val(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Decodes exactly 32 hex digits into a 16-byte digest.
+pub fn parse_hex16(s: &[u8]) -> Option<Digest> {
+    if s.len() != 32 {
+        return None;
+    }
+    let mut d = [0u8; 16];
+    for (i, out) in d.iter_mut().enumerate() {
+        *out = (hex_val(s[2 * i])? << 4) | hex_val(s[2 * i + 1])?;
+    }
+    Some(d)
+}
+
+fn parse_u64(s: &[u8]) -> Option<u64> {
+    if s.is_empty() || s.len() > 20 {
+        return None;
+    }
+    let mut v: u64 = 0;
+    for &c in s {
+        if !c.is_ascii_digit() {
+            return None;
+        }
+        v = v.checked_mul(10)?.checked_add((c - b'0') as u64)?;
+    }
+    Some(v)
+}
+
+/// Seconds with an optional fraction (`12.345678`) to nanoseconds.
+fn parse_seconds_ns(s: &[u8]) -> Option<u64> {
+    let (int, frac) = match s.iter().position(|&c| c == b'.') {
+        Some(p) => (&s[..p], &s[p + 1..]),
+        None => (s, &[][..]),
+    };
+    let secs = if int.is_empty() { 0 } else { parse_u64(int)? };
+    let mut ns: u64 = 0;
+    let mut scale = 100_000_000;
+    for &c in frac {
+        if !c.is_ascii_digit() {
+            return None;
+        }
+        ns += (c - b'0') as u64 * scale;
+        scale /= 10;
+    }
+    secs.checked_mul(1_000_000_000)?.checked_add(ns)
+}
+
+fn parse_op(s: &[u8]) -> Option<Op> {
+    match s {
+        b"R" | b"r" | b"Read" => Some(Op::Read),
+        b"W" | b"w" | b"Write" => Some(Op::Write),
+        _ => None,
+    }
+}
+
+fn page_digest(d: Digest) -> Option<Digest> {
+    if d == MD5_ZERO_4K {
+        None
+    } else {
+        Some(d)
+    }
+}
+
+/// Fills `req.blocks` from concatenated per-sector digests (FIU homes).
+fn blocks_from_sectors(req: &mut Request, hex: &[u8]) -> Result<(), String> {
+    let first = req.first_block();
+    let n_blocks = req.blocks_touched();
+    for b in 0..n_blocks {
+        let block = first + b;
+        let mut slots = [[0u8; 16]; SECTORS_PER_BLOCK as usize];
+        let mut all_zero = true;
+        for (k, slot) in slots.iter_mut().enumerate() {
+            let sector = block * SECTORS_PER_BLOCK + k as u64;
+            if sector < req.lba_sectors || sector >= req.lba_sectors + req.sectors {
+                all_zero = false;
+                continue;
+            }
+            let j = (sector - req.lba_sectors) as usize;
+            let d = parse_hex16(&hex[32 * j..32 * j + 32])
+                .ok_or_else(|| format!("bad hex in digest {}", j + 1))?;
+            all_zero &= d == MD5_ZERO_512;
+            *slot = d;
+        }
+        if all_zero {
+            req.blocks.push(None);
+        } else {
+            let mut h = Sha256::new();
+            for s in &slots {
+                h.update(s);
+            }
+            let full = h.finalize();
+            let mut d = [0u8; 16];
+            d.copy_from_slice(&full[..16]);
+            req.blocks.push(Some(d));
+        }
+    }
+    Ok(())
+}
+
+/// Parses one FIU line into `req` (its block list is cleared first).
+/// `sticky` is the file's last unambiguous digest layout, updated here.
+///
+/// Errors: a message saying what is malformed (the caller adds file:line).
+pub fn parse_fiu(
+    line: &[u8],
+    req: &mut Request,
+    sources: &mut SourceTable,
+    sticky: &mut Layout,
+) -> Result<(), String> {
+    let mut f: [&[u8]; 16] = [&[]; 16];
+    let mut n = 0;
+    for field in line
+        .split(|c| c.is_ascii_whitespace())
+        .filter(|s| !s.is_empty())
+    {
+        if n == f.len() {
+            return Err("too many fields".into());
+        }
+        f[n] = field;
+        n += 1;
+    }
+    if n < 9 {
+        return Err(format!("expected 9 fields, found {n}"));
+    }
+    let ts = parse_u64(f[0]).ok_or("bad time stamp")?;
+    let pid = parse_u64(f[1])
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or("bad pid")?;
+    // process may hold spaces: it is everything between pid and lba
+    let lba = parse_u64(f[n - 6]).ok_or("bad lba")?;
+    let size = parse_u64(f[n - 5]).ok_or("bad size")?;
+    let op = parse_op(f[n - 4]).ok_or("operation is not R or W")?;
+    parse_u64(f[n - 3]).ok_or("bad major device number")?;
+    parse_u64(f[n - 2]).ok_or("bad minor device number")?;
+    let hex = f[n - 1];
+    let process = if n == 9 {
+        std::str::from_utf8(f[2]).map_err(|_| "process name is not UTF-8")?
+    } else {
+        // re-slice the original line from the first to the last name field
+        let start = f[2].as_ptr() as usize - line.as_ptr() as usize;
+        let end = f[n - 7].as_ptr() as usize - line.as_ptr() as usize + f[n - 7].len();
+        std::str::from_utf8(&line[start..end]).map_err(|_| "process name is not UTF-8")?
+    };
+    if size == 0 {
+        return Err("size is 0".into());
+    }
+    if !hex.len().is_multiple_of(32) {
+        return Err(format!(
+            "digest field is {} hex digits, not a multiple of 32",
+            hex.len()
+        ));
+    }
+    req.ts_ns = ts;
+    req.source = sources.id(pid, process);
+    req.op = Some(op);
+    req.lba_sectors = lba;
+    req.sectors = size;
+    req.blocks.clear();
+    let digests = (hex.len() / 32) as u64;
+    let pages = size.div_ceil(SECTORS_PER_BLOCK);
+    let layout = if digests == size && (size >= 2 || *sticky == Layout::PerSector) {
+        Layout::PerSector
+    } else if digests == pages || digests == req.blocks_touched() {
+        Layout::PerPage
+    } else {
+        return Err(format!(
+            "{digests} digests do not fit {size} sectors (one per 4 KiB page or per 512-byte sector)"
+        ));
+    };
+    if size >= 2 || digests != 1 {
+        *sticky = layout;
+    }
+    match layout {
+        Layout::PerPage => {
+            for (j, h) in hex.chunks_exact(32).enumerate() {
+                let d = parse_hex16(h).ok_or_else(|| format!("bad hex in digest {}", j + 1))?;
+                req.blocks.push(page_digest(d));
+            }
+        }
+        Layout::PerSector => blocks_from_sectors(req, hex)?,
+    }
+    Ok(())
+}
+
+/// Parses one MobileAppTraces line into `req` (its block list is cleared
+/// first).
+///
+/// Errors: a message saying what is malformed (the caller adds file:line).
+pub fn parse_mobile(
+    line: &[u8],
+    req: &mut Request,
+    sources: &mut SourceTable,
+) -> Result<(), String> {
+    let mut f: [&[u8]; 7] = [&[]; 7];
+    let mut n = 0;
+    for field in line.split(|&c| c == b'\t') {
+        if n == f.len() {
+            return Err("more than 7 tab-separated fields".into());
+        }
+        f[n] = field.trim_ascii();
+        n += 1;
+    }
+    if n < 6 {
+        return Err(format!("expected 7 tab-separated fields, found {n}"));
+    }
+    let ts = parse_seconds_ns(f[0]).ok_or("bad time")?;
+    let op = parse_op(f[1]).ok_or("operation is not R or W")?;
+    let lba = parse_u64(f[2]).ok_or("bad lba")?;
+    let size = parse_u64(f[3]).ok_or("bad size")?;
+    let pid = parse_u64(f[4])
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or("bad pid")?;
+    let process = std::str::from_utf8(f[5]).map_err(|_| "process name is not UTF-8")?;
+    if size == 0 {
+        return Err("size is 0".into());
+    }
+    req.ts_ns = ts;
+    req.source = sources.id(pid, process);
+    req.op = Some(op);
+    req.lba_sectors = lba;
+    req.sectors = size;
+    req.blocks.clear();
+    let hex = if n == 7 { f[6] } else { &[][..] };
+    if !hex.is_empty() {
+        for (j, h) in hex.split(|&c| c == b'-').enumerate() {
+            let d = parse_hex16(h).ok_or_else(|| format!("bad MD5 digest {}", j + 1))?;
+            req.blocks.push(page_digest(d));
+        }
+    }
+    let pages = size.div_ceil(SECTORS_PER_BLOCK);
+    let n_digests = req.blocks.len() as u64;
+    if op == Op::Write && n_digests != pages && n_digests != req.blocks_touched() {
+        return Err(format!(
+            "{n_digests} digests do not fit {size} sectors (one per 4 KiB page)"
+        ));
+    }
+    Ok(())
+}
