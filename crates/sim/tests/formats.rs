@@ -1,0 +1,429 @@
+//! Trace formats, replay figures, generators: fixtures of our own, and the
+//! real FIU samples in ../shared/traces/fiu when that folder exists.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use dedupd_sim::gen::{Locality, StreamSpec};
+use dedupd_sim::{
+    convert, generate_to, replay, trace_stats, Format, GenSpec, Op, ReplayConfig, Request,
+    StreamBy, TraceError, TraceReader,
+};
+
+const ZERO_4K: &str = "620f0b67a91f7f74151bc5be745b7110";
+const ZERO_512: &str = "bf619eac0cdf3f68d496ea9344137e8b";
+
+fn samples_dir() -> Option<PathBuf> {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/fiu");
+    d.join("mail-01-sample.blkparse").exists().then_some(d)
+}
+
+fn h(n: u32) -> String {
+    format!("{n:032x}")
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn run(paths: &[PathBuf], cfg: &ReplayConfig) -> dedupd_sim::Report {
+    replay(paths, cfg, &mut |_| {}).unwrap()
+}
+
+fn read_all(path: &Path, format: Option<Format>) -> Vec<Request> {
+    let mut r = TraceReader::open(path, format, false, Arc::new(AtomicU64::new(0))).unwrap();
+    let mut out = Vec::new();
+    let mut q = Request::default();
+    while r.next_into(&mut q).unwrap() {
+        out.push(q.clone());
+    }
+    out
+}
+
+/// Independent count over FIU text: (requests, reads, writes, blocks
+/// written, zero blocks, exact duplicate blocks). Aligned 8-sector requests
+/// only (as in the samples): one block per line, keyed by its digest field.
+fn independent_fiu(text: &str) -> (u64, u64, u64, u64, u64, u64) {
+    let zero_sector_block = ZERO_512.repeat(8);
+    let (mut req, mut reads, mut writes, mut blocks, mut zeros, mut dups) = (0, 0, 0, 0, 0, 0);
+    let mut seen = HashSet::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        req += 1;
+        assert_eq!(f[4], "8", "the samples hold 8-sector requests only");
+        if f[5] == "R" {
+            reads += 1;
+            continue;
+        }
+        writes += 1;
+        blocks += 1;
+        let d = f[8];
+        if d == ZERO_4K || d == zero_sector_block {
+            zeros += 1;
+        } else if !seen.insert(d.to_string()) {
+            dups += 1;
+        }
+    }
+    (req, reads, writes, blocks, zeros, dups)
+}
+
+#[test]
+fn real_fiu_samples_replay_with_independently_computed_counts() {
+    let Some(dir) = samples_dir() else {
+        eprintln!("no FIU samples here; skipping (the fixtures below still run)");
+        return;
+    };
+    for name in ["homes-sample.1.blkparse", "mail-01-sample.blkparse"] {
+        let p = dir.join(name);
+        let text = std::fs::read_to_string(&p).unwrap();
+        let (req, reads, writes, blocks, zeros, dups) = independent_fiu(&text);
+        let r = run(std::slice::from_ref(&p), &ReplayConfig::default());
+        assert_eq!(r.requests, req, "{name}");
+        assert_eq!(r.reads, reads, "{name}");
+        assert_eq!(r.writes, writes, "{name}");
+        assert_eq!(r.blocks_written, blocks, "{name}");
+        assert_eq!(r.zero_blocks_written, zeros, "{name}");
+        assert_eq!(r.exact_duplicate_blocks, dups, "{name}");
+        assert_eq!(r.distinct_fingerprints, blocks - zeros - dups, "{name}");
+        // the engine's exact index finds every duplicate unless content was
+        // overwritten and freed before it recurred
+        assert!(r.duplicate_blocks_inline <= dups, "{name}");
+        assert!(r.extents > 0 && r.extents <= r.mapped_blocks, "{name}");
+        let s = trace_stats(&p, None, false).unwrap();
+        assert_eq!(s.format, Some(Format::Fiu));
+        assert_eq!(
+            (s.requests, s.blocks_written, s.exact_duplicate_blocks),
+            (req, blocks, dups)
+        );
+    }
+    // both at once: two streams, interleaved; totals add up
+    let a = dir.join("homes-sample.1.blkparse");
+    let b = dir.join("mail-01-sample.blkparse");
+    let r = run(&[a, b], &ReplayConfig::default());
+    assert_eq!(r.streams.len(), 2);
+    assert_eq!(r.requests, 2000);
+}
+
+#[test]
+fn fiu_per_page_layout_multi_page_unaligned_and_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "# comment\n\
+         100 7 proc 0 16 W 8 0 {a}{b}\n\
+         200 7 proc 16 8 W 8 0 {a}\n\
+         300 7 proc 3 8 W 8 0 {z}{c}\n\
+         400 9 other 64 8 R 8 0 {b}\n\
+         \n\
+         500 9 other 72 4 W 8 0 {b}\n",
+        a = h(1),
+        b = h(2),
+        c = h(3),
+        z = ZERO_4K
+    );
+    let p = write(dir.path(), "t.blkparse", &text);
+    let reqs = read_all(&p, None);
+    assert_eq!(reqs.len(), 5);
+    assert_eq!(reqs[0].blocks.len(), 2);
+    // unaligned: sectors 3..11 touch blocks 0 and 1, one digest each
+    assert_eq!(reqs[2].first_block(), 0);
+    assert_eq!(reqs[2].blocks_touched(), 2);
+    assert_eq!(reqs[2].blocks[0], None);
+    assert_eq!(reqs[3].op, Some(Op::Read));
+    // half a page with one digest
+    assert_eq!(reqs[4].blocks.len(), 1);
+    let r = run(&[p], &ReplayConfig::default());
+    assert_eq!((r.writes, r.reads, r.blocks_written), (4, 1, 6));
+    assert_eq!(r.zero_blocks_written, 1);
+    // a, b, a, [zero], c, b: exact duplicates a and b
+    assert_eq!(r.exact_duplicate_blocks, 2);
+    assert_eq!(r.distinct_fingerprints, 3);
+}
+
+#[test]
+fn fiu_per_sector_layout_combines_eight_digests_per_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let blk = |base: u32| (0..8).map(|i| h(base + i)).collect::<String>();
+    let zero = ZERO_512.repeat(8);
+    let text = format!(
+        "1 5 nfsd 0 8 W 6 0 {x}\n\
+         2 5 nfsd 8 16 W 6 0 {x}{y}\n\
+         3 5 nfsd 24 8 W 6 0 {zero}\n\
+         4 5 nfsd 40 8 W 6 0 {y}\n",
+        x = blk(100),
+        y = blk(200)
+    );
+    let p = write(dir.path(), "homes.blkparse", &text);
+    let reqs = read_all(&p, Some(Format::Fiu));
+    assert_eq!(reqs[1].blocks.len(), 2);
+    assert_eq!(reqs[0].blocks[0], reqs[1].blocks[0]);
+    assert_ne!(reqs[1].blocks[0], reqs[1].blocks[1]);
+    assert_eq!(reqs[2].blocks, vec![None]);
+    let r = run(&[p], &ReplayConfig::default());
+    assert_eq!(r.blocks_written, 5);
+    assert_eq!(r.zero_blocks_written, 1);
+    assert_eq!(r.exact_duplicate_blocks, 2);
+    assert_eq!(r.duplicate_blocks_inline, 2);
+    assert!((r.dedup_ratio - 2.0).abs() < 1e-9);
+}
+
+#[test]
+fn mobile_format_is_detected_and_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "0.5\tW\t0\t16\t1200\tcom.whatsapp\t{a}-{b}\n\
+         1.25\tR\t0\t8\t1200\tcom.whatsapp\t{a}\n\
+         2\tW\t64\t8\t1300\tcom.tencent.mm\t{a}\n\
+         3.000000001\tW\t72\t8\t1300\tcom.tencent.mm\t{z}\n",
+        a = h(7),
+        b = h(8),
+        z = ZERO_4K
+    );
+    let p = write(dir.path(), "mobile.txt", &text);
+    let reqs = read_all(&p, None);
+    assert_eq!(reqs.len(), 4);
+    assert_eq!(reqs[0].ts_ns, 500_000_000);
+    assert_eq!(reqs[1].ts_ns, 1_250_000_000);
+    assert_eq!(reqs[3].ts_ns, 3_000_000_001);
+    let s = trace_stats(&p, None, false).unwrap();
+    assert_eq!(s.format, Some(Format::Mobile));
+    assert_eq!((s.writes, s.reads, s.blocks_written), (3, 1, 4));
+    assert_eq!((s.exact_duplicate_blocks, s.zero_blocks_written), (1, 1));
+    assert_eq!((s.sources, s.processes), (2, 2));
+    let cfg = ReplayConfig {
+        stream_by: StreamBy::Process,
+        ..ReplayConfig::default()
+    };
+    let r = run(&[p], &cfg);
+    assert_eq!(r.streams.len(), 2);
+    // the duplicate is across volumes: the engine shares it too
+    assert_eq!(r.duplicate_blocks_inline, 1);
+}
+
+#[test]
+fn gzip_and_zstd_input_are_read_directly() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "1 7 p 0 8 W 8 0 {a}\n2 7 p 8 8 W 8 0 {a}\n3 7 p 16 8 W 8 0 {b}\n",
+        a = h(1),
+        b = h(2)
+    );
+    let gz = dir.path().join("t.blkparse.gz");
+    let mut e = flate2::write::GzEncoder::new(
+        std::fs::File::create(&gz).unwrap(),
+        flate2::Compression::default(),
+    );
+    e.write_all(text.as_bytes()).unwrap();
+    e.finish().unwrap();
+    // the name says nothing: detection is by magic bytes
+    let zst = dir.path().join("t.data");
+    std::fs::write(&zst, zstd::encode_all(text.as_bytes(), 3).unwrap()).unwrap();
+    for p in [gz, zst] {
+        let r = run(std::slice::from_ref(&p), &ReplayConfig::default());
+        assert_eq!(
+            (r.blocks_written, r.exact_duplicate_blocks),
+            (3, 1),
+            "{p:?}"
+        );
+    }
+}
+
+#[test]
+fn bad_lines_name_file_and_line_or_are_counted_with_skip_bad() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "1 7 p 0 8 W 8 0 {a}\n\
+         2 7 p 8 8 X 8 0 {a}\n\
+         3 7 p 16 8 W 8 0 {a}zz\n\
+         4 7 p 16 8 W 8 0 {a}\n",
+        a = h(1)
+    );
+    let p = write(dir.path(), "bad.blkparse", &text);
+    let err = replay(
+        std::slice::from_ref(&p),
+        &ReplayConfig::default(),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(matches!(err, TraceError::BadLine { line: 2, .. }), "{err}");
+    assert!(
+        err.to_string().contains("bad.blkparse:2:"),
+        "message names file:line: {err}"
+    );
+    let cfg = ReplayConfig {
+        skip_bad: true,
+        ..ReplayConfig::default()
+    };
+    let r = run(&[p], &cfg);
+    assert_eq!(r.bad_records_skipped, 2);
+    assert_eq!(r.writes, 2);
+}
+
+#[test]
+fn unavailable_policy_is_a_clear_error() {
+    let cfg = ReplayConfig {
+        policy: "g-lru".into(),
+        ..ReplayConfig::default()
+    };
+    let err = replay(&[], &cfg, &mut |_| {}).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("policy g-lru is not available yet"),
+        "{err}"
+    );
+    let cfg = ReplayConfig {
+        index_memory_bytes: Some(1 << 20),
+        ..ReplayConfig::default()
+    };
+    assert!(replay(&[], &cfg, &mut |_| {}).is_err());
+}
+
+#[test]
+fn multiple_files_interleave_by_time_stamp() {
+    let dir = tempfile::tempdir().unwrap();
+    // the same block is written in both files; overwritten in a at t=30
+    let a = write(
+        dir.path(),
+        "a.blkparse",
+        &format!(
+            "10 1 p 0 8 W 8 0 {x}\n30 1 p 0 8 W 8 0 {y}\n",
+            x = h(1),
+            y = h(2)
+        ),
+    );
+    let b = write(
+        dir.path(),
+        "b.blkparse",
+        &format!("20 2 q 0 8 W 8 0 {x}\n", x = h(1)),
+    );
+    let r = run(&[a, b], &ReplayConfig::default());
+    assert_eq!(r.streams.len(), 2);
+    // t=20 comes before the overwrite: still a duplicate inline
+    assert_eq!(r.duplicate_blocks_inline, 1);
+}
+
+fn gen_bytes(spec: &GenSpec) -> Vec<u8> {
+    let mut out = Vec::new();
+    generate_to(spec, &mut out, "mem").unwrap();
+    out
+}
+
+fn spec(locality: Locality, seed: u64) -> GenSpec {
+    GenSpec {
+        streams: vec![StreamSpec {
+            locality,
+            share: 1,
+            name: "s".into(),
+        }],
+        size_bytes: 16 << 20,
+        block_bytes: 4096,
+        volume_bytes: 64 << 20,
+        sequential: false,
+        dup_percent: 50.0,
+        seed,
+    }
+}
+
+#[test]
+fn generators_are_deterministic() {
+    let s = spec(Locality::Uniform, 7);
+    assert_eq!(gen_bytes(&s), gen_bytes(&s));
+    assert_ne!(gen_bytes(&s), gen_bytes(&spec(Locality::Uniform, 8)));
+    let mix = GenSpec {
+        streams: dedupd_sim::gen::workload("A", 32.0).unwrap(),
+        ..spec(Locality::Weak, 3)
+    };
+    assert_eq!(gen_bytes(&mix), gen_bytes(&mix));
+}
+
+#[test]
+fn good_locality_has_much_shorter_reuse_distances_than_weak() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut means = Vec::new();
+    for (name, loc) in [
+        (
+            "good",
+            Locality::Good {
+                mean_reuse_blocks: 32.0,
+            },
+        ),
+        ("weak", Locality::Weak),
+    ] {
+        let p = dir.path().join(name);
+        std::fs::write(&p, gen_bytes(&spec(loc, 1))).unwrap();
+        let s = trace_stats(&p, None, false).unwrap();
+        assert_eq!(s.format, Some(Format::Native));
+        assert_eq!(s.blocks_written, 4096);
+        let pct = s.exact_duplicate_percent;
+        assert!((40.0..60.0).contains(&pct), "{name}: {pct} % duplicates");
+        means.push(s.mean_reuse_distance_blocks);
+    }
+    assert!(
+        means[0] * 10.0 < means[1],
+        "good {} vs weak {}",
+        means[0],
+        means[1]
+    );
+}
+
+#[test]
+fn fio_generator_dup_percent_and_mix_ratios() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("fio");
+    std::fs::write(&p, gen_bytes(&spec(Locality::Uniform, 2))).unwrap();
+    let s = trace_stats(&p, None, false).unwrap();
+    assert!((45.0..55.0).contains(&s.exact_duplicate_percent));
+    let mix = GenSpec {
+        streams: dedupd_sim::gen::workload("C", 32.0).unwrap(),
+        ..spec(Locality::Weak, 3)
+    };
+    let p = dir.path().join("mix");
+    std::fs::write(&p, gen_bytes(&mix)).unwrap();
+    let cfg = ReplayConfig {
+        stream_by: StreamBy::Process,
+        ..ReplayConfig::default()
+    };
+    let r = run(&[p], &cfg);
+    assert_eq!(r.streams.len(), 2);
+    let blocks = |suffix: &str| {
+        r.streams
+            .iter()
+            .find(|s| s.name.ends_with(suffix))
+            .unwrap()
+            .blocks_written
+    };
+    let (good, weak) = (blocks(":good"), blocks(":weak"));
+    let ratio = weak as f64 / good as f64;
+    assert!((2.5..3.5).contains(&ratio), "weak:good = {ratio}");
+}
+
+#[test]
+fn convert_then_replay_gives_the_same_figures() {
+    let Some(dir) = samples_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let src = dir.join("homes-sample.1.blkparse");
+    let out = tmp.path().join("homes.ddt");
+    let c = convert(&src, None, false, &out).unwrap();
+    assert_eq!(c.requests, 1000);
+    assert_eq!(read_all(&src, None), read_all(&out, None));
+    let a = run(&[src], &ReplayConfig::default());
+    let b = run(&[out], &ReplayConfig::default());
+    assert_eq!(
+        (
+            a.blocks_written,
+            a.exact_duplicate_blocks,
+            a.duplicate_blocks_inline,
+            a.extents
+        ),
+        (
+            b.blocks_written,
+            b.exact_duplicate_blocks,
+            b.duplicate_blocks_inline,
+            b.extents
+        )
+    );
+}
