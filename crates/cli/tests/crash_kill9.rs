@@ -8,7 +8,8 @@
 //! - an ext4 on the volume (nbdfuse + loop) is consistent after its journal
 //!   is replayed, and every file synced before the kill is intact;
 //! - `dedupd fsck` (when the binary has that subcommand) finds the crashed
-//!   store clean (exit status 0).
+//!   store clean (exit status 0) after every kill, and `fsck --rehash`
+//!   after the final clean stop.
 //!
 //! The kill moments and the writes come from a seeded generator: the seed
 //! is printed; `DEDUPD_CRASH_SEED=<n>` repeats a run, `DEDUPD_CRASH_KILLS=<n>`
@@ -100,15 +101,21 @@ fn fsck_available() -> bool {
 /// Runs `dedupd --store S fsck` on a store no server has open; requires
 /// exit status 0 (clean).
 fn fsck_clean(store: &Path, after: &str) {
+    fsck_clean_with(store, after, &[]);
+}
+
+/// [`fsck_clean`] with extra options (`--rehash`).
+fn fsck_clean_with(store: &Path, after: &str, opts: &[&str]) {
     let out = Command::new(dedupd_bin())
         .arg("--store")
         .arg(store)
         .arg("fsck")
+        .args(opts)
         .output()
         .expect("running dedupd fsck");
     assert!(
         out.status.code() == Some(0),
-        "dedupd fsck of the store after {after} exited with {} (0 = clean required):\n\
+        "dedupd fsck {opts:?} of the store after {after} exited with {} (0 = clean required):\n\
          stdout: {}\nstderr: {}",
         out.status,
         String::from_utf8_lossy(&out.stdout),
@@ -437,7 +444,7 @@ fn kill9_during_qemu_io_writes_keeps_flushed_data() {
     }
     server.stop();
     if fsck {
-        fsck_clean(&store, "the final clean stop");
+        fsck_clean_with(&store, "the final clean stop", &["--rehash"]);
     }
     eprintln!(
         "crash: qemu-io test: {kills} kills in {:.1} s ({racing_at_kill} with a client still \
@@ -647,7 +654,7 @@ fn kill9_during_ext4_copies_keeps_synced_files() {
     drop(att.fuse);
     server.stop();
     if fsck {
-        fsck_clean(&store, "the final clean stop");
+        fsck_clean_with(&store, "the final clean stop", &["--rehash"]);
     }
     eprintln!(
         "crash: ext4 test: {kills} kills in {:.1} s",
