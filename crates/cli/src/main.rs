@@ -255,11 +255,12 @@ fn fsck(store: &Path, repair: bool, rehash: bool, json: bool) -> anyhow::Result<
             println!("data lost: {l}");
         }
         println!(
-            "{}: {} volumes, {} mapped blocks, {} referenced blocks, {} rehashed, {} leaked; {}",
+            "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked; {}",
             store.display(),
             report.volumes,
             report.mapped_blocks,
             report.referenced_blocks,
+            report.duplicate_copies,
             report.blocks_rehashed,
             report.leaked_blocks,
             match report.exit_code() {
@@ -316,9 +317,31 @@ fn print_stats(v: &Value) {
     );
     println!("journal in use               {}", human(u("journal_bytes")));
     println!(
-        "index entries in memory      {} ({})",
+        "index entries                {} ({} in memory)",
         u("index_entries"),
         human(u("index_bytes_in_memory"))
+    );
+    let ix = &v["index"];
+    let x = |k: &str| ix[k].as_u64().unwrap_or(0);
+    println!(
+        "  in memory / on disk        {} / {} (budget {} used of {}; prefix tree {})",
+        x("entries_in_memory"),
+        x("entries_on_disk"),
+        human(x("memory_bytes")),
+        human(x("memory_budget_bytes")),
+        human(x("tree_bytes"))
+    );
+    println!(
+        "  evictions                  {} groups, {} entries ({} reads, {} writes)",
+        x("groups_evicted"),
+        x("entries_evicted"),
+        x("eviction_reads"),
+        x("eviction_writes")
+    );
+    println!(
+        "  disk lookups / promotions  {} / {}",
+        x("lookup_reads"),
+        x("promotions")
     );
     println!(
         "metadata arrays in memory    {}",

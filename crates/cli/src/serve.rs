@@ -42,6 +42,22 @@ pub struct ServeArgs {
     /// before sharing it (like ZFS dedup=verify; off by default).
     #[arg(long)]
     pub verify: bool,
+    /// Memory budget of the in-memory fingerprint store (SmartDedup §3.2);
+    /// changeable at every start.
+    #[arg(long, default_value = "8M")]
+    pub index_memory: String,
+    /// Eviction policy of the in-memory fingerprint store: glru (whole
+    /// prefix groups) or lru (single fingerprints, for comparison).
+    #[arg(long, default_value = "glru")]
+    pub index_policy: dedupd_engine::index::EvictionPolicy,
+    /// Inline lookup: memory (never waits on disk; SmartDedup) or disk (also
+    /// searches the on-disk fingerprint store; dmdedup-style).
+    #[arg(long, default_value = "memory")]
+    pub inline_lookup: dedupd_engine::index::LookupMode,
+    /// Prefix bits of the fingerprint index when a store is created (8-24;
+    /// 16 suits stores up to ~50 GiB of unique data per 2-page group).
+    #[arg(long, default_value_t = 16)]
+    pub index_prefix_bits: u32,
     /// Worker threads per NBD connection.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -109,6 +125,12 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
         verify: args.verify,
+        index: dedupd_engine::index::IndexConfig {
+            memory_budget_bytes: parse_size(&args.index_memory).map_err(anyhow::Error::msg)?,
+            policy: args.index_policy,
+            lookup: args.inline_lookup,
+            prefix_bits: args.index_prefix_bits,
+        },
         ..EngineConfig::default()
     };
     let server_config = ServerConfig {

@@ -27,6 +27,7 @@ use crate::backend::{BlockBackend, FileBackend, MemoryBackend, NullBackend};
 use crate::block::{is_zero, Lba, Pba, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{EngineError, Result};
 use crate::fingerprint::{Fingerprint, HashAlgorithm};
+use crate::index::{FileGroupStore, FingerprintIndex, MemoryGroupStore};
 use crate::journal::{self, Journal, MetaFile, Op};
 use crate::meta::{Meta, Volume};
 use crate::paged::PagedArray;
@@ -55,6 +56,10 @@ pub struct EngineConfig {
     /// before sharing it (like ZFS `dedup=verify`). Default false: with
     /// SHA-256 a collision is far less likely than an undetected disk error.
     pub verify: bool,
+    /// The fingerprint index: memory budget, eviction policy, inline lookup
+    /// mode; `prefix_bits` applies when a store is created (afterwards the
+    /// superblock's value is used).
+    pub index: crate::index::IndexConfig,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +70,7 @@ impl Default for EngineConfig {
             journal_reserve_bytes: 8 << 20,
             allow_damaged_metadata: false,
             verify: false,
+            index: crate::index::IndexConfig::default(),
         }
     }
 }
@@ -174,7 +180,7 @@ impl Engine {
     /// Creates a new, empty store at `path` with the given fingerprint
     /// algorithm and opens it. Fails if `path` exists and is not empty.
     pub fn create(path: &Path, hash: HashAlgorithm, config: EngineConfig) -> Result<Engine> {
-        drop(StoreDir::create(path, hash)?);
+        drop(StoreDir::create(path, hash, config.index.prefix_bits)?);
         Engine::open(path, config)
     }
 
@@ -201,6 +207,18 @@ impl Engine {
         let state: State = decode_checked(images.get(MetaFile::State)?, &state_path)?;
         let next_seq = state.journal_seq.max(chain.last().map_or(0, |t| t.seq)) + 1;
         let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
+        // the on-disk fingerprint store is derived data, rebuilt at every open
+        let groups = dir.open_file("fpgroups", true)?;
+        groups
+            .set_len(0)
+            .map_err(|e| EngineError::io("resetting the on-disk fingerprint store", e))?;
+        let index = FingerprintIndex::new(
+            crate::index::IndexConfig {
+                prefix_bits: sb.index_prefix_bits,
+                ..config.index
+            },
+            Box::new(FileGroupStore(groups)),
+        );
         let mut damage: Vec<Damage> = Vec::new();
         let mut load = |file: MetaFile, damage: &mut Vec<Damage>| -> Result<PagedArray> {
             let (array, pages) = PagedArray::from_disk(images.get(file)?, file.page_tag());
@@ -217,7 +235,7 @@ impl Engine {
             counters: state.counters.clone(),
             refcounts: load(MetaFile::Refcounts, &mut damage)?,
             fingerprints: load(MetaFile::Fingerprints, &mut damage)?,
-            ..Meta::empty()
+            ..Meta::empty(index)
         };
         let store_level = damage.len();
         for rec in &state.volumes {
@@ -255,7 +273,8 @@ impl Engine {
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
-        meta.rebuild_derived(data_blocks);
+        meta.rebuild_derived(data_blocks)
+            .map_err(|e| EngineError::io("rebuilding the on-disk fingerprint store", e))?;
         let journal = Journal::new(jfile, chain_bytes, next_seq);
         // best effort: without the reserve the store still works
         let _ = journal.reserve(config.journal_reserve_bytes);
@@ -279,6 +298,13 @@ impl Engine {
     /// An engine whose data and metadata live only in memory (tests,
     /// simulation); FLUSH only recycles freed blocks.
     pub fn in_memory(hash: HashAlgorithm) -> Engine {
+        Engine::in_memory_with(hash, EngineConfig::default())
+    }
+
+    /// [`Engine::in_memory`] with a configuration (index budget, policy,
+    /// lookup mode, prefix bits, verify).
+    pub fn in_memory_with(hash: HashAlgorithm, config: EngineConfig) -> Engine {
+        let index = FingerprintIndex::new(config.index, Box::new(MemoryGroupStore::default()));
         Engine {
             dir: None,
             damage: Vec::new(),
@@ -286,7 +312,7 @@ impl Engine {
             backend: Box::new(MemoryBackend::default()),
             meta: Mutex::new(Meta {
                 next_volume_id: 1,
-                ..Meta::empty()
+                ..Meta::empty(index)
             }),
             reuse: RwLock::new(()),
             commit: Mutex::new(CommitState {
@@ -295,15 +321,21 @@ impl Engine {
                 durable_changes: 0,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
-            config: EngineConfig::default(),
+            config,
         }
     }
 
     /// An engine that keeps metadata in memory and stores no block data
     /// (the null backend of the simulator): reads return zeros. Replaying a
-    /// trace through it measures the real dedup logic.
+    /// trace through it measures the real dedup logic. The on-disk
+    /// fingerprint store is kept in memory; its I/O is counted, not done.
     pub fn simulated(hash: HashAlgorithm) -> Engine {
-        let mut e = Engine::in_memory(hash);
+        Engine::simulated_with(hash, EngineConfig::default())
+    }
+
+    /// [`Engine::simulated`] with a configuration.
+    pub fn simulated_with(hash: HashAlgorithm, config: EngineConfig) -> Engine {
+        let mut e = Engine::in_memory_with(hash, config);
         e.backend = Box::new(NullBackend);
         e
     }
@@ -731,7 +763,9 @@ impl Engine {
                     Some(fp) => {
                         let block =
                             |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
-                        let hit = m.index.get(fp).copied();
+                        let hit = m
+                            .lookup(fp)
+                            .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
                         let same_request = first_of.get(fp).copied();
                         if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
                             m.remap(vol, lba, Some(p));
@@ -807,14 +841,26 @@ impl Engine {
                     final_pba[i] = Some(*pba);
                     continue;
                 }
-                let target = match m.index.get(fp) {
-                    Some(&existing) => {
+                let raced = match m.lookup(fp) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        m.unreserve(*pba);
+                        return Err(EngineError::io("reading the fingerprint store", e));
+                    }
+                };
+                let target = match raced {
+                    Some(existing) => {
                         m.unreserve(*pba);
                         m.counters.duplicate_blocks += 1;
                         existing
                     }
                     None => {
-                        m.index_new(*pba, *fp);
+                        if let Err(e) = m.index_new(*pba, *fp) {
+                            // the block is stored and mapped below; only the
+                            // index missed it (out-of-line dedup or fsck finds it)
+                            m.counters.index_errors += 1;
+                            let _ = e;
+                        }
                         *pba
                     }
                 };
@@ -964,8 +1010,9 @@ impl Engine {
                 duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
                 blocks_trimmed: c.blocks_trimmed,
                 verify_mismatches: c.verify_mismatches,
-                index_entries: m.index.len() as u64,
+                index_entries: m.index.len(),
                 index_bytes_in_memory: m.index_bytes(),
+                index: m.index.stats(),
                 metadata_bytes_in_memory: m.array_bytes(),
                 ..Stats::default()
             };

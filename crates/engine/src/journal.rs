@@ -201,7 +201,8 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
     }
     let count = u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes"));
     let mut body = &bytes[HEADER_BYTES..total - 4];
-    let mut ops = Vec::with_capacity(count.min(1 << 20) as usize);
+    // every record takes at least 18 bytes: never reserve more than the body can hold
+    let mut ops = Vec::with_capacity((count as usize).min(body.len() / 18));
     for _ in 0..count {
         if body.len() < 18 {
             return Err(DecodeError::Malformed("record header"));
@@ -226,6 +227,9 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
                 data,
             },
             2 => Op::Replace { file, data },
+            3 | 4 if !data.is_empty() => {
+                return Err(DecodeError::Malformed("data on a record without data"))
+            }
             3 => Op::SetLen { file, len_bytes: a },
             4 => Op::Remove { file },
             _ => return Err(DecodeError::Malformed("record tag")),

@@ -15,6 +15,7 @@ pub mod engine;
 pub mod error;
 pub mod fingerprint;
 pub mod fsck;
+pub mod index;
 pub mod journal;
 pub mod meta;
 pub mod paged;

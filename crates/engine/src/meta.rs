@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE_U64};
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
+use crate::index::{key_of, FingerprintIndex};
 use crate::journal::{MetaFile, Op};
 use crate::paged::PagedArray;
 use crate::store::{encode_checked, PersistentCounters, State, VolumeRecord};
@@ -56,8 +57,8 @@ pub struct Meta {
     pub refcounts: PagedArray,
     /// Fingerprint per PBA (reverse index); stale (meaningless) for free PBAs.
     pub fingerprints: PagedArray,
-    /// Fingerprint → PBA, for every stored block (exact, in memory).
-    pub index: HashMap<Fingerprint, Pba>,
+    /// The two-level fingerprint store (fingerprint → PBA).
+    pub index: FingerprintIndex,
     /// Free PBAs below the high-water mark, reusable now (lowest last).
     pub free: Vec<u64>,
     /// PBAs whose reference count reached 0 since the last journal commit;
@@ -93,8 +94,9 @@ pub struct CommitBatch {
 
 impl Meta {
     /// Empty metadata with each array tagged for its file.
-    pub fn empty() -> Meta {
+    pub fn empty(index: FingerprintIndex) -> Meta {
         Meta {
+            index,
             refcounts: PagedArray::new(MetaFile::Refcounts.page_tag()),
             fingerprints: PagedArray::new(MetaFile::Fingerprints.page_tag()),
             ..Meta::default()
@@ -103,18 +105,19 @@ impl Meta {
 
     /// Builds the free list and derived counts after loading the arrays.
     /// `data_blocks` is the data file's length in blocks.
-    pub fn rebuild_derived(&mut self, data_blocks: u64) {
+    pub fn rebuild_derived(&mut self, data_blocks: u64) -> std::io::Result<()> {
         let rc_blocks = self.refcounts.logical_len() / 4;
         let mut top = 0;
         self.stored_blocks = 0;
-        self.index.clear();
+        let mut all = Vec::new();
         for p in 0..rc_blocks {
             if self.refcounts.get_u32(p) > 0 {
                 top = p + 1;
                 self.stored_blocks += 1;
-                self.index.insert(self.fingerprint_of(Pba(p)), Pba(p));
+                all.push((self.fingerprint_of(Pba(p)), Pba(p)));
             }
         }
+        self.index.rebuild(all)?;
         self.high_water_blocks = top.max(data_blocks);
         self.free = (0..self.high_water_blocks)
             .rev()
@@ -128,6 +131,21 @@ impl Meta {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Looks a fingerprint up in the index; a candidate counts only if its
+    /// PBA is referenced and stores exactly this fingerprint (reverse index).
+    pub fn lookup(&mut self, fp: &Fingerprint) -> std::io::Result<Option<Pba>> {
+        let Meta {
+            index,
+            refcounts,
+            fingerprints,
+            ..
+        } = self;
+        let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
+        let found = index.lookup(fp, &live)?;
+        Ok(found.filter(|&p| self.fingerprint_of(p) == *fp))
     }
 
     /// The fingerprint recorded for a PBA.
@@ -157,10 +175,19 @@ impl Meta {
 
     /// Records that `pba` now stores the block with fingerprint `fp`
     /// (reference count still 0; the caller maps it next).
-    pub fn index_new(&mut self, pba: Pba, fp: Fingerprint) {
+    pub fn index_new(&mut self, pba: Pba, fp: Fingerprint) -> std::io::Result<()> {
         self.fingerprints
             .write(pba.0 * FINGERPRINT_SIZE as u64, &fp.0);
-        self.index.insert(fp, pba);
+        // the entry is live once the caller maps it; count it live now so an
+        // eviction triggered by this insert keeps it
+        let Meta {
+            index,
+            refcounts,
+            fingerprints,
+            ..
+        } = self;
+        let live = |key: u64, p: Pba| p == pba || live(refcounts, fingerprints, key, p);
+        index.insert(&fp, pba, &live)
     }
 
     /// Records the fingerprint of a block stored without being indexed (its
@@ -207,9 +234,7 @@ impl Meta {
         if rc == 0 {
             self.stored_blocks -= 1;
             let fp = self.fingerprint_of(p);
-            if self.index.get(&fp) == Some(&p) {
-                self.index.remove(&fp);
-            }
+            self.index.remove(&fp, p);
             // the reverse-index entry is left stale: reference count 0
             // marks it meaningless, and a TRIM dirties fewer pages
             self.pending_free.push(p.0);
@@ -327,8 +352,7 @@ impl Meta {
     /// Bytes of memory held by the fingerprint index (entries plus the hash
     /// table's control bytes and spare capacity).
     pub fn index_bytes(&self) -> u64 {
-        let entry = std::mem::size_of::<(Fingerprint, Pba)>() as u64 + 1;
-        self.index.capacity() as u64 * entry
+        self.index.memory_bytes() + self.index.stats().tree_bytes
     }
 
     /// Checks every invariant; returns a description of each violation.
@@ -368,18 +392,22 @@ impl Meta {
             if rc > 0 && free_or_pending[p as usize] {
                 errs.push(format!("PBA {p} is referenced and free"));
             }
-            // (a verify mismatch is stored unindexed: its fingerprint is
-            // indexed for another, referenced PBA)
-            let indexed_at = self.index.get(&self.fingerprint_of(Pba(p)));
-            if rc > 0 && indexed_at.is_none_or(|q| self.refcounts.get_u32(q.0) == 0) {
-                errs.push(format!("PBA {p} is referenced but not indexed"));
-            }
         }
-        for (fp, p) in &self.index {
-            if self.refcounts.get_u32(p.0) == 0 {
-                errs.push(format!("fingerprint {fp:?} indexed at free PBA {}", p.0));
+        for (key, p) in self.index.memory_entries() {
+            if !live(&self.refcounts, &self.fingerprints, key, p) {
+                errs.push(format!("index entry {key:016x} → PBA {} is stale", p.0));
             }
         }
         errs
     }
+}
+
+/// True if PBA `p` is referenced and its recorded fingerprint starts with `key`.
+fn live(refcounts: &PagedArray, fingerprints: &PagedArray, key: u64, p: Pba) -> bool {
+    if refcounts.get_u32(p.0) == 0 {
+        return false;
+    }
+    let mut fp = [0u8; FINGERPRINT_SIZE];
+    fingerprints.read(p.0 * FINGERPRINT_SIZE as u64, &mut fp);
+    key_of(&Fingerprint(fp)) == key
 }

@@ -45,10 +45,14 @@ pub struct Stats {
     pub metadata_bytes_on_disk: u64,
     /// Bytes of the journal in use since the last checkpoint.
     pub journal_bytes: u64,
-    /// Fingerprints in the in-memory index.
+    /// Fingerprints in the index, in memory and on disk (the on-disk count
+    /// may include stale entries awaiting a rewrite).
     pub index_entries: u64,
-    /// Bytes of memory held by the fingerprint index.
+    /// Bytes of memory held by the fingerprint index: in-memory groups
+    /// (bounded by the budget) plus the prefix tree.
     pub index_bytes_in_memory: u64,
+    /// The two-level fingerprint store in detail (SmartDedup §3.2).
+    pub index: crate::index::IndexStats,
     /// Bytes of memory held by the metadata arrays (maps, reference counts,
     /// reverse index) and free lists.
     pub metadata_bytes_in_memory: u64,

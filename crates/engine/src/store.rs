@@ -41,6 +41,13 @@ pub struct Superblock {
     pub block_size: u32,
     /// Fingerprint algorithm of every block in the store.
     pub hash: HashAlgorithm,
+    /// Prefix bits P of the fingerprint index (SmartDedup §3.2): 2^P groups.
+    #[serde(default = "default_prefix_bits")]
+    pub index_prefix_bits: u32,
+}
+
+fn default_prefix_bits() -> u32 {
+    16
 }
 
 /// One volume as recorded in `state.json`.
@@ -66,6 +73,10 @@ pub struct PersistentCounters {
     pub duplicate_blocks: u64,
     /// Blocks discarded by TRIM or WRITE_ZEROES.
     pub blocks_trimmed: u64,
+    /// Fingerprints that could not be indexed because the on-disk
+    /// fingerprint store failed (the blocks were stored all the same).
+    #[serde(default)]
+    pub index_errors: u64,
     /// Fingerprint hits whose bytes differed from the stored block (with
     /// verify on); those blocks were stored separately.
     #[serde(default)]
@@ -126,7 +137,7 @@ pub struct StoreDir {
 impl StoreDir {
     /// Creates a new store at `root` (the directory may exist but must be
     /// empty) and returns it opened and locked.
-    pub fn create(root: &Path, hash: HashAlgorithm) -> Result<StoreDir> {
+    pub fn create(root: &Path, hash: HashAlgorithm, index_prefix_bits: u32) -> Result<StoreDir> {
         if root.exists() {
             let mut entries = fs::read_dir(root)
                 .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
@@ -148,6 +159,7 @@ impl StoreDir {
             format_version: FORMAT_VERSION,
             block_size: BLOCK_SIZE as u32,
             hash,
+            index_prefix_bits: index_prefix_bits.clamp(8, 24),
         };
         let state = State {
             next_volume_id: 1,
@@ -456,11 +468,11 @@ mod tests {
             Err(EngineError::NotAStore { .. })
         ));
         assert!(matches!(
-            StoreDir::create(d.path(), HashAlgorithm::Sha256),
+            StoreDir::create(d.path(), HashAlgorithm::Sha256, 16),
             Err(EngineError::NotAStore { .. })
         ));
         let s = d.path().join("s");
-        let dir = StoreDir::create(&s, HashAlgorithm::Blake3).unwrap();
+        let dir = StoreDir::create(&s, HashAlgorithm::Blake3, 16).unwrap();
         assert!(matches!(StoreDir::open(&s), Err(EngineError::Locked(_))));
         drop(dir);
         let (_d, sb) = StoreDir::open(&s).unwrap();
