@@ -169,6 +169,8 @@ fn fiu_per_sector_layout_combines_eight_digests_per_block() {
     assert_eq!(r.exact_duplicate_blocks, 2);
     assert_eq!(r.duplicate_blocks_inline, 2);
     assert!((r.dedup_ratio - 2.0).abs() < 1e-9);
+    // LBA 0→P0, 1→P0, 2→P1, 5→P1: runs {0}, {1, 2}, {5}
+    assert_eq!((r.mapped_blocks, r.extents), (4, 3));
 }
 
 #[test]
