@@ -36,11 +36,11 @@ pub struct ReplayArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
-    /// Fingerprint-index policy (only `exact` is available yet).
+    /// Fingerprint-index policy: exact (unbounded), g-lru or lru.
     #[arg(long, default_value = "exact")]
     policy: String,
-    /// Memory budget of the fingerprint index (suffixes K, M, G); needs a
-    /// bounded policy.
+    /// Memory budget of the fingerprint index (suffixes K, M, G) for
+    /// g-lru and lru (default: the engine's, 8 MiB).
     #[arg(long, value_name = "SIZE")]
     index_memory: Option<String>,
 }
@@ -145,6 +145,11 @@ fn print_report(r: &Report) {
         r.data_writes_avoided_percent
     );
     println!("journal bytes (metadata I/O)  {}", human(r.journal_bytes));
+    let ix = &r.engine.index;
+    println!(
+        "fingerprint store I/O         {} eviction reads, {} eviction writes, {} lookup reads ({} groups evicted)",
+        ix.eviction_reads, ix.eviction_writes, ix.lookup_reads, ix.groups_evicted
+    );
     println!(
         "index memory                  peak {} ({} entries at end)",
         human(r.peak_index_bytes_in_memory),

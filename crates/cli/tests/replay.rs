@@ -89,13 +89,13 @@ fn replay_rejects_unavailable_policy_and_names_bad_lines() {
     let dir = tempfile::tempdir().unwrap();
     let (p, _, _) = trace(dir.path());
     let out = dedupd()
-        .args(["replay", "--policy", "lru"])
+        .args(["replay", "--policy", "lfu"])
         .arg(&p)
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("policy lru is not available yet"), "{err}");
+    assert!(err.contains("policy lfu is not available yet"), "{err}");
 
     let bad = dir.path().join("bad.blkparse");
     std::fs::write(&bad, format!("1 2 p 0 8 W 6 0 {:032x}\nnonsense\n", 1)).unwrap();

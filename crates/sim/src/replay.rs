@@ -13,6 +13,9 @@
 //! independent of the trace length apart from that set, the engine's
 //! metadata and the stream table.
 //!
+//! Trace digests become engine fingerprints through [`fingerprint_of`]
+//! (a 64-bit mix in front, so the index's prefixes and keys are uniform).
+//!
 //! Volumes are 1 PiB (the engine's limit; thin, so memory follows the LBAs
 //! touched). Reads are counted, not replayed (the null backend has no data).
 //! The engine is flushed every [`FLUSH_EVERY_REQUESTS`] requests so freed
@@ -24,7 +27,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use dedupd_engine::{Engine, Fingerprint, HashAlgorithm, Lba, Stats, VolumeId, BLOCK_SIZE};
+use dedupd_engine::index::EvictionPolicy;
+use dedupd_engine::{
+    Engine, EngineConfig, Fingerprint, HashAlgorithm, Lba, Stats, VolumeId, BLOCK_SIZE,
+};
 
 use crate::error::{Result, TraceError};
 use crate::reader::{Format, TraceReader};
@@ -37,10 +43,20 @@ pub const FLUSH_EVERY_REQUESTS: u64 = 4096;
 /// Requests between progress callbacks.
 const PROGRESS_EVERY_REQUESTS: u64 = 8192;
 
-/// Fingerprint-index policies this build can replay with.
-pub const AVAILABLE_POLICIES: &[&str] = &["exact"];
+/// Fingerprint-index policies this build can replay with: `exact` (every
+/// stored block's fingerprint stays in memory) and the engine's bounded
+/// policies `g-lru` (SmartDedup §3.2 group LRU) and `lru`.
+pub const AVAILABLE_POLICIES: &[&str] = &["exact", "g-lru", "lru"];
 /// Policies named by the design (ARCHITECTURE.md, index) but not built yet.
-pub const PLANNED_POLICIES: &[&str] = &["lru", "g-lru", "lfu", "arc", "refcount"];
+pub const PLANNED_POLICIES: &[&str] = &["lfu", "arc", "refcount"];
+/// Index budget standing for "unbounded" (`exact`): far above any memory,
+/// yet small enough that the engine's budget arithmetic cannot overflow.
+const UNBOUNDED_INDEX_BYTES: u64 = u64::MAX / 1024;
+
+/// Index budget of a bounded policy when none is given: the engine's default.
+pub fn default_index_memory_bytes() -> u64 {
+    EngineConfig::default().index.memory_budget_bytes
+}
 
 /// What makes a stream (one volume each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -77,10 +93,11 @@ pub struct ReplayConfig {
     pub stream_by: StreamBy,
     /// Count and skip malformed lines instead of failing.
     pub skip_bad: bool,
-    /// Fingerprint-index replacement policy; only `exact` exists yet.
+    /// Fingerprint-index replacement policy: `exact`, `g-lru` or `lru`
+    /// ([`AVAILABLE_POLICIES`]).
     pub policy: String,
-    /// Memory budget of the fingerprint index in bytes (`None`: unbounded;
-    /// needs a bounded policy).
+    /// Memory budget of the fingerprint index in bytes, for bounded
+    /// policies (`None`: the engine's default); refused with `exact`.
     pub index_memory_bytes: Option<u64>,
 }
 
@@ -97,30 +114,45 @@ impl Default for ReplayConfig {
 }
 
 /// Builds the engine a replay runs on: the one place where a policy and an
-/// index budget turn into an engine configuration.
+/// index budget turn into an engine configuration. `exact` takes no budget;
+/// `g-lru` and `lru` use `index_memory_bytes` (default
+/// [`default_index_memory_bytes`]) with the engine's default lookup mode.
 ///
 /// Errors: [`TraceError::Config`] for a policy not built yet, an unknown
 /// policy, or a budget given to the unbounded `exact` policy.
 pub fn build_engine(cfg: &ReplayConfig) -> Result<Engine> {
+    let mut ec = EngineConfig::default();
     match cfg.policy.as_str() {
         "exact" => {
             if let Some(b) = cfg.index_memory_bytes {
                 return Err(TraceError::Config(format!(
-                    "policy exact keeps every fingerprint; an index memory budget ({b} bytes) needs a bounded policy, and none is available yet"
+                    "policy exact keeps every fingerprint; an index memory budget ({b} bytes) needs a bounded policy ({})",
+                    AVAILABLE_POLICIES[1..].join(", ")
                 )));
             }
-            Ok(Engine::simulated(HashAlgorithm::Sha256))
+            ec.index.memory_budget_bytes = UNBOUNDED_INDEX_BYTES;
         }
-        p if PLANNED_POLICIES.contains(&p) => Err(TraceError::Config(format!(
-            "policy {p} is not available yet (available: {})",
-            AVAILABLE_POLICIES.join(", ")
-        ))),
-        p => Err(TraceError::Config(format!(
-            "unknown policy {p:?} (available: {}; planned: {})",
-            AVAILABLE_POLICIES.join(", "),
-            PLANNED_POLICIES.join(", ")
-        ))),
+        p @ ("g-lru" | "glru" | "lru") => {
+            ec.index.policy = p.parse::<EvictionPolicy>().map_err(TraceError::Config)?;
+            ec.index.memory_budget_bytes = cfg
+                .index_memory_bytes
+                .unwrap_or_else(default_index_memory_bytes);
+        }
+        p if PLANNED_POLICIES.contains(&p) => {
+            return Err(TraceError::Config(format!(
+                "policy {p} is not available yet (available: {})",
+                AVAILABLE_POLICIES.join(", ")
+            )))
+        }
+        p => {
+            return Err(TraceError::Config(format!(
+                "unknown policy {p:?} (available: {}; planned: {})",
+                AVAILABLE_POLICIES.join(", "),
+                PLANNED_POLICIES.join(", ")
+            )))
+        }
     }
+    Ok(Engine::simulated_with(HashAlgorithm::Sha256, ec))
 }
 
 /// Progress of a replay, passed to the caller's callback.
@@ -229,6 +261,28 @@ pub struct Report {
     pub streams: Vec<StreamReport>,
     /// The engine's own figures at the end.
     pub engine: Stats,
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The engine fingerprint of a 16-byte trace digest: a 64-bit mix of the
+/// whole digest, then the digest itself (then zeros). The engine's index
+/// keys on the first 64 bits and its prefix tree on the first P bits, which
+/// assume uniformly random fingerprints; MD5 digests are, but synthetic or
+/// structured digests (fixtures, counters) need not be. The digest is kept
+/// whole, so distinct digests stay distinct fingerprints.
+pub fn fingerprint_of(d: &Digest) -> Fingerprint {
+    let lo = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
+    let hi = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
+    let mut b = [0u8; 24];
+    b[..8].copy_from_slice(&splitmix64(lo ^ splitmix64(hi)).to_le_bytes());
+    b[8..].copy_from_slice(d);
+    Fingerprint::from_digest(&b)
 }
 
 fn pct(part: u64, whole: u64) -> f64 {
@@ -408,7 +462,7 @@ pub fn replay(
                                 if !exact.insert(*d) {
                                     r.exact_duplicate_blocks += 1;
                                 }
-                                fps.push(Some(Fingerprint::from_digest(d)));
+                                fps.push(Some(fingerprint_of(d)));
                             }
                             None => fps.push(None),
                         }
