@@ -21,6 +21,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, RwLock};
 
 use crate::backend::{BlockBackend, FileBackend, MemoryBackend, NullBackend};
@@ -46,6 +47,10 @@ pub struct EngineConfig {
     /// Metadata changed since the last commit that triggers a commit from
     /// the write path (default 16 MiB).
     pub max_dirty_bytes: u64,
+    /// Blocks released but not yet reusable (waiting for a commit) that
+    /// trigger a commit from the write path, in bytes (default 64 MiB); keeps
+    /// the data file from growing under overwrites.
+    pub max_pending_free_bytes: u64,
     /// Disk space allocated ahead for the journal (default 8 MiB), so the
     /// TRIMs that free space can be committed on a full file system.
     pub journal_reserve_bytes: u64,
@@ -67,6 +72,7 @@ impl Default for EngineConfig {
         EngineConfig {
             journal_size_bytes: 32 << 20,
             max_dirty_bytes: 16 << 20,
+            max_pending_free_bytes: 64 << 20,
             journal_reserve_bytes: 8 << 20,
             allow_damaged_metadata: false,
             verify: false,
@@ -168,6 +174,8 @@ pub struct Engine {
     reuse: RwLock<()>,
     commit: Mutex<CommitState>,
     rmw: Vec<Mutex<()>>,
+    /// Set when a bound on uncommitted metadata or pending frees is passed.
+    commit_wanted: AtomicBool,
     config: EngineConfig,
 }
 
@@ -291,6 +299,7 @@ impl Engine {
                 durable_changes: 0,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
+            commit_wanted: AtomicBool::new(false),
             config,
         })
     }
@@ -321,6 +330,7 @@ impl Engine {
                 durable_changes: 0,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
+            commit_wanted: AtomicBool::new(false),
             config,
         }
     }
@@ -495,12 +505,25 @@ impl Engine {
             .is_some_and(|v| v.read_only())
     }
 
-    fn check_writable(&self, vol: VolumeId) -> Result<()> {
+    /// One metadata lock: the volume exists, is writable, and the range is inside it.
+    fn check_write(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
         let m = lock(&self.meta);
-        match m.volumes.get(&vol) {
-            Some(v) if v.read_only() => Err(EngineError::ReadOnly(v.record.name.clone())),
-            _ => Ok(()),
+        let v = m
+            .volumes
+            .get(&vol)
+            .ok_or_else(|| EngineError::NoSuchVolume(format!("#{}", vol.0)))?;
+        let size_bytes = v.record.size_bytes;
+        if offset.checked_add(len).is_none_or(|end| end > size_bytes) {
+            return Err(EngineError::OutOfRange {
+                offset,
+                len,
+                size_bytes,
+            });
         }
+        if v.read_only() {
+            return Err(EngineError::ReadOnly(v.record.name.clone()));
+        }
+        Ok(())
     }
 
     fn check_range(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
@@ -580,8 +603,7 @@ impl Engine {
     /// backing file system is full; what was stored stays intact),
     /// [`EngineError::Io`].
     pub fn write(&self, vol: VolumeId, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.check_range(vol, offset, data.len() as u64)?;
-        self.check_writable(vol)?;
+        self.check_write(vol, offset, data.len() as u64)?;
         self.write_unchecked(vol, offset, Some(data))?;
         self.after_write(fua)
     }
@@ -589,8 +611,7 @@ impl Engine {
     /// Discards `len` bytes at `offset` (TRIM): whole blocks are unmapped and
     /// released; partial blocks are zeroed. Reads return zeros afterwards.
     pub fn trim(&self, vol: VolumeId, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.check_range(vol, offset, len)?;
-        self.check_writable(vol)?;
+        self.check_write(vol, offset, len)?;
         self.write_unchecked_zero(vol, offset, len)?;
         self.after_write(fua)
     }
@@ -602,14 +623,23 @@ impl Engine {
     }
 
     fn after_write(&self, fua: bool) -> Result<()> {
-        if fua {
+        if fua || self.commit_wanted.swap(false, Ordering::Relaxed) {
             return self.flush();
         }
-        let dirty_bytes = lock(&self.meta).dirty_pages() as u64 * crate::paged::PAGE_SIZE as u64;
-        if dirty_bytes > self.config.max_dirty_bytes {
-            self.flush()?;
-        }
         Ok(())
+    }
+
+    /// Called with the metadata lock held after a change: asks the next
+    /// writer to commit when changed metadata or blocks waiting to be freed
+    /// pass their bounds (freed blocks are reused only after a commit).
+    fn note_change(&self, m: &Meta) {
+        let dirty_bytes = m.dirty_pages() as u64 * crate::paged::PAGE_SIZE as u64;
+        let pending_free_bytes = m.pending_free.len() as u64 * BLOCK_SIZE_U64;
+        if dirty_bytes > self.config.max_dirty_bytes
+            || pending_free_bytes > self.config.max_pending_free_bytes
+        {
+            self.commit_wanted.store(true, Ordering::Relaxed);
+        }
     }
 
     fn write_unchecked_zero(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
@@ -631,6 +661,7 @@ impl Engine {
                 m.remap(vol, Lba(l), None);
             }
             m.counters.blocks_trimmed += piece_end - lba;
+            self.note_change(&m);
             lba = piece_end;
         }
         self.write_partial_span(vol, end_full * BLOCK_SIZE_U64, end, None)
@@ -876,6 +907,7 @@ impl Engine {
                 m.counters.duplicate_blocks += 1;
             }
         }
+        self.note_change(&m);
         Ok(())
     }
 
