@@ -54,9 +54,10 @@ pub struct ServeArgs {
     /// searches the on-disk fingerprint store; dmdedup-style).
     #[arg(long, default_value = "memory")]
     pub inline_lookup: dedupd_engine::index::LookupMode,
-    /// Prefix bits of the fingerprint index when a store is created (8-24;
-    /// 16 suits stores up to ~50 GiB of unique data per 2-page group).
-    #[arg(long, default_value_t = 16)]
+    /// Prefix bits P of the fingerprint index when a store is created
+    /// (8-24): 2^P groups of 254 entries per 4 KiB page; 14 keeps groups
+    /// within 2 pages up to ~32 GiB of unique data (add 1 per doubling).
+    #[arg(long, default_value_t = 14)]
     pub index_prefix_bits: u32,
     /// Worker threads per NBD connection.
     #[arg(long, default_value_t = 4)]

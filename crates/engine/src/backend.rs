@@ -26,15 +26,51 @@ pub trait BlockBackend: Send + Sync {
 
 /// Block data in one file, PBA × 4096 = byte offset; the file grows on
 /// demand (thin provisioning) and is sparse where never written.
+///
+/// Growth is preallocated in 64 MiB steps (`fallocate` with KEEP_SIZE):
+/// writing into blocks the file system has already allocated is several
+/// times cheaper than writing into holes (measured on ext4: the delayed
+/// allocation path dominated a sequential-write profile).
 #[derive(Debug)]
 pub struct FileBackend {
     file: File,
+    preallocated_end: std::sync::atomic::AtomicU64,
 }
+
+/// Bytes preallocated ahead of the data file's end.
+const PREALLOCATE_BYTES: u64 = 64 << 20;
 
 impl FileBackend {
     /// Uses `file`, opened for reading and writing.
     pub fn new(file: File) -> Self {
-        FileBackend { file }
+        FileBackend {
+            file,
+            preallocated_end: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn preallocate(&self, end: u64) {
+        use std::os::unix::io::AsRawFd;
+        use std::sync::atomic::Ordering;
+        let have = self.preallocated_end.load(Ordering::Relaxed);
+        if end <= have {
+            return;
+        }
+        let start = end.max(have);
+        let new_end = (end / PREALLOCATE_BYTES + 1) * PREALLOCATE_BYTES;
+        // SAFETY: fallocate on a file descriptor we own; failure (no space,
+        // unsupported) is harmless: the write itself reports ENOSPC.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                libc::FALLOC_FL_KEEP_SIZE,
+                start as libc::off_t,
+                (new_end - start) as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            self.preallocated_end.fetch_max(new_end, Ordering::Relaxed);
+        }
     }
 }
 
@@ -58,7 +94,9 @@ impl BlockBackend for FileBackend {
     }
 
     fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
-        self.file.write_all_at(data, pba.0 * BLOCK_SIZE_U64)
+        let off = pba.0 * BLOCK_SIZE_U64;
+        self.preallocate(off + data.len() as u64);
+        self.file.write_all_at(data, off)
     }
 
     fn sync(&self) -> io::Result<()> {

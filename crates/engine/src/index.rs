@@ -4,7 +4,8 @@
 //! forgotten.
 //!
 //! - **Prefix tree**: the first P bits of a fingerprint select a leaf
-//!   (P is chosen when the store is created; default 16). Leaves live in
+//!   (P is chosen when the store is created; default 14: 16384 groups,
+//!   at most 2 pages each up to ~32 GiB of unique data). Leaves live in
 //!   chunks of 256 allocated on demand (a two-level radix tree). A leaf holds
 //!   the slot of its in-memory group and the location of its on-disk group;
 //!   a missing leaf proves the fingerprint absent, so no Bloom filter is
@@ -113,7 +114,7 @@ pub struct IndexConfig {
     pub policy: EvictionPolicy,
     /// Inline lookup mode.
     pub lookup: LookupMode,
-    /// Prefix bits P (8–24).
+    /// Prefix bits P (8–24). Default 14.
     pub prefix_bits: u32,
 }
 
@@ -123,7 +124,7 @@ impl Default for IndexConfig {
             memory_budget_bytes: 8 << 20,
             policy: EvictionPolicy::GroupLru,
             lookup: LookupMode::Memory,
-            prefix_bits: 16,
+            prefix_bits: 14,
         }
     }
 }

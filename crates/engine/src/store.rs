@@ -47,7 +47,7 @@ pub struct Superblock {
 }
 
 fn default_prefix_bits() -> u32 {
-    16
+    14
 }
 
 /// One volume as recorded in `state.json`.
