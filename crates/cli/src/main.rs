@@ -59,13 +59,12 @@ enum Command {
     /// Convert, inspect and generate block traces.
     #[command(subcommand)]
     Trace(trace::TraceCommand),
-    /// Show dedup and resource figures (also while `dedupd serve` runs).
     /// Check the store's metadata (the server must be stopped). Exit codes as
     /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
     /// operational error.
     Fsck {
         /// Repair: rebuild reference counts, reverse index and free space
-        /// from the volume maps, merge duplicate copies.
+        /// from the volume maps and data.
         #[arg(long)]
         repair: bool,
         /// Re-fingerprint every stored block (reads all data).
@@ -75,6 +74,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show dedup and resource figures (also while `dedupd serve` runs).
     Stats {
         /// Print JSON instead of text.
         #[arg(long)]
