@@ -35,6 +35,7 @@ pub trait BlockBackend: Send + Sync {
 pub struct FileBackend {
     file: File,
     preallocated_end: std::sync::atomic::AtomicU64,
+    observer: crate::observe::Observer,
 }
 
 /// Bytes preallocated ahead of the data file's end.
@@ -46,7 +47,14 @@ impl FileBackend {
         FileBackend {
             file,
             preallocated_end: std::sync::atomic::AtomicU64::new(0),
+            observer: crate::observe::Observer::default(),
         }
+    }
+
+    /// Reports every write and sync (as file `data`) to `observer`.
+    pub fn with_observer(mut self, observer: crate::observe::Observer) -> Self {
+        self.observer = observer;
+        self
     }
 
     fn preallocate(&self, end: u64) {
@@ -96,11 +104,20 @@ impl BlockBackend for FileBackend {
     fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
         let off = pba.0 * BLOCK_SIZE_U64;
         self.preallocate(off + data.len() as u64);
-        self.file.write_all_at(data, off)
+        self.file.write_all_at(data, off)?;
+        self.observer.emit(crate::observe::IoEvent::Write {
+            file: "data",
+            offset: off,
+            data,
+        });
+        Ok(())
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()
+        self.file.sync_data()?;
+        self.observer
+            .emit(crate::observe::IoEvent::Sync { file: "data" });
+        Ok(())
     }
 
     fn len_bytes(&self) -> io::Result<u64> {

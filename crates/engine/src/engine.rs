@@ -65,6 +65,8 @@ pub struct EngineConfig {
     /// mode; `prefix_bits` applies when a store is created (afterwards the
     /// superblock's value is used).
     pub index: crate::index::IndexConfig,
+    /// Receives every change made to the store's files (crash testing).
+    pub observer: crate::observe::Observer,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +79,7 @@ impl Default for EngineConfig {
             allow_damaged_metadata: false,
             verify: false,
             index: crate::index::IndexConfig::default(),
+            observer: crate::observe::Observer::default(),
         }
     }
 }
@@ -199,7 +202,8 @@ impl Engine {
     /// [`EngineError::Locked`] (another process has it open),
     /// [`EngineError::Corrupt`] (a metadata file fails its checksum).
     pub fn open(path: &Path, config: EngineConfig) -> Result<Engine> {
-        let (dir, sb) = StoreDir::open(path)?;
+        let (mut dir, sb) = StoreDir::open(path)?;
+        dir.set_observer(config.observer.clone());
         let jfile = dir.open_file("journal", true)?;
         let chain =
             journal::read_chain(&jfile).map_err(|e| EngineError::io("reading the journal", e))?;
@@ -276,14 +280,16 @@ impl Engine {
         drop(images);
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);
-        let data = FileBackend::new(dir.open_file("data", true)?);
+        let data =
+            FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
         let data_blocks = data
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
         meta.rebuild_derived(data_blocks)
             .map_err(|e| EngineError::io("rebuilding the on-disk fingerprint store", e))?;
-        let journal = Journal::new(jfile, chain_bytes, next_seq);
+        let journal =
+            Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
         // best effort: without the reserve the store still works
         let _ = journal.reserve(config.journal_reserve_bytes);
         Ok(Engine {

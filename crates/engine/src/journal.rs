@@ -287,6 +287,7 @@ pub struct Journal {
     write_offset_bytes: u64,
     /// Sequence number of the next transaction.
     next_seq: u64,
+    observer: crate::observe::Observer,
 }
 
 impl Journal {
@@ -297,7 +298,14 @@ impl Journal {
             file,
             write_offset_bytes,
             next_seq,
+            observer: crate::observe::Observer::default(),
         }
+    }
+
+    /// Reports every write and sync (as file `journal`) to `observer`.
+    pub fn with_observer(mut self, observer: crate::observe::Observer) -> Self {
+        self.observer = observer;
+        self
     }
 
     /// Allocates `bytes` of disk space for the journal without changing its
@@ -337,7 +345,14 @@ impl Journal {
         let seq = self.next_seq;
         let bytes = encode_txn(seq, ops);
         self.file.write_all_at(&bytes, self.write_offset_bytes)?;
+        self.observer.emit(crate::observe::IoEvent::Write {
+            file: "journal",
+            offset: self.write_offset_bytes,
+            data: &bytes,
+        });
         self.file.sync_data()?;
+        self.observer
+            .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes += bytes.len() as u64;
         self.next_seq += 1;
         Ok(seq)
@@ -353,7 +368,13 @@ impl Journal {
     /// next start has nothing to replay.
     pub fn truncate(&mut self) -> io::Result<()> {
         self.file.set_len(0)?;
+        self.observer.emit(crate::observe::IoEvent::SetLen {
+            file: "journal",
+            len_bytes: 0,
+        });
         self.file.sync_all()?;
+        self.observer
+            .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes = 0;
         Ok(())
     }

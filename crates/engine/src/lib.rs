@@ -18,6 +18,7 @@ pub mod fsck;
 pub mod index;
 pub mod journal;
 pub mod meta;
+pub mod observe;
 pub mod paged;
 pub mod stats;
 pub mod store;

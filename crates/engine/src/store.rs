@@ -132,6 +132,7 @@ pub fn decode_checked<T: for<'de> Deserialize<'de>>(bytes: &[u8], path: &Path) -
 pub struct StoreDir {
     root: PathBuf,
     _lock: File,
+    observer: crate::observe::Observer,
 }
 
 impl StoreDir {
@@ -153,6 +154,7 @@ impl StoreDir {
         let dir = StoreDir {
             root: root.to_path_buf(),
             _lock: lock(root)?,
+            observer: crate::observe::Observer::default(),
         };
         let sb = Superblock {
             magic: SUPERBLOCK_MAGIC.into(),
@@ -225,8 +227,14 @@ impl StoreDir {
         let dir = StoreDir {
             root: root.to_path_buf(),
             _lock: lock(root)?,
+            observer: crate::observe::Observer::default(),
         };
         Ok((dir, sb))
+    }
+
+    /// Reports every change [`StoreDir::apply`] makes to `observer`.
+    pub fn set_observer(&mut self, observer: crate::observe::Observer) {
+        self.observer = observer;
     }
 
     /// The store directory.
@@ -271,6 +279,7 @@ impl StoreDir {
     pub fn apply(&self, ops: &[Op]) -> Result<()> {
         let mut open: HashMap<MetaFile, File> = HashMap::new();
         let mut dir_changed = false;
+        let name = |file: MetaFile| file.relative_path();
         for op in ops {
             let file = op.file();
             let path = self.path(file);
@@ -278,7 +287,11 @@ impl StoreDir {
             if let Op::Remove { .. } = op {
                 open.remove(&file);
                 match fs::remove_file(&path) {
-                    Ok(()) => dir_changed = true,
+                    Ok(()) => {
+                        dir_changed = true;
+                        self.observer
+                            .emit(crate::observe::IoEvent::Remove { file: &name(file) });
+                    }
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                     Err(e) => return Err(EngineError::io(ctx("removing"), e)),
                 }
@@ -298,19 +311,41 @@ impl StoreDir {
                     e.insert(f)
                 }
             };
+            let n = name(file);
+            let obs = &self.observer;
             match op {
-                Op::Write { offset, data, .. } => f
-                    .write_all_at(data, *offset)
-                    .map_err(|e| EngineError::io(ctx("writing"), e))?,
+                Op::Write { offset, data, .. } => {
+                    f.write_all_at(data, *offset)
+                        .map_err(|e| EngineError::io(ctx("writing"), e))?;
+                    obs.emit(crate::observe::IoEvent::Write {
+                        file: &n,
+                        offset: *offset,
+                        data,
+                    });
+                }
                 Op::Replace { data, .. } => {
                     f.set_len(0)
                         .map_err(|e| EngineError::io(ctx("truncating"), e))?;
+                    obs.emit(crate::observe::IoEvent::SetLen {
+                        file: &n,
+                        len_bytes: 0,
+                    });
                     f.write_all_at(data, 0)
                         .map_err(|e| EngineError::io(ctx("writing"), e))?;
+                    obs.emit(crate::observe::IoEvent::Write {
+                        file: &n,
+                        offset: 0,
+                        data,
+                    });
                 }
-                Op::SetLen { len_bytes, .. } => f
-                    .set_len(*len_bytes)
-                    .map_err(|e| EngineError::io(ctx("resizing"), e))?,
+                Op::SetLen { len_bytes, .. } => {
+                    f.set_len(*len_bytes)
+                        .map_err(|e| EngineError::io(ctx("resizing"), e))?;
+                    obs.emit(crate::observe::IoEvent::SetLen {
+                        file: &n,
+                        len_bytes: *len_bytes,
+                    });
+                }
                 Op::Remove { .. } => unreachable!("handled above"),
             }
         }
@@ -318,6 +353,8 @@ impl StoreDir {
             f.sync_all().map_err(|e| {
                 EngineError::io(format!("syncing {}", self.path(*file).display()), e)
             })?;
+            self.observer
+                .emit(crate::observe::IoEvent::Sync { file: &name(*file) });
         }
         if dir_changed {
             sync_dir(&self.root.join("maps"))?;

@@ -1,0 +1,117 @@
+//! Observation of every change the engine makes to its files, for crash
+//! testing: a recorder sees each write, length change, removal and sync in
+//! the order they happen, and a test builds the states a crash could leave
+//! (everything synced, plus any subset of what was not).
+//!
+//! File names are relative to the store directory (`data`, `journal`,
+//! `maps/3`, …). The on-disk fingerprint store (`fpgroups`) is rebuilt at
+//! every open and is not reported.
+
+use std::path::Path;
+use std::sync::Arc;
+
+/// One change to a file of the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoEvent<'a> {
+    /// `data` written at byte `offset` (not yet durable).
+    Write {
+        /// File, relative to the store.
+        file: &'a str,
+        /// Byte offset.
+        offset: u64,
+        /// The bytes.
+        data: &'a [u8],
+    },
+    /// Length set to `len_bytes` (not yet durable).
+    SetLen {
+        /// File, relative to the store.
+        file: &'a str,
+        /// New length in bytes.
+        len_bytes: u64,
+    },
+    /// The file was removed (the directory is synced right after).
+    Remove {
+        /// File, relative to the store.
+        file: &'a str,
+    },
+    /// Every earlier change to the file is durable.
+    Sync {
+        /// File, relative to the store.
+        file: &'a str,
+    },
+}
+
+/// Receives [`IoEvent`]s; called right after each operation succeeds.
+pub trait IoObserver: Send + Sync {
+    /// One event.
+    fn event(&self, e: IoEvent<'_>);
+}
+
+/// An optional observer, cheap to clone; the default observes nothing.
+#[derive(Clone, Default)]
+pub struct Observer(pub Option<Arc<dyn IoObserver>>);
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Observer(on)"
+        } else {
+            "Observer(off)"
+        })
+    }
+}
+
+impl Observer {
+    /// Reports `e` if an observer is attached.
+    pub fn emit(&self, e: IoEvent<'_>) {
+        if let Some(o) = &self.0 {
+            o.event(e);
+        }
+    }
+
+    /// Reports a write to `file` (a path under the store root `root`).
+    pub fn write(&self, root: &Path, file: &Path, offset: u64, data: &[u8]) {
+        if self.0.is_some() {
+            let name = relative(root, file);
+            self.emit(IoEvent::Write {
+                file: &name,
+                offset,
+                data,
+            });
+        }
+    }
+
+    /// Reports a length change.
+    pub fn set_len(&self, root: &Path, file: &Path, len_bytes: u64) {
+        if self.0.is_some() {
+            let name = relative(root, file);
+            self.emit(IoEvent::SetLen {
+                file: &name,
+                len_bytes,
+            });
+        }
+    }
+
+    /// Reports a removal.
+    pub fn remove(&self, root: &Path, file: &Path) {
+        if self.0.is_some() {
+            let name = relative(root, file);
+            self.emit(IoEvent::Remove { file: &name });
+        }
+    }
+
+    /// Reports a sync.
+    pub fn sync(&self, root: &Path, file: &Path) {
+        if self.0.is_some() {
+            let name = relative(root, file);
+            self.emit(IoEvent::Sync { file: &name });
+        }
+    }
+}
+
+fn relative(root: &Path, file: &Path) -> String {
+    file.strip_prefix(root)
+        .unwrap_or(file)
+        .to_string_lossy()
+        .into_owned()
+}
