@@ -294,6 +294,7 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
         );
         for (v, name) in (0..VOLUMES).map(|v| (v, format!("v{v}"))) {
             let (id, _) = e.volume(&name).unwrap();
+            #[allow(clippy::needless_range_loop)] // b is also the block number
             for b in 0..BLOCKS as usize {
                 let mut buf = vec![0u8; 4096];
                 e.read(id, b as u64 * 4096, &mut buf).unwrap();
@@ -308,12 +309,12 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
                         };
                         eprintln!("{i:4} {d}");
                     }
-                    let hi = Some(j);
+                    let hi = j;
                     eprintln!(
                         "history index {hi:?}; ends {:?}",
                         history.iter().map(|h| h.0).collect::<Vec<_>>()
                     );
-                    for (i, l) in log.iter().enumerate().take(hi.unwrap_or(0) + 2) {
+                    for (i, l) in log.iter().enumerate().take(hi + 2) {
                         eprintln!("op {i} (ends at event {}): {l}", history[i + 1].0);
                     }
                 }
