@@ -11,7 +11,7 @@ use crate::budget::Budget;
 use crate::export::{Export, ExportError, ExportInfo, ExportProvider};
 use crate::handshake::{negotiate, Outcome};
 use crate::proto;
-use crate::transmission::{run, ReplyWriter, Resources};
+use crate::transmission::{run, ReplySink, ReplyWriter, RequestSource, Resources};
 
 struct Mem(Mutex<Vec<u8>>);
 
@@ -75,6 +75,14 @@ impl std::io::Write for Sink {
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+impl ReplySink for Sink {}
+
+impl RequestSource for Cursor<&[u8]> {
+    fn input_pending(&mut self) -> bool {
+        true
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! A [`Server`] accepts connections on TCP and/or Unix listeners (one
 //! thread per connection), runs the handshake, then the transmission phase
-//! with a few worker threads per connection.
+//! with a few worker threads per connection, each reading, executing and
+//! answering whole requests.
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
@@ -17,7 +18,7 @@ use std::time::Duration;
 use crate::budget::Budget;
 use crate::export::ExportProvider;
 use crate::handshake::{self, Outcome};
-use crate::transmission::{self, ReplyWriter, Resources};
+use crate::transmission::{self, ReplySink, ReplyWriter, RequestSource, Resources};
 
 /// How often an idle accept loop checks for shutdown.
 const ACCEPT_POLL_MS: libc::c_int = 50;
@@ -33,8 +34,9 @@ const READ_BUFFER_BYTES: usize = 128 * 1024;
 /// Tunables of a [`Server`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
-    /// Worker threads per connection executing requests concurrently
-    /// (0 is treated as 1). Default 4.
+    /// Worker threads per connection (0 is treated as 1). Each reads one
+    /// whole request, executes it and sends its reply, so this many
+    /// requests of a connection run concurrently. Default 4.
     pub workers_per_connection: usize,
     /// Bytes of request payload (WRITE data, READ reply buffers) that may be
     /// in flight at once, summed over all connections of the server. A
@@ -68,12 +70,16 @@ pub struct ServerStats {
 
 /// A connected socket of either kind, as the connection code needs it.
 trait Socket: Read + Write + Send + Sync + 'static {
+    fn raw_fd(&self) -> RawFd;
     fn clone_socket(&self) -> io::Result<Box<dyn Socket>>;
     fn shutdown_socket(&self, how: Shutdown) -> io::Result<()>;
     fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()>;
 }
 
 impl Socket for TcpStream {
+    fn raw_fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
     fn clone_socket(&self) -> io::Result<Box<dyn Socket>> {
         Ok(Box::new(self.try_clone()?))
     }
@@ -86,6 +92,9 @@ impl Socket for TcpStream {
 }
 
 impl Socket for UnixStream {
+    fn raw_fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
     fn clone_socket(&self) -> io::Result<Box<dyn Socket>> {
         Ok(Box::new(self.try_clone()?))
     }
@@ -94,6 +103,18 @@ impl Socket for UnixStream {
     }
     fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         self.set_write_timeout(t)
+    }
+}
+
+impl ReplySink for Box<dyn Socket> {
+    fn socket_fd(&self) -> Option<RawFd> {
+        Some(self.raw_fd())
+    }
+}
+
+impl RequestSource for BufReader<Box<dyn Socket>> {
+    fn input_pending(&mut self) -> bool {
+        !self.buffer().is_empty() || wait_readable(self.get_ref().raw_fd(), 0).unwrap_or(false)
     }
 }
 

@@ -1,15 +1,25 @@
 //! Transmission phase ("Transmission" section of the spec), simple replies
 //! only.
 //!
-//! One reader (the connection's thread) decodes requests, checks them,
-//! reads WRITE payloads and queues the work; a small pool of worker threads
-//! calls the [`Export`] and writes each reply whole under a mutex, so
-//! replies may leave in any order.
+//! Each connection runs a few worker threads, all alike (nbdkit's
+//! "parallel" thread model). A worker takes the reading half, decodes one
+//! request, checks it, takes its share of the in-flight budget and reads its
+//! WRITE payload, gives the reading half back, calls the [`Export`], and
+//! writes the reply whole under the sending half's mutex. No request is
+//! handed from one thread to another, and replies may leave in any order.
+//!
+//! Replies are coalesced: while another request of the connection is in
+//! flight (its reply will follow soon), a reply is sent with `MSG_MORE`, so
+//! the kernel may put several replies in one TCP segment. The reply that
+//! leaves the connection with nothing in flight is sent without it, which
+//! pushes everything queued; and while a worker waits for the client's
+//! next request (nothing is buffered), queued replies are pushed and no
+//! reply is held.
 
-use std::io::{Read, Write};
+use std::io::{self, Read, Write};
+use std::os::fd::RawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::budget::{Budget, BudgetGuard};
@@ -20,7 +30,7 @@ use crate::proto::{self, Command, Request};
 /// What to do with a decoded request, decided before any payload is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Plan {
-    /// Valid: (read the WRITE payload and) hand it to a worker.
+    /// Valid: (read the WRITE payload and) execute it.
     Dispatch,
     /// Reply with this error; the request carries no payload.
     Reply(u32),
@@ -82,37 +92,194 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool) -> Plan {
     }
 }
 
-/// The sending half of a connection, shared by the reader and workers.
+/// Where replies go: a byte sink, optionally backed by a socket whose raw
+/// descriptor lets replies be sent with `MSG_MORE`.
+pub(crate) trait ReplySink: Write + Send {
+    /// The socket descriptor behind this sink, if any. It must stay open for
+    /// as long as the sink lives (the sink owns it).
+    fn socket_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+/// Where requests come from.
+pub(crate) trait RequestSource: Read + Send {
+    /// True if the next read will find data without waiting for the client
+    /// (bytes already buffered, or readable on the socket). Used only to
+    /// decide whether queued replies must be pushed out first; `false` when
+    /// unsure.
+    fn input_pending(&mut self) -> bool;
+}
+
+/// The sending half of a connection, shared by its workers, and the count
+/// of the connection's requests in flight (read but not yet replied to).
 pub(crate) struct ReplyWriter {
-    out: Mutex<Box<dyn Write + Send>>,
+    out: Mutex<Box<dyn ReplySink>>,
+    /// Socket of `out` while `send` with flags works on it.
+    fd: Option<RawFd>,
+    /// Cleared once the socket refused `send` (e.g. `EOPNOTSUPP`): plain
+    /// writes from then on.
+    use_send: AtomicBool,
     hangup: Box<dyn Fn() + Send + Sync>,
     dead: AtomicBool,
+    /// Requests counted by [`ReplyWriter::begin`] whose reply is not sent.
+    in_flight: AtomicUsize,
+    /// A reply went out with `MSG_MORE` and nothing has pushed it since.
+    /// Only changed under the `out` lock.
+    corked: AtomicBool,
+    /// A worker is waiting for the client's next request (nothing was
+    /// buffered): replies must not wait for company.
+    awaiting_client: AtomicBool,
 }
 
 impl ReplyWriter {
     /// Wraps `out`; `hangup` is called once a write fails (it should shut
-    /// the socket down so the reader stops too).
-    pub(crate) fn new(out: Box<dyn Write + Send>, hangup: Box<dyn Fn() + Send + Sync>) -> Self {
+    /// the socket down so the workers stop reading too).
+    pub(crate) fn new(out: Box<dyn ReplySink>, hangup: Box<dyn Fn() + Send + Sync>) -> Self {
+        let fd = out.socket_fd();
         ReplyWriter {
             out: Mutex::new(out),
+            fd,
+            use_send: AtomicBool::new(fd.is_some()),
             hangup,
             dead: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            corked: AtomicBool::new(false),
+            awaiting_client: AtomicBool::new(false),
         }
     }
 
-    /// Writes one whole reply. Returns false if the connection is dead.
-    pub(crate) fn send(&self, bytes: &[u8]) -> bool {
-        if self.dead.load(Ordering::SeqCst) {
+    /// Counts one more request in flight; it must be answered with
+    /// [`ReplyWriter::reply`] exactly once.
+    fn begin(&self) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// True once a write has failed.
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    /// Sends the whole reply of a request counted by
+    /// [`ReplyWriter::begin`] and uncounts it. Returns false if the
+    /// connection is dead.
+    ///
+    /// The count is taken and decremented under the send lock, so the reply
+    /// that brings it to zero is also the last one sent among those
+    /// counted: it goes out without `MSG_MORE` and pushes every reply
+    /// queued before it. A reply sent while a worker waits for the client
+    /// is not held either (the client may be waiting for it).
+    fn reply(&self, bytes: &[u8]) -> bool {
+        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        let others = self.in_flight.fetch_sub(1, Ordering::SeqCst) - 1;
+        if self.is_dead() {
             return false;
         }
-        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        let ok = out.write_all(bytes).and_then(|()| out.flush()).is_ok();
+        let more = others > 0 && !self.awaiting_client.load(Ordering::SeqCst);
+        let ok = self.write_locked(&mut out, bytes, more).is_ok();
         drop(out);
-        if !ok && !self.dead.swap(true, Ordering::SeqCst) {
-            (self.hangup)();
+        if !ok {
+            self.fail();
         }
         ok
     }
+
+    /// Marks whether a worker is about to wait for the client; on `true`,
+    /// pushes replies queued with `MSG_MORE` onto the wire. Under the send
+    /// lock, so a reply either is pushed here or sees the mark and is not
+    /// queued.
+    fn set_awaiting_client(&self, waiting: bool) {
+        if !waiting {
+            self.awaiting_client.store(false, Ordering::SeqCst);
+            return;
+        }
+        self.awaiting_client.store(true, Ordering::SeqCst);
+        let _out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.corked.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(fd) = self.fd {
+            // Setting TCP_NODELAY (already set) makes Linux send pending
+            // segments at once. Not a TCP socket (Unix sockets ignore
+            // MSG_MORE): nothing to push, the error is irrelevant.
+            let one: libc::c_int = 1;
+            // SAFETY: `fd` is owned by `out`, which is alive (and locked);
+            // the option value points to a c_int of the size passed.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::IPPROTO_TCP,
+                    libc::TCP_NODELAY,
+                    std::ptr::addr_of!(one).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+        }
+    }
+
+    fn fail(&self) {
+        if !self.dead.swap(true, Ordering::SeqCst) {
+            (self.hangup)();
+        }
+    }
+
+    /// Writes all of `bytes`; the caller holds the `out` lock.
+    fn write_locked(
+        &self,
+        out: &mut Box<dyn ReplySink>,
+        bytes: &[u8],
+        more: bool,
+    ) -> io::Result<()> {
+        if let (Some(fd), true) = (self.fd, self.use_send.load(Ordering::Relaxed)) {
+            match send_all(fd, bytes, more) {
+                Ok(()) => {
+                    self.corked.store(more, Ordering::SeqCst);
+                    return Ok(());
+                }
+                Err(SendError::Unsupported(sent)) => {
+                    self.use_send.store(false, Ordering::Relaxed);
+                    self.corked.store(false, Ordering::SeqCst);
+                    return out.write_all(&bytes[sent..]).and_then(|()| out.flush());
+                }
+                Err(SendError::Io(e)) => return Err(e),
+            }
+        }
+        out.write_all(bytes).and_then(|()| out.flush())
+    }
+}
+
+enum SendError {
+    /// The descriptor does not support `send` with these flags; this many
+    /// bytes were sent before.
+    Unsupported(usize),
+    Io(io::Error),
+}
+
+/// Sends all of `bytes` on socket `fd`, with `MSG_MORE` if `more`.
+fn send_all(fd: RawFd, bytes: &[u8], more: bool) -> Result<(), SendError> {
+    let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let rest = &bytes[sent..];
+        // SAFETY: `rest` is a valid readable buffer of `rest.len()` bytes;
+        // `fd` is a descriptor owned by the caller's locked sink.
+        let n = unsafe { libc::send(fd, rest.as_ptr().cast(), rest.len(), flags) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EOPNOTSUPP | libc::ENOTSOCK) => {
+                    return Err(SendError::Unsupported(sent))
+                }
+                _ => return Err(SendError::Io(e)),
+            }
+        }
+        if n == 0 {
+            return Err(SendError::Io(io::ErrorKind::WriteZero.into()));
+        }
+        sent += n as usize;
+    }
+    Ok(())
 }
 
 /// Server-wide resources a connection uses.
@@ -127,106 +294,163 @@ pub(crate) struct Resources<'a> {
     pub stopping: &'a AtomicBool,
 }
 
+/// A request read whole, ready to execute.
 struct Job {
     req: Request,
     payload: Vec<u8>,
     _budget: BudgetGuard,
 }
 
+/// What one turn at the reading half produced.
+enum Next {
+    /// A request to execute (already counted in flight).
+    Job(Job),
+    /// The request was answered or dropped while reading; read again.
+    Handled,
+    /// Stop reading: end of stream, broken protocol, DISC, shutdown, or a
+    /// dead connection.
+    Stop,
+}
+
+/// One connection's state shared by its workers.
+struct Connection<'a, R: ?Sized> {
+    reader: Mutex<&'a mut R>,
+    /// Set by the first worker that stops reading; the others then stop
+    /// too (after finishing the request they hold).
+    done: AtomicBool,
+    writer: &'a ReplyWriter,
+    export: &'a dyn Export,
+    size: u64,
+    read_only: bool,
+    res: &'a Resources<'a>,
+}
+
 /// Runs the transmission phase until the client disconnects, breaks the
 /// protocol, the socket fails, or the server shuts down. Returns after
 /// every accepted request has been executed and (if possible) replied to.
-pub(crate) fn run<R: Read + ?Sized>(
+pub(crate) fn run<R: RequestSource + ?Sized>(
     reader: &mut R,
     writer: Arc<ReplyWriter>,
     export: Arc<dyn Export>,
     res: &Resources<'_>,
 ) {
-    let size = export.size_bytes();
-    let read_only = export.read_only();
+    let conn = Connection {
+        reader: Mutex::new(reader),
+        done: AtomicBool::new(false),
+        writer: &writer,
+        export: &*export,
+        size: export.size_bytes(),
+        read_only: export.read_only(),
+        res,
+    };
     let workers = res.workers.max(1);
-    let (tx, rx) = sync_channel::<Job>(workers * 2);
-    let rx = Arc::new(Mutex::new(rx));
-
     std::thread::scope(|scope| {
-        for _ in 0..workers {
-            let rx = Arc::clone(&rx);
-            let export = Arc::clone(&export);
-            let writer = Arc::clone(&writer);
-            scope.spawn(move || worker(&rx, &*export, &writer));
-        }
-
-        let mut hdr = [0u8; proto::REQUEST_HEADER_LEN];
-        loop {
-            if res.stopping.load(Ordering::SeqCst) {
-                break;
-            }
-            if reader.read_exact(&mut hdr).is_err() {
-                break;
-            }
-            let Ok(req) = proto::decode_request(&hdr) else {
-                break; // bad magic: cannot resynchronise
-            };
-            res.requests_total.fetch_add(1, Ordering::Relaxed);
-            let len = req.length as usize;
-            match plan(&req, size, read_only) {
-                Plan::Disconnect => break,
-                Plan::Reply(e) => {
-                    if !writer.send(&proto::encode_simple_reply(e, req.handle)) {
-                        break;
-                    }
-                }
-                Plan::SkipPayloadThenReply(e) => {
-                    if discard(reader, u64::from(req.length)).is_err()
-                        || !writer.send(&proto::encode_simple_reply(e, req.handle))
-                    {
-                        break;
-                    }
-                }
-                Plan::ReplyThenClose(e) => {
-                    writer.send(&proto::encode_simple_reply(e, req.handle));
-                    break;
-                }
-                Plan::Dispatch => {
-                    let bytes = match req.command {
-                        Command::Read => len + proto::SIMPLE_REPLY_HEADER_LEN,
-                        Command::Write => len,
-                        _ => 0,
-                    };
-                    let guard = res.budget.acquire(bytes);
-                    let mut payload = Vec::new();
-                    if req.command == Command::Write {
-                        payload = vec![0u8; len];
-                        if reader.read_exact(&mut payload).is_err() {
-                            break;
-                        }
-                    }
-                    let job = Job {
-                        req,
-                        payload,
-                        _budget: guard,
-                    };
-                    if tx.send(job).is_err() {
-                        break;
-                    }
-                }
+        // This thread is one of the workers.
+        for i in 1..workers {
+            let conn = &conn;
+            let spawned = std::thread::Builder::new()
+                .name(format!("nbd-worker-{i}"))
+                .spawn_scoped(scope, move || conn.work());
+            if spawned.is_err() {
+                break; // run with the workers there are
             }
         }
-        // Closing the queue lets the workers drain it and exit; the scope
-        // then waits for them.
-        drop(tx);
+        conn.work();
     });
 }
 
-fn worker(rx: &Mutex<Receiver<Job>>, export: &dyn Export, writer: &ReplyWriter) {
-    loop {
-        let job = {
-            let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
-            rx.recv()
+impl<R: RequestSource + ?Sized> Connection<'_, R> {
+    /// One worker: read a request, execute it, reply; until reading stops.
+    fn work(&self) {
+        loop {
+            let next = {
+                let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
+                self.next(&mut **reader)
+            };
+            match next {
+                Next::Job(job) => execute(job, self.export, self.writer),
+                Next::Handled => {}
+                Next::Stop => {
+                    self.done.store(true, Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads the next request whole; the caller holds the reading half.
+    fn next(&self, reader: &mut R) -> Next {
+        let writer = self.writer;
+        if self.done.load(Ordering::SeqCst)
+            || self.res.stopping.load(Ordering::SeqCst)
+            || writer.is_dead()
+        {
+            return Next::Stop;
+        }
+        // About to wait for the client, which may be waiting for a reply
+        // queued behind MSG_MORE: send it now, and queue none meanwhile.
+        let waiting = !reader.input_pending();
+        if waiting {
+            writer.set_awaiting_client(true);
+        }
+        let mut hdr = [0u8; proto::REQUEST_HEADER_LEN];
+        let got = reader.read_exact(&mut hdr);
+        if waiting {
+            writer.set_awaiting_client(false);
+        }
+        if got.is_err() {
+            return Next::Stop;
+        }
+        let Ok(req) = proto::decode_request(&hdr) else {
+            return Next::Stop; // bad magic: cannot resynchronise
         };
-        match job {
-            Ok(job) => execute(job, export, writer),
-            Err(_) => return,
+        self.res.requests_total.fetch_add(1, Ordering::Relaxed);
+        let len = req.length as usize;
+        let refuse = |e: u32| {
+            writer.begin();
+            writer.reply(&proto::encode_simple_reply(e, req.handle))
+        };
+        match plan(&req, self.size, self.read_only) {
+            Plan::Disconnect => Next::Stop,
+            Plan::Reply(e) => {
+                if refuse(e) {
+                    Next::Handled
+                } else {
+                    Next::Stop
+                }
+            }
+            Plan::SkipPayloadThenReply(e) => {
+                if discard(reader, u64::from(req.length)).is_ok() && refuse(e) {
+                    Next::Handled
+                } else {
+                    Next::Stop
+                }
+            }
+            Plan::ReplyThenClose(e) => {
+                refuse(e);
+                Next::Stop
+            }
+            Plan::Dispatch => {
+                let bytes = match req.command {
+                    Command::Read => len + proto::SIMPLE_REPLY_HEADER_LEN,
+                    Command::Write => len,
+                    _ => 0,
+                };
+                let guard = self.res.budget.acquire(bytes);
+                let mut payload = Vec::new();
+                if req.command == Command::Write {
+                    payload = vec![0u8; len];
+                    if reader.read_exact(&mut payload).is_err() {
+                        return Next::Stop;
+                    }
+                }
+                writer.begin();
+                Next::Job(Job {
+                    req,
+                    payload,
+                    _budget: guard,
+                })
+            }
         }
     }
 }
@@ -237,12 +461,15 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportErr
         .unwrap_or_else(|_| Err(ExportError::Io("export implementation panicked".into())))
 }
 
+/// Executes a counted request and sends its reply; its budget is given back
+/// once the reply is sent.
 fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) {
     let req = job.req;
     let fua = req.flags & proto::CMD_FLAG_FUA != 0;
     let len = u64::from(req.length);
     let result = match req.command {
         Command::Read => {
+            // Header and data in one buffer: the reply leaves in one send.
             let mut buf = vec![0u8; proto::SIMPLE_REPLY_HEADER_LEN + req.length as usize];
             let r = if len == 0 {
                 Ok(())
@@ -251,7 +478,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) {
             };
             if r.is_ok() {
                 proto::write_simple_reply_header(&mut buf, 0, req.handle);
-                writer.send(&buf);
+                writer.reply(&buf);
                 return;
             }
             r
@@ -269,7 +496,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) {
         Ok(()) => 0,
         Err(e) => proto::error_code(e),
     };
-    writer.send(&proto::encode_simple_reply(code, req.handle));
+    writer.reply(&proto::encode_simple_reply(code, req.handle));
 }
 
 #[cfg(test)]

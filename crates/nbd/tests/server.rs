@@ -454,3 +454,93 @@ fn shutdown_finishes_inflight_requests_then_returns() {
     // The listener is gone: nothing accepts any more.
     assert!(std::net::TcpStream::connect(addr).is_err());
 }
+
+/// Sends `n` pipelined 4 KiB writes and a flush in one go, then reads the
+/// replies; every reply must arrive within 2 s of the previous one (none
+/// may stay queued behind `MSG_MORE`).
+fn pipelined_writes_then_flush<S: std::io::Read + Write>(mut c: Client<S>, n: u64, round: u64) {
+    let limit = Duration::from_secs(2);
+    let mut requests = Vec::new();
+    for i in 0..n {
+        let mut b = REQUEST_MAGIC.to_be_bytes().to_vec();
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&CMD_WRITE.to_be_bytes());
+        b.extend_from_slice(&i.to_be_bytes());
+        b.extend_from_slice(&(i * 4096).to_be_bytes());
+        b.extend_from_slice(&4096u32.to_be_bytes());
+        b.extend_from_slice(&vec![(i + round) as u8; 4096]);
+        requests.push(b);
+    }
+    let mut flush = REQUEST_MAGIC.to_be_bytes().to_vec();
+    flush.extend_from_slice(&0u16.to_be_bytes());
+    flush.extend_from_slice(&CMD_FLUSH.to_be_bytes());
+    flush.extend_from_slice(&u64::MAX.to_be_bytes());
+    flush.extend_from_slice(&[0u8; 12]);
+    requests.push(flush);
+    c.s.write_all(&requests.concat()).unwrap();
+    let mut seen = std::collections::HashSet::new();
+    let mut last = Instant::now();
+    for _ in 0..=n {
+        let (err, handle) = c.reply();
+        let waited = last.elapsed();
+        assert!(
+            waited <= limit,
+            "round {round}: a reply took {waited:?} (after {} replies)",
+            seen.len()
+        );
+        last = Instant::now();
+        assert_eq!(err, 0);
+        assert!(seen.insert(handle), "duplicate reply {handle}");
+    }
+    assert!(seen.contains(&u64::MAX), "flush answered");
+}
+
+#[test]
+fn pipelined_writes_and_flush_are_all_answered_promptly() {
+    let h = Harness::start(ServerConfig::default());
+    for round in 0..20 {
+        let mut c = h.tcp();
+        c.s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        c.connect_go("disk");
+        pipelined_writes_then_flush(c, 64, round);
+        let mut u = h.unix();
+        u.s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        u.connect_go("disk");
+        pipelined_writes_then_flush(u, 64, round);
+    }
+    // One worker per connection: every reply has nothing in flight beside it.
+    let h1 = Harness::start(ServerConfig {
+        workers_per_connection: 1,
+        ..ServerConfig::default()
+    });
+    let mut c = h1.tcp();
+    c.s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    c.connect_go("disk");
+    pipelined_writes_then_flush(c, 64, 0);
+    h1.stop();
+    h.stop();
+}
+
+#[test]
+fn fast_reply_is_not_held_behind_a_slow_request() {
+    // A 3 s read is in flight while a flush completes: the flush reply is
+    // sent with MSG_MORE (another request is in flight), and must still be
+    // pushed to the client long before the read finishes.
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.connect_go("stall");
+    let start = Instant::now();
+    c.send_request(0, CMD_READ, 1, 0, 512, &[]);
+    c.send_request(0, CMD_FLUSH, 2, 0, 0, &[]);
+    // The flush goes to the "stall" export too, and sleeps 0 s (only I/O
+    // sleeps), so its reply is ready at once.
+    assert_eq!(c.reply(), (0, 2));
+    let waited = start.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "flush reply took {waited:?}"
+    );
+    assert_eq!(c.reply(), (0, 1));
+    c.read_n(512);
+    h.stop();
+}

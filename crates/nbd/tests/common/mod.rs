@@ -87,12 +87,13 @@ impl Export for MemExport {
 }
 
 /// Exports: "disk" (default, 8 MiB), "ro" (read-only, 1 MiB), "slow"
-/// (1 MiB, every I/O sleeps 300 ms), "full" (every request fails),
-/// "null" (1 GiB, no storage).
+/// (1 MiB, every I/O sleeps 300 ms), "stall" (1 MiB, every I/O sleeps
+/// 3 s), "full" (every request fails), "null" (1 GiB, no storage).
 pub struct Provider {
     pub disk: Arc<MemExport>,
     pub ro: Arc<MemExport>,
     pub slow: Arc<MemExport>,
+    pub stall: Arc<MemExport>,
     pub null: Arc<Null>,
 }
 
@@ -104,6 +105,7 @@ impl Provider {
             disk: MemExport::new(DISK_SIZE, false),
             ro: MemExport::new(1024 * 1024, true),
             slow: MemExport::slow(1024 * 1024, Duration::from_millis(300)),
+            stall: MemExport::slow(1024 * 1024, Duration::from_secs(3)),
             null: Arc::new(Null {
                 longest_trim: Mutex::new(0),
                 longest_zero: Mutex::new(0),
@@ -188,6 +190,7 @@ impl ExportProvider for Provider {
             "" | "disk" => Some(self.disk.clone()),
             "ro" => Some(self.ro.clone()),
             "slow" => Some(self.slow.clone()),
+            "stall" => Some(self.stall.clone()),
             "full" => Some(Arc::new(Full)),
             "null" => Some(self.null.clone()),
             _ => None,
