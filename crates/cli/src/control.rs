@@ -33,6 +33,8 @@ pub enum Request {
     VolumeResize { name: String, size_bytes: u64 },
     /// Delete a volume.
     VolumeDelete { name: String },
+    /// Full out-of-line dedup pass over one volume or all.
+    DedupOffline { volume: Option<String> },
 }
 
 /// Path of the control socket of the store at `store`.

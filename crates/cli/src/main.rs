@@ -74,6 +74,18 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Deduplicate stored data after the fact.
+    Dedup {
+        /// Full post-processing pass: compare every stored block with every
+        /// other and merge copies (exact whatever the index budget).
+        #[arg(long)]
+        offline: bool,
+        /// Only this volume (default: all volumes).
+        volume: Option<String>,
+        /// All volumes (the default).
+        #[arg(long, conflicts_with = "volume")]
+        all: bool,
+    },
     /// Show dedup and resource figures (also while `dedupd serve` runs).
     Stats {
         /// Print JSON instead of text.
@@ -131,6 +143,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             rehash,
             json,
         } => fsck(&store, repair, rehash, json),
+        Command::Dedup {
+            offline,
+            volume,
+            all: _,
+        } => dedup(&store, offline, volume),
         Command::Stats { json } => {
             let v = with_store(&store, Request::Stats, |e| {
                 Ok(serde_json::to_value(e.stats())?)
@@ -229,6 +246,48 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<()> {
+    if !offline {
+        bail!("give --offline (the background pass runs inside `dedupd serve`, see --out-of-line-rate)");
+    }
+    let before = with_store(store, Request::Stats, |e| {
+        Ok(serde_json::to_value(e.stats())?)
+    })?;
+    let report = match Engine::open(store, EngineConfig::default()) {
+        Ok(e) => {
+            let bar = indicatif::ProgressBar::new(0);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{msg} [{bar:40}] {pos}/{len} blocks ({per_sec}, eta {eta})",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_message("dedup --offline");
+            let r = e.dedup_offline(volume.as_deref(), &mut |done, all| {
+                bar.set_length(all);
+                bar.set_position(done);
+            })?;
+            bar.finish_and_clear();
+            e.close()?;
+            serde_json::to_value(r)?
+        }
+        Err(EngineError::Locked(_)) => control::call(store, &Request::DedupOffline { volume })
+            .context("the store is in use by `dedupd serve`")?,
+        Err(e) => return Err(e.into()),
+    };
+    let after = with_store(store, Request::Stats, |e| {
+        Ok(serde_json::to_value(e.stats())?)
+    })?;
+    println!(
+        "examined {} stored blocks, remapped {} LBAs; physical blocks {} -> {}",
+        report["blocks_examined"],
+        report["lbas_remapped"],
+        before["physical_blocks_stored"],
+        after["physical_blocks_stored"]
+    );
+    Ok(())
+}
+
 fn fsck(store: &Path, repair: bool, rehash: bool, json: bool) -> anyhow::Result<()> {
     let opts = dedupd_engine::fsck::FsckOptions { repair, rehash };
     let report = match dedupd_engine::fsck::fsck(store, opts) {
@@ -306,6 +365,15 @@ fn print_stats(v: &Value) {
         f("duplicate_writes_eliminated_percent")
     );
     println!("blocks trimmed               {}", u("blocks_trimmed"));
+    let sk = &v["skipped"];
+    println!(
+        "out-of-line duplicates       {} (skipped buffer: {} records, {} regions, {} volumes; {} merges pending)",
+        u("out_of_line_duplicates"),
+        sk["records"].as_u64().unwrap_or(0),
+        sk["regions"].as_u64().unwrap_or(0),
+        sk["volumes"].as_u64().unwrap_or(0),
+        u("pending_merges")
+    );
     println!(
         "data file                    {} ({} free blocks)",
         human(u("data_file_bytes")),

@@ -59,6 +59,14 @@ pub struct ServeArgs {
     /// within 2 pages up to ~32 GiB of unique data (add 1 per doubling).
     #[arg(long, default_value_t = 14)]
     pub index_prefix_bits: u32,
+    /// Out-of-line dedup rate in blocks per second (0: off). The worker
+    /// drains the skipped buffer in the background and backs off while
+    /// clients are sending requests.
+    #[arg(long, default_value_t = 20000)]
+    pub out_of_line_rate: u64,
+    /// Bytes of the skipped buffer (blocks awaiting out-of-line dedup).
+    #[arg(long, default_value = "512K")]
+    pub skipped_buffer: String,
     /// Worker threads per NBD connection.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -126,6 +134,8 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
         verify: args.verify,
+        skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
+            as usize,
         index: dedupd_engine::index::IndexConfig {
             memory_budget_bytes: parse_size(&args.index_memory).map_err(anyhow::Error::msg)?,
             policy: args.index_policy,
@@ -190,6 +200,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         names.len(),
         names.join(", ")
     );
+    for n in engine.notes() {
+        eprintln!("dedupd: warning: {n}");
+    }
     for d in engine.damage() {
         eprintln!(
             "dedupd: warning: {} has {} damaged page(s); its volume is served read-only \
@@ -215,6 +228,8 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     use std::io::Write;
     std::io::stdout().flush().ok();
 
+    let worker =
+        (args.out_of_line_rate > 0).then(|| engine.start_out_of_line(args.out_of_line_rate));
     let handle = server.shutdown_handle();
     let mut signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGINT,
@@ -282,6 +297,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(p);
     }
     let _ = std::fs::remove_file(&ctl_path);
+    if let Some(w) = worker {
+        w.stop();
+    }
     engine
         .flush()
         .context("making the store durable at shutdown")?;
@@ -324,6 +342,11 @@ fn answer(engine: &Engine, server: &Server, req: Request) -> anyhow::Result<Valu
         Request::VolumeDelete { name } => {
             engine.delete_volume(&name)?;
             Value::Null
+        }
+        Request::DedupOffline { volume } => {
+            let r = engine.dedup_offline(volume.as_deref(), &mut |_, _| {})?;
+            engine.flush()?;
+            serde_json::to_value(r)?
         }
     })
 }

@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, RwLock};
 
 use crate::backend::{BlockBackend, FileBackend, MemoryBackend, NullBackend};
@@ -65,6 +65,9 @@ pub struct EngineConfig {
     /// mode; `prefix_bits` applies when a store is created (afterwards the
     /// superblock's value is used).
     pub index: crate::index::IndexConfig,
+    /// Bytes of the skipped buffer (blocks written without an inline match,
+    /// for out-of-line dedup); default 512 KiB.
+    pub skipped_buffer_bytes: usize,
     /// Receives every change made to the store's files (crash testing).
     pub observer: crate::observe::Observer,
 }
@@ -79,6 +82,7 @@ impl Default for EngineConfig {
             allow_damaged_metadata: false,
             verify: false,
             index: crate::index::IndexConfig::default(),
+            skipped_buffer_bytes: 512 << 10,
             observer: crate::observe::Observer::default(),
         }
     }
@@ -171,6 +175,8 @@ enum Placement {
 pub struct Engine {
     pub(crate) dir: Option<StoreDir>,
     pub(crate) damage: Vec<Damage>,
+    /// Conditions found at open that users should know about.
+    notes: Vec<String>,
     pub(crate) hash: HashAlgorithm,
     pub(crate) backend: Box<dyn BlockBackend>,
     pub(crate) meta: Mutex<Meta>,
@@ -179,6 +185,9 @@ pub struct Engine {
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
     commit_wanted: AtomicBool,
+    /// Client requests started (reads, writes, trims); the out-of-line
+    /// worker backs off while it moves.
+    foreground: AtomicU64,
     config: EngineConfig,
 }
 
@@ -232,6 +241,7 @@ impl Engine {
             Box::new(FileGroupStore(groups)),
         );
         let mut damage: Vec<Damage> = Vec::new();
+        let mut damage_notes: Vec<String> = Vec::new();
         let mut load = |file: MetaFile, damage: &mut Vec<Damage>| -> Result<PagedArray> {
             let (array, pages) = PagedArray::from_disk(images.get(file)?, file.page_tag());
             if !pages.is_empty() {
@@ -247,6 +257,7 @@ impl Engine {
             counters: state.counters.clone(),
             refcounts: load(MetaFile::Refcounts, &mut damage)?,
             fingerprints: load(MetaFile::Fingerprints, &mut damage)?,
+            skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             ..Meta::empty(index)
         };
         let store_level = damage.len();
@@ -286,8 +297,24 @@ impl Engine {
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
-        meta.rebuild_derived(data_blocks)
-            .map_err(|e| EngineError::io("rebuilding the on-disk fingerprint store", e))?;
+        if let Err(e) = meta.rebuild_derived(data_blocks) {
+            match EngineError::io("rebuilding the on-disk fingerprint store", e) {
+                // a full file system: keep the on-disk groups in memory for
+                // this run, so the store still opens and serves reads
+                EngineError::NoSpace { .. } => {
+                    let cfg = meta.index.config();
+                    meta.index = FingerprintIndex::new(cfg, Box::new(MemoryGroupStore::default()));
+                    meta.rebuild_derived(data_blocks).map_err(|e| {
+                        EngineError::io("rebuilding the fingerprint store in memory", e)
+                    })?;
+                    damage_notes.push(
+                        "no space for the on-disk fingerprint store: it is kept in memory until the next start"
+                            .to_string(),
+                    );
+                }
+                other => return Err(other),
+            }
+        }
         let journal =
             Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
         // best effort: without the reserve the store still works
@@ -295,6 +322,7 @@ impl Engine {
         Ok(Engine {
             dir: Some(dir),
             damage,
+            notes: damage_notes,
             hash: sb.hash,
             backend: Box::new(data),
             meta: Mutex::new(meta),
@@ -306,6 +334,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            foreground: AtomicU64::new(0),
             config,
         })
     }
@@ -323,10 +352,12 @@ impl Engine {
         Engine {
             dir: None,
             damage: Vec::new(),
+            notes: Vec::new(),
             hash,
             backend: Box::new(MemoryBackend::default()),
             meta: Mutex::new(Meta {
                 next_volume_id: 1,
+                skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
                 ..Meta::empty(index)
             }),
             reuse: RwLock::new(()),
@@ -337,6 +368,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            foreground: AtomicU64::new(0),
             config,
         }
     }
@@ -457,6 +489,7 @@ impl Engine {
                 m.remap(id, Lba(lba), None);
             }
             m.volumes.remove(&id);
+            m.skipped.forget(id);
             m.structural_ops.push(Op::Remove {
                 file: MetaFile::Map(id),
             });
@@ -503,6 +536,12 @@ impl Engine {
         &self.damage
     }
 
+    /// Conditions found when the store was opened that an operator should
+    /// know about (e.g. no space for the on-disk fingerprint store).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
     /// True if volume `id` is served read-only (damaged metadata).
     pub fn volume_read_only(&self, id: VolumeId) -> bool {
         lock(&self.meta)
@@ -511,8 +550,14 @@ impl Engine {
             .is_some_and(|v| v.read_only())
     }
 
+    /// Client requests started so far (reads, writes, trims).
+    pub fn foreground_ops(&self) -> u64 {
+        self.foreground.load(Ordering::Relaxed)
+    }
+
     /// One metadata lock: the volume exists, is writable, and the range is inside it.
     fn check_write(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let m = lock(&self.meta);
         let v = m
             .volumes
@@ -549,6 +594,7 @@ impl Engine {
     /// Reads `buf.len()` bytes of volume `vol` at byte `offset`. Unmapped
     /// and zero blocks read as zeros without I/O.
     pub fn read(&self, vol: VolumeId, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         self.check_range(vol, offset, buf.len() as u64)?;
         if buf.is_empty() {
             return Ok(());
@@ -638,7 +684,7 @@ impl Engine {
     /// Called with the metadata lock held after a change: asks the next
     /// writer to commit when changed metadata or blocks waiting to be freed
     /// pass their bounds (freed blocks are reused only after a commit).
-    fn note_change(&self, m: &Meta) {
+    pub(crate) fn note_change(&self, m: &Meta) {
         let dirty_bytes = m.dirty_pages() as u64 * crate::paged::PAGE_SIZE as u64;
         let pending_free_bytes = m.pending_free.len() as u64 * BLOCK_SIZE_U64;
         if dirty_bytes > self.config.max_dirty_bytes
@@ -872,6 +918,7 @@ impl Engine {
         let mut final_pba: Vec<Option<Pba>> = vec![None; n];
         for (i, p) in placement.iter().enumerate() {
             if let Placement::New { pba, fp, indexed } = p {
+                m.skipped.record(vol, first + i as u64);
                 if !indexed {
                     m.record_unindexed(*pba, *fp);
                     m.remap(vol, Lba(first + i as u64), Some(*pba));
@@ -1048,6 +1095,9 @@ impl Engine {
                 duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
                 blocks_trimmed: c.blocks_trimmed,
                 verify_mismatches: c.verify_mismatches,
+                out_of_line_duplicates: c.out_of_line_duplicates,
+                skipped: m.skipped.stats(),
+                pending_merges: m.pending_merges.len() as u64,
                 index_entries: m.index.len(),
                 index_bytes_in_memory: m.index_bytes(),
                 index: m.index.stats(),

@@ -308,6 +308,9 @@ pub struct FingerprintIndex {
     tick: u64,
     access: VecDeque<(u64, u32, u64)>,
     stats: IndexStats,
+    /// Live duplicate copies the index dropped (copy, kept PBA), for
+    /// out-of-line dedup to merge.
+    displaced: Vec<(Pba, Pba)>,
 }
 
 impl std::fmt::Debug for FingerprintIndex {
@@ -354,6 +357,7 @@ impl FingerprintIndex {
             tick: 0,
             access: VecDeque::new(),
             stats: IndexStats::default(),
+            displaced: Vec::new(),
         }
     }
 
@@ -587,6 +591,41 @@ impl FingerprintIndex {
         Ok(None)
     }
 
+    /// Takes the live duplicate copies the index dropped since the last
+    /// call, as (copy, PBA kept in the index).
+    pub fn take_displaced(&mut self) -> Vec<(Pba, Pba)> {
+        std::mem::take(&mut self.displaced)
+    }
+
+    /// Every live PBA the index holds for `fp`, in memory and on disk (an
+    /// on-disk read whatever the lookup mode; nothing is promoted). Used by
+    /// out-of-line dedup, which must see copies inline dedup missed.
+    pub fn lookup_all(&mut self, fp: &Fingerprint, live: Live<'_>) -> io::Result<Vec<Pba>> {
+        let key = key_of(fp);
+        let prefix = self.prefix_of(key);
+        let Some(leaf) = self.leaf(prefix).copied() else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        if leaf.mem != NONE {
+            let g = &self.groups[leaf.mem as usize];
+            if let Ok(i) = g.entries.binary_search_by_key(&key, |e| e.0) {
+                out.push(Pba(g.entries[i].1));
+            }
+        }
+        if leaf.disk_pages > 0 {
+            self.stats.lookup_reads += 1;
+            let entries = self.read_group(&leaf, prefix)?;
+            if let Ok(i) = entries.binary_search_by_key(&key, |e| e.0) {
+                out.push(Pba(entries[i].1));
+            }
+        }
+        out.retain(|&p| live(key, p));
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
     /// Inserts `fp` → `pba` into the in-memory store, evicting to disk when
     /// the budget is full.
     pub fn insert(&mut self, fp: &Fingerprint, pba: Pba, live: Live<'_>) -> io::Result<()> {
@@ -730,10 +769,26 @@ impl FingerprintIndex {
             while i < old.len() || j < add.len() {
                 let take_add = j < add.len() && (i >= old.len() || add[j].0 <= old[i].0);
                 if take_add {
+                    let mut keep = add[j];
                     if i < old.len() && old[i].0 == add[j].0 {
+                        // two live copies of one fingerprint: keep the lower
+                        // PBA, report the other for out-of-line merging
+                        let other = old[i];
+                        if other.1 != keep.1
+                            && live(other.0, Pba(other.1))
+                            && live(keep.0, Pba(keep.1))
+                        {
+                            let (lo, hi) = if other.1 < keep.1 {
+                                (other, keep)
+                            } else {
+                                (keep, other)
+                            };
+                            self.displaced.push((Pba(hi.1), Pba(lo.1)));
+                            keep = lo;
+                        }
                         i += 1;
                     }
-                    merged.push(add[j]);
+                    merged.push(keep);
                     j += 1;
                 } else {
                     merged.push(old[i]);
@@ -829,8 +884,19 @@ impl FingerprintIndex {
             let mut entries: Vec<Entry> = Vec::new();
             while j < all.len() && self.prefix_of(key_of(&all[j].0)) == prefix {
                 let e = (key_of(&all[j].0), all[j].1 .0);
-                if entries.last().map(|l| l.0) != Some(e.0) {
-                    entries.push(e);
+                match entries.last() {
+                    // the same fingerprint stored twice: keep the lower PBA
+                    // (sorted by key only, so compare), report the other
+                    Some(l) if l.0 == e.0 => {
+                        let (lo, hi) = (l.1.min(e.1), l.1.max(e.1));
+                        if lo != hi {
+                            self.displaced.push((Pba(hi), Pba(lo)));
+                        }
+                        if let Some(last) = entries.last_mut() {
+                            last.1 = lo;
+                        }
+                    }
+                    _ => entries.push(e),
                 }
                 j += 1;
             }

@@ -19,7 +19,9 @@ pub mod index;
 pub mod journal;
 pub mod meta;
 pub mod observe;
+pub mod outofline;
 pub mod paged;
+pub mod skipped;
 pub mod stats;
 pub mod store;
 

@@ -59,6 +59,12 @@ pub struct Meta {
     pub fingerprints: PagedArray,
     /// The two-level fingerprint store (fingerprint → PBA).
     pub index: FingerprintIndex,
+    /// Blocks written without an inline match, for out-of-line dedup.
+    pub skipped: crate::skipped::SkippedBuffer,
+    /// Duplicate copies to merge: every LBA mapped to the first PBA is to
+    /// be remapped to the second (found by out-of-line dedup or dropped by
+    /// the index).
+    pub pending_merges: std::collections::BTreeMap<u64, u64>,
     /// Free PBAs below the high-water mark, reusable now (lowest last).
     pub free: Vec<u64>,
     /// PBAs whose reference count reached 0 since the last journal commit;
@@ -188,6 +194,40 @@ impl Meta {
         } = self;
         let live = |key: u64, p: Pba| p == pba || live(refcounts, fingerprints, key, p);
         index.insert(&fp, pba, &live)
+    }
+
+    /// Every live PBA holding exactly `fp` that the index knows, in
+    /// memory and on disk (out-of-line dedup).
+    pub fn lookup_all(&mut self, fp: &Fingerprint) -> std::io::Result<Vec<Pba>> {
+        let Meta {
+            index,
+            refcounts,
+            fingerprints,
+            ..
+        } = self;
+        let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
+        let mut found = index.lookup_all(fp, &live)?;
+        found.retain(|&p| self.fingerprint_of(p) == *fp);
+        Ok(found)
+    }
+
+    /// Puts `fp` → `pba` in the in-memory index (the PBA already stores it).
+    pub fn index_insert(&mut self, fp: Fingerprint, pba: Pba) -> std::io::Result<()> {
+        let Meta {
+            index,
+            refcounts,
+            fingerprints,
+            ..
+        } = self;
+        let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
+        index.insert(&fp, pba, &live)
+    }
+
+    /// Moves the duplicate copies the index dropped into `pending_merges`.
+    pub fn collect_displaced(&mut self) {
+        for (copy, kept) in self.index.take_displaced() {
+            self.pending_merges.insert(copy.0, kept.0);
+        }
     }
 
     /// Records the fingerprint of a block stored without being indexed (its
@@ -347,6 +387,8 @@ impl Meta {
                 .map(|v| v.map.resident_bytes())
                 .sum::<u64>()
             + (self.free.capacity() + self.pending_free.capacity()) as u64 * 8
+            + self.skipped.memory_bytes()
+            + self.pending_merges.len() as u64 * 48
     }
 
     /// Bytes of memory held by the fingerprint index (entries plus the hash

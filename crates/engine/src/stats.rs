@@ -35,6 +35,13 @@ pub struct Stats {
     /// Fingerprint hits whose bytes differed from the stored block (verify
     /// on); each such block was stored separately.
     pub verify_mismatches: u64,
+    /// LBAs remapped onto an existing copy by out-of-line dedup (duplicates
+    /// inline dedup missed), since the store was created.
+    pub out_of_line_duplicates: u64,
+    /// The skipped buffer: records, regions and volumes pending out-of-line dedup.
+    pub skipped: crate::skipped::SkippedStats,
+    /// Duplicate copies waiting for a map scan to merge them.
+    pub pending_merges: u64,
     /// Dedup ratio: `logical_bytes_mapped` ÷ `physical_bytes_stored`, as VDO
     /// and ZFS report it (1.0 when nothing is stored).
     pub dedup_ratio: f64,

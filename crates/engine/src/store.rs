@@ -81,6 +81,9 @@ pub struct PersistentCounters {
     /// verify on); those blocks were stored separately.
     #[serde(default)]
     pub verify_mismatches: u64,
+    /// LBAs remapped onto an existing copy by out-of-line dedup.
+    #[serde(default)]
+    pub out_of_line_duplicates: u64,
 }
 
 /// The content of `state.json`.

@@ -6,7 +6,8 @@
 //! and dirty bounds so commits and checkpoints happen often), the test
 //! builds post-crash states — at each sync boundary and at random points,
 //! with everything synced before the point plus a random subset of the
-//! writes not yet synced — then opens each state and checks:
+//! writes not yet synced — then opens each state and checks (the index has
+//! a tiny budget, so out-of-line dedup passes remap blocks in between):
 //! - the metadata invariants hold (reference counts, free space, index);
 //! - every write acknowledged by a FLUSH (or FUA) reads back intact;
 //! - every other block reads back as its content at the last FLUSH or as
@@ -192,6 +193,12 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
         journal_size_bytes: 96 << 10,
         max_dirty_bytes: 8 << 10,
         max_pending_free_bytes: 16 << 10,
+        // a tiny memory-only index: inline dedup misses, out-of-line passes run
+        index: dedupd_engine::index::IndexConfig {
+            memory_budget_bytes: 4096,
+            prefix_bits: 8,
+            ..Default::default()
+        },
         observer: Observer(Some(recorder.clone())),
         ..EngineConfig::default()
     };
@@ -208,7 +215,11 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
         let v = rng.below(VOLUMES as u64) as usize;
         let lba = rng.below(BLOCKS);
         let n = (1 + rng.below(4)).min(BLOCKS - lba) as usize;
-        match rng.below(10) {
+        match rng.below(11) {
+            10 => {
+                engine.dedup_pass(1 + rng.below(16) as usize).unwrap();
+                log.push("dedup pass".into());
+            }
             0..=5 => {
                 let pats: Vec<u8> = (0..n).map(|_| rng.below(7) as u8).collect();
                 let data: Vec<u8> = pats.iter().flat_map(|&p| block(p)).collect();

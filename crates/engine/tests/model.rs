@@ -140,6 +140,20 @@ proptest! {
             // memory-only lookups under a tiny budget may miss some
             prop_assert!(s.physical_blocks_stored >= distinct.len() as u64);
         }
+        // out-of-line dedup makes it exact, whatever the budget
+        for _ in 0..1000 {
+            if !engine.dedup_pass(256).unwrap().work_remaining {
+                break;
+            }
+        }
+        let s = engine.stats();
+        prop_assert_eq!(s.physical_blocks_stored, distinct.len() as u64, "not exact after out-of-line dedup");
+        prop_assert!(engine.check().is_empty(), "{:?}", engine.check());
+        for (v, id) in ids.iter().enumerate() {
+            let mut buf = vec![0u8; model[v].len()];
+            engine.read(*id, 0, &mut buf).unwrap();
+            prop_assert!(buf == model[v], "volume {} differs after out-of-line dedup", v);
+        }
         // freed blocks are reused: after a flush, new unique data fits in the free blocks
         engine.flush().unwrap();
         let s = engine.stats();
@@ -259,4 +273,58 @@ fn simulated_engine_dedups_by_fingerprint() {
         .write_fingerprinted(v, Lba((1 << 30) / 4096), &[a])
         .is_err());
     assert!(e.check().is_empty());
+}
+
+#[test]
+fn out_of_line_dedup_finds_what_a_tiny_memory_budget_missed() {
+    let cfg = config(3); // 4 KiB budget, memory-only lookups
+    let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+    let a = e.create_volume("a", 64 << 20).unwrap();
+    let b = e.create_volume("b", 64 << 20).unwrap();
+    let n = 3000u64;
+    let blk = |i: u64| {
+        let mut x = vec![7u8; BLOCK_SIZE];
+        x[..8].copy_from_slice(&i.to_le_bytes());
+        x
+    };
+    for i in 0..n {
+        e.write(a, i * 4096, &blk(i), false).unwrap();
+    }
+    for i in 0..n {
+        e.write(b, i * 4096, &blk(i), false).unwrap();
+    }
+    // a third volume deduplicating onto copies inline dedup made in b
+    let c = e.create_volume("c", 64 << 20).unwrap();
+    for i in 0..n {
+        e.write(c, i * 4096, &blk(i), false).unwrap();
+    }
+    let before = e.stats();
+    assert!(
+        before.physical_blocks_stored > n + n / 2,
+        "the tiny budget should miss most duplicates: {}",
+        before.physical_blocks_stored
+    );
+    let mut passes = 0;
+    while e.dedup_pass(500).unwrap().work_remaining {
+        passes += 1;
+        assert!(passes < 10_000);
+    }
+    e.flush().unwrap();
+    let after = e.stats();
+    assert_eq!(
+        after.physical_blocks_stored, n,
+        "out-of-line dedup is not exact"
+    );
+    assert!(after.out_of_line_duplicates >= before.physical_blocks_stored - n);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    for (v, name) in [(a, "a"), (b, "b"), (c, "c")] {
+        for i in (0..n).step_by(97) {
+            let mut buf = vec![0u8; BLOCK_SIZE];
+            e.read(v, i * 4096, &mut buf).unwrap();
+            assert!(buf == blk(i), "{name} block {i}");
+        }
+    }
+    // the offline pass agrees there is nothing left
+    let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    assert_eq!(r.lbas_remapped, 0);
 }

@@ -1,0 +1,307 @@
+//! Out-of-line dedup (SmartDedup §3.3, HPDedup §III-C): find later the
+//! duplicates inline dedup missed because their fingerprints were not in
+//! memory, so dedup becomes exact while memory stays small.
+//!
+//! A pass drains the skipped buffer: for each (volume, LBA) it looks the
+//! block's fingerprint up in memory *and* in the on-disk store; if another
+//! live copy exists, the LBA is remapped to the lowest such PBA (the
+//! canonical copy, so every path converges on the same one) and the copy's
+//! reference is released. Copies that still have other references — and the
+//! live duplicates the index itself drops when it merges groups — become
+//! pending merges, applied by a scan of the volume maps once the buffer is
+//! empty. Every change goes through the metadata lock and the journal, like
+//! a write: the durability contract is unchanged, and a crash in the middle
+//! of a pass leaves a consistent store (the remaining work is found again by
+//! `dedupd dedup --offline`).
+//!
+//! The background worker runs passes at a bounded rate (blocks per second)
+//! and backs off while foreground requests are arriving.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::block::{Lba, Pba, VolumeId};
+use crate::engine::{lock, Engine};
+use crate::error::{EngineError, Result};
+use crate::fingerprint::Fingerprint;
+
+/// What a pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PassReport {
+    /// Block addresses examined.
+    pub blocks_examined: u64,
+    /// LBAs remapped onto another copy of their content.
+    pub lbas_remapped: u64,
+    /// Pending merges applied by a map scan.
+    pub merges_applied: u64,
+    /// True if work remains (skipped records or pending merges).
+    pub work_remaining: bool,
+}
+
+/// LBAs scanned under one hold of the metadata lock.
+const SCAN_CHUNK: u64 = 8192;
+
+impl Engine {
+    /// True if out-of-line work is pending.
+    pub fn dedup_pending(&self) -> bool {
+        let mut m = lock(&self.meta);
+        m.collect_displaced();
+        !m.skipped.is_empty() || !m.pending_merges.is_empty()
+    }
+
+    /// One out-of-line pass over at most `max_blocks` skipped records; when
+    /// the buffer is empty, applies the pending merges with a map scan.
+    ///
+    /// Errors: I/O errors reading the on-disk fingerprint store.
+    pub fn dedup_pass(&self, max_blocks: usize) -> Result<PassReport> {
+        let mut r = PassReport::default();
+        let items = {
+            let mut m = lock(&self.meta);
+            let sizes: HashMap<VolumeId, u64> = m
+                .volumes
+                .iter()
+                .map(|(id, v)| (*id, v.size_blocks()))
+                .collect();
+            m.skipped.take(max_blocks, |v| sizes.get(&v).copied())
+        };
+        for chunk in items.chunks(64) {
+            let mut m = lock(&self.meta);
+            m.collect_displaced();
+            for &(vol, lba) in chunk {
+                r.blocks_examined += 1;
+                let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(lba))) else {
+                    continue;
+                };
+                let fp = m.fingerprint_of(p);
+                if fp == Fingerprint([0u8; 32]) {
+                    continue;
+                }
+                let candidates = m
+                    .lookup_all(&fp)
+                    .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
+                let canonical = candidates.iter().copied().chain([p]).min().unwrap_or(p);
+                if canonical != p {
+                    m.remap(vol, Lba(lba), Some(canonical));
+                    m.counters.out_of_line_duplicates += 1;
+                    r.lbas_remapped += 1;
+                }
+                for c in candidates.iter().copied().chain([p]) {
+                    if c != canonical && m.refcounts.get_u32(c.0) > 0 {
+                        m.pending_merges.insert(c.0, canonical.0);
+                    }
+                }
+                if candidates.len() != 1 || candidates[0] != canonical {
+                    m.index_insert(fp, canonical)
+                        .map_err(|e| EngineError::io("writing the fingerprint store", e))?;
+                }
+            }
+            m.collect_displaced();
+            self.note_change(&m);
+        }
+        let buffer_empty = lock(&self.meta).skipped.is_empty();
+        if buffer_empty {
+            r.merges_applied = self.apply_merges(None)?;
+        }
+        let mut m = lock(&self.meta);
+        m.collect_displaced();
+        r.work_remaining = !m.skipped.is_empty() || !m.pending_merges.is_empty();
+        Ok(r)
+    }
+
+    /// Remaps every LBA (of `only`, or of all volumes) mapped to a pending
+    /// merge's copy onto the kept PBA, scanning the maps in chunks.
+    fn apply_merges(&self, only: Option<VolumeId>) -> Result<u64> {
+        let merges: HashMap<u64, u64> = {
+            let m = lock(&self.meta);
+            if m.pending_merges.is_empty() {
+                return Ok(0);
+            }
+            m.pending_merges.iter().map(|(a, b)| (*a, *b)).collect()
+        };
+        let resolve = |mut p: u64| {
+            let mut hops = 0;
+            while let Some(&q) = merges.get(&p) {
+                p = q;
+                hops += 1;
+                if hops > 64 {
+                    break;
+                }
+            }
+            p
+        };
+        let volumes: Vec<(VolumeId, u64)> = {
+            let m = lock(&self.meta);
+            m.volumes
+                .iter()
+                .filter(|(id, _)| only.is_none_or(|o| o == **id))
+                .map(|(id, v)| (*id, v.size_blocks()))
+                .collect()
+        };
+        let mut applied = 0;
+        for (vol, blocks) in volumes {
+            let mut lba = 0;
+            while lba < blocks {
+                let end = (lba + SCAN_CHUNK).min(blocks);
+                let mut m = lock(&self.meta);
+                for l in lba..end {
+                    let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(l))) else {
+                        continue;
+                    };
+                    if !merges.contains_key(&p.0) {
+                        continue;
+                    }
+                    let target = Pba(resolve(p.0));
+                    // merge only onto a live copy of the same content
+                    if target != p
+                        && m.refcounts.get_u32(target.0) > 0
+                        && m.fingerprint_of(target) == m.fingerprint_of(p)
+                    {
+                        m.remap(vol, Lba(l), Some(target));
+                        m.counters.out_of_line_duplicates += 1;
+                        applied += 1;
+                    }
+                }
+                self.note_change(&m);
+                drop(m);
+                lba = end;
+            }
+        }
+        let mut m = lock(&self.meta);
+        for p in merges.keys() {
+            m.pending_merges.remove(p);
+        }
+        Ok(applied)
+    }
+
+    /// The full post-processing pass (the baseline HPDedup compares
+    /// against): every referenced block's fingerprint is compared with
+    /// every other's, and every LBA (of `volume`, or of all volumes) is
+    /// remapped onto the lowest PBA holding its content. Exact whatever the
+    /// index budget; memory grows with the number of stored blocks (about
+    /// 48 bytes each) for the duration of the pass. `progress` receives
+    /// (PBAs examined, PBAs in all).
+    pub fn dedup_offline(
+        &self,
+        volume: Option<&str>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<PassReport> {
+        let only = match volume {
+            Some(name) => Some(
+                self.volume(name)
+                    .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?
+                    .0,
+            ),
+            None => None,
+        };
+        let mut r = PassReport::default();
+        let high = lock(&self.meta).high_water_blocks;
+        let mut first: HashMap<Fingerprint, u64> = HashMap::new();
+        let mut merges = 0u64;
+        let mut p = 0;
+        while p < high {
+            let end = (p + SCAN_CHUNK).min(high);
+            let mut m = lock(&self.meta);
+            for q in p..end {
+                if m.refcounts.get_u32(q) == 0 {
+                    continue;
+                }
+                r.blocks_examined += 1;
+                let fp = m.fingerprint_of(Pba(q));
+                match first.get(&fp) {
+                    Some(&c) => {
+                        m.pending_merges.insert(q, c);
+                        merges += 1;
+                    }
+                    None => {
+                        first.insert(fp, q);
+                    }
+                }
+            }
+            drop(m);
+            progress(end, high);
+            p = end;
+        }
+        let _ = merges;
+        r.lbas_remapped = self.apply_merges(only)?;
+        r.merges_applied = r.lbas_remapped;
+        let m = lock(&self.meta);
+        r.work_remaining = !m.skipped.is_empty();
+        Ok(r)
+    }
+
+    /// Starts the background out-of-line worker: passes of up to 64 blocks
+    /// at most `rate_blocks_per_s` blocks per second, pausing while
+    /// foreground requests arrive. Stops when the handle is dropped.
+    pub fn start_out_of_line(self: &Arc<Self>, rate_blocks_per_s: u64) -> WorkerHandle {
+        let stop = Arc::new(AtomicBool::new(false));
+        let engine = self.clone();
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("dedupd-out-of-line".into())
+            .spawn(move || {
+                let batch = 64u64;
+                let period =
+                    Duration::from_secs_f64(batch as f64 / rate_blocks_per_s.max(1) as f64);
+                let mut last_foreground = engine.foreground_ops();
+                while !flag.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let now_foreground = engine.foreground_ops();
+                    let busy = now_foreground != last_foreground;
+                    last_foreground = now_foreground;
+                    if !busy && engine.dedup_pending() {
+                        if let Err(e) = engine.dedup_pass(batch as usize) {
+                            eprintln!("dedupd: out-of-line dedup: {e}");
+                        }
+                    }
+                    let wait = if busy {
+                        period.max(Duration::from_millis(20))
+                    } else {
+                        period
+                    };
+                    let elapsed = started.elapsed();
+                    let mut left = wait.saturating_sub(elapsed).max(Duration::from_millis(1));
+                    while left > Duration::ZERO && !flag.load(Ordering::Relaxed) {
+                        let step = left.min(Duration::from_millis(50));
+                        std::thread::sleep(step);
+                        left = left.saturating_sub(step);
+                    }
+                }
+            })
+            .expect("spawning the out-of-line worker");
+        WorkerHandle {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+/// The running background worker; dropping it stops the worker and waits.
+pub struct WorkerHandle {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    /// Stops the worker and waits for its current pass to finish.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}

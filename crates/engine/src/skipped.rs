@@ -1,0 +1,195 @@
+//! The skipped buffer (SmartDedup §3.3): blocks written without an inline
+//! match, waiting for out-of-line dedup.
+//!
+//! A fixed-size table of (volume, LBA) records — the fingerprint is found
+//! through the map and the reverse index when the record is processed.
+//! When the table is full it degrades to coarser records so nothing is
+//! forgotten: dirty regions of 256 blocks (1 MiB) per volume, and when those
+//! fill their share too, whole volumes (SmartDedup falls back to inode
+//! numbers the same way). Memory: 16 bytes per record; regions and volumes
+//! are counted in the same budget.
+//!
+//! The buffer lives in memory and is saved at clean shutdown. A crash loses
+//! at most the records pending at that moment — bounded by the buffer's
+//! size — and `dedupd dedup --offline` (a full pass) finds those duplicates
+//! all the same.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::VolumeId;
+
+/// Blocks per dirty region, the first coarser record.
+pub const REGION_BLOCKS: u64 = 256;
+const RECORD_BYTES: usize = 16;
+const REGION_BYTES: usize = 48;
+
+/// Figures of the skipped buffer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedStats {
+    /// Block records pending.
+    pub records: u64,
+    /// Dirty regions (256 blocks each) pending.
+    pub regions: u64,
+    /// Whole volumes pending.
+    pub volumes: u64,
+    /// Bytes the buffer may use.
+    pub capacity_bytes: u64,
+    /// Bytes in use.
+    pub used_bytes: u64,
+    /// Times the buffer degraded to coarser records.
+    pub degradations: u64,
+}
+
+/// The skipped buffer; see the module docs.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct SkippedBuffer {
+    capacity_bytes: usize,
+    records: VecDeque<(VolumeId, u64)>,
+    regions: BTreeSet<(VolumeId, u64)>,
+    /// Whole volumes, with the next region to expand.
+    volumes: BTreeMap<VolumeId, u64>,
+    degradations: u64,
+}
+
+impl SkippedBuffer {
+    /// An empty buffer of `capacity_bytes`.
+    pub fn new(capacity_bytes: usize) -> Self {
+        SkippedBuffer {
+            capacity_bytes: capacity_bytes.max(RECORD_BYTES * 16),
+            ..SkippedBuffer::default()
+        }
+    }
+
+    fn used_bytes(&self) -> usize {
+        self.records.len() * RECORD_BYTES
+            + self.regions.len() * REGION_BYTES
+            + self.volumes.len() * REGION_BYTES
+    }
+
+    /// Records that block `lba` of `vol` was written without an inline match.
+    pub fn record(&mut self, vol: VolumeId, lba: u64) {
+        if self.volumes.contains_key(&vol) || self.regions.contains(&(vol, lba / REGION_BLOCKS)) {
+            return;
+        }
+        if self.used_bytes() + RECORD_BYTES <= self.capacity_bytes {
+            self.records.push_back((vol, lba));
+            return;
+        }
+        // full: fold the block records into regions (half the budget), and
+        // past that, regions into whole volumes
+        self.degradations += 1;
+        for (v, l) in std::mem::take(&mut self.records) {
+            self.regions.insert((v, l / REGION_BLOCKS));
+        }
+        self.regions.insert((vol, lba / REGION_BLOCKS));
+        if self.regions.len() * REGION_BYTES > self.capacity_bytes / 2 {
+            for (v, _) in std::mem::take(&mut self.regions) {
+                self.volumes.entry(v).or_insert(0);
+            }
+        }
+    }
+
+    /// Forgets everything about `vol` (deleted).
+    pub fn forget(&mut self, vol: VolumeId) {
+        self.records.retain(|r| r.0 != vol);
+        self.regions.retain(|r| r.0 != vol);
+        self.volumes.remove(&vol);
+    }
+
+    /// True if nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty() && self.regions.is_empty() && self.volumes.is_empty()
+    }
+
+    /// Takes up to about `max` block addresses to process, oldest first;
+    /// regions and volumes are expanded into their LBAs (`size_blocks`
+    /// gives a volume's size; unknown volumes are dropped).
+    pub fn take(
+        &mut self,
+        max: usize,
+        size_blocks: impl Fn(VolumeId) -> Option<u64>,
+    ) -> Vec<(VolumeId, u64)> {
+        let mut out = Vec::with_capacity(max.min(4096));
+        while out.len() < max {
+            if let Some(r) = self.records.pop_front() {
+                out.push(r);
+                continue;
+            }
+            if let Some((v, region)) = self.regions.pop_first() {
+                let Some(size) = size_blocks(v) else { continue };
+                let start = region * REGION_BLOCKS;
+                out.extend((start..(start + REGION_BLOCKS).min(size)).map(|l| (v, l)));
+                continue;
+            }
+            let Some((&v, &next)) = self.volumes.iter().next() else {
+                break;
+            };
+            let Some(size) = size_blocks(v) else {
+                self.volumes.remove(&v);
+                continue;
+            };
+            let start = next * REGION_BLOCKS;
+            if start >= size {
+                self.volumes.remove(&v);
+                continue;
+            }
+            out.extend((start..(start + REGION_BLOCKS).min(size)).map(|l| (v, l)));
+            self.volumes.insert(v, next + 1);
+        }
+        out
+    }
+
+    /// Figures for `dedupd stats`.
+    pub fn stats(&self) -> SkippedStats {
+        SkippedStats {
+            records: self.records.len() as u64,
+            regions: self.regions.len() as u64,
+            volumes: self.volumes.len() as u64,
+            capacity_bytes: self.capacity_bytes as u64,
+            used_bytes: self.used_bytes() as u64,
+            degradations: self.degradations,
+        }
+    }
+
+    /// Bytes of memory held (the records' capacity included).
+    pub fn memory_bytes(&self) -> u64 {
+        (self.records.capacity() * RECORD_BYTES
+            + self.regions.len() * REGION_BYTES
+            + self.volumes.len() * REGION_BYTES) as u64
+    }
+
+    /// Sets the capacity (at open, from configuration).
+    pub fn set_capacity(&mut self, capacity_bytes: usize) {
+        self.capacity_bytes = capacity_bytes.max(RECORD_BYTES * 16);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn degrades_without_forgetting() {
+        let mut b = SkippedBuffer::new(RECORD_BYTES * 16);
+        let v = VolumeId(1);
+        for l in 0..2000u64 {
+            b.record(v, l * 3);
+        }
+        assert!(b.stats().degradations > 0);
+        assert!(b.stats().used_bytes <= b.stats().capacity_bytes + REGION_BYTES as u64);
+        let mut seen = BTreeSet::new();
+        loop {
+            let got = b.take(1000, |_| Some(10_000));
+            if got.is_empty() {
+                break;
+            }
+            seen.extend(got.into_iter().map(|(_, l)| l));
+        }
+        for l in 0..2000u64 {
+            assert!(seen.contains(&(l * 3)), "block {} forgotten", l * 3);
+        }
+        assert!(b.is_empty());
+    }
+}
