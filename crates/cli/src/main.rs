@@ -365,6 +365,14 @@ fn print_stats(v: &Value) {
         f("duplicate_writes_eliminated_percent")
     );
     println!("blocks trimmed               {}", u("blocks_trimmed"));
+    let rc = &v["read_cache"];
+    println!(
+        "read cache                   {} hits, {} misses ({} used of {})",
+        rc["hits"].as_u64().unwrap_or(0),
+        rc["misses"].as_u64().unwrap_or(0),
+        human(rc["used_bytes"].as_u64().unwrap_or(0)),
+        human(rc["capacity_bytes"].as_u64().unwrap_or(0))
+    );
     let sk = &v["skipped"];
     println!(
         "out-of-line duplicates       {} (skipped buffer: {} records, {} regions, {} volumes; {} merges pending)",

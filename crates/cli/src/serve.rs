@@ -64,6 +64,10 @@ pub struct ServeArgs {
     /// clients are sending requests.
     #[arg(long, default_value_t = 20000)]
     pub out_of_line_rate: u64,
+    /// Bytes of the read cache keyed by PBA (reads of different LBAs with
+    /// the same content share one cached copy); 0 disables it.
+    #[arg(long, default_value = "4M")]
+    pub read_cache: String,
     /// Bytes of the skipped buffer (blocks awaiting out-of-line dedup).
     #[arg(long, default_value = "512K")]
     pub skipped_buffer: String,
@@ -134,6 +138,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
         verify: args.verify,
+        read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,
         index: dedupd_engine::index::IndexConfig {

@@ -65,6 +65,9 @@ pub struct EngineConfig {
     /// mode; `prefix_bits` applies when a store is created (afterwards the
     /// superblock's value is used).
     pub index: crate::index::IndexConfig,
+    /// Bytes of the read cache keyed by PBA (SmartDedup §3.4); 0 disables
+    /// it. Default 4 MiB.
+    pub read_cache_bytes: u64,
     /// Bytes of the skipped buffer (blocks written without an inline match,
     /// for out-of-line dedup); default 512 KiB.
     pub skipped_buffer_bytes: usize,
@@ -83,6 +86,7 @@ impl Default for EngineConfig {
             verify: false,
             index: crate::index::IndexConfig::default(),
             skipped_buffer_bytes: 512 << 10,
+            read_cache_bytes: 4 << 20,
             observer: crate::observe::Observer::default(),
         }
     }
@@ -185,6 +189,8 @@ pub struct Engine {
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
     commit_wanted: AtomicBool,
+    /// Read cache keyed by PBA.
+    cache: crate::cache::ReadCache,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -334,6 +340,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             foreground: AtomicU64::new(0),
             config,
         })
@@ -368,6 +375,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -631,6 +639,13 @@ impl Engine {
                     buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].fill(0);
                     i += 1;
                 }
+                Some(p)
+                    if self
+                        .cache
+                        .get(p, &mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]) =>
+                {
+                    i += 1;
+                }
                 Some(p) => {
                     // coalesce a run of consecutive PBAs into one read
                     let mut j = i + 1;
@@ -640,6 +655,12 @@ impl Engine {
                     self.backend
                         .read_blocks(p, &mut buf[i * BLOCK_SIZE..j * BLOCK_SIZE])
                         .map_err(|e| EngineError::io(format!("reading PBA {}", p.0), e))?;
+                    for k in i..j {
+                        self.cache.insert(
+                            Pba(p.0 + (k - i) as u64),
+                            &buf[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE],
+                        );
+                    }
                     i = j;
                 }
             }
@@ -1022,6 +1043,9 @@ impl Engine {
         c.durable_changes = batch.change_count;
         {
             let _w = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+            for &p in &batch.frees {
+                self.cache.invalidate(p);
+            }
             lock(&self.meta).free.extend(batch.frees.iter().copied());
         }
         if c.journal.is_some() {
@@ -1098,6 +1122,7 @@ impl Engine {
                 out_of_line_duplicates: c.out_of_line_duplicates,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,
+                read_cache: self.cache.stats(),
                 index_entries: m.index.len(),
                 index_bytes_in_memory: m.index_bytes(),
                 index: m.index.stats(),

@@ -11,6 +11,7 @@
 
 pub mod backend;
 pub mod block;
+pub mod cache;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;

@@ -42,6 +42,8 @@ pub struct Stats {
     pub skipped: crate::skipped::SkippedStats,
     /// Duplicate copies waiting for a map scan to merge them.
     pub pending_merges: u64,
+    /// The read cache keyed by PBA: capacity, use, hits and misses.
+    pub read_cache: crate::cache::ReadCacheStats,
     /// Dedup ratio: `logical_bytes_mapped` ÷ `physical_bytes_stored`, as VDO
     /// and ZFS report it (1.0 when nothing is stored).
     pub dedup_ratio: f64,

@@ -328,3 +328,30 @@ fn out_of_line_dedup_finds_what_a_tiny_memory_budget_missed() {
     let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
     assert_eq!(r.lbas_remapped, 0);
 }
+
+#[test]
+fn read_cache_serves_shared_content_once() {
+    let e = Engine::in_memory(HashAlgorithm::Sha256);
+    let v = e.create_volume("v", 1 << 20).unwrap();
+    let mut blk = vec![3u8; BLOCK_SIZE];
+    blk[0] = 9;
+    for lba in 0..16u64 {
+        e.write(v, lba * 4096, &blk, false).unwrap();
+    }
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    for lba in 0..16u64 {
+        e.read(v, lba * 4096, &mut buf).unwrap();
+        assert!(buf == blk);
+    }
+    let s = e.stats().read_cache;
+    assert_eq!(s.misses, 1, "{s:?}");
+    assert_eq!(s.hits, 15, "{s:?}");
+    // a freed and reused block is not served stale
+    e.write(v, 0, &vec![0u8; 16 * BLOCK_SIZE], false).unwrap();
+    e.flush().unwrap();
+    let mut other = vec![5u8; BLOCK_SIZE];
+    other[1] = 1;
+    e.write(v, 0, &other, false).unwrap();
+    e.read(v, 0, &mut buf).unwrap();
+    assert!(buf == other);
+}
