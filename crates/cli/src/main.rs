@@ -365,6 +365,16 @@ fn print_stats(v: &Value) {
         f("duplicate_writes_eliminated_percent")
     );
     println!("blocks trimmed               {}", u("blocks_trimmed"));
+    let se = &v["selectivity"];
+    println!(
+        "inline selectivity           {:.0} % (duplication {:.2}, load {:.2}, power {:.2}; {} selected, {} left to out-of-line)",
+        se["selectivity"].as_f64().unwrap_or(1.0) * 100.0,
+        se["duplication_factor"].as_f64().unwrap_or(1.0),
+        se["load_factor"].as_f64().unwrap_or(1.0),
+        se["power_factor"].as_f64().unwrap_or(1.0),
+        se["blocks_selected"].as_u64().unwrap_or(0),
+        se["blocks_unselected"].as_u64().unwrap_or(0)
+    );
     let rc = &v["read_cache"];
     println!(
         "read cache                   {} hits, {} misses ({} used of {})",

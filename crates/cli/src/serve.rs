@@ -64,6 +64,19 @@ pub struct ServeArgs {
     /// clients are sending requests.
     #[arg(long, default_value_t = 20000)]
     pub out_of_line_rate: u64,
+    /// Inline selectivity: full (every block inline; the default) or
+    /// adaptive (fingerprint fewer blocks inline when the duplication level
+    /// falls, 30 % at least, and by battery charge; the rest is left to
+    /// out-of-line dedup — for phones and battery-powered devices).
+    #[arg(long, default_value = "full", value_parser = ["adaptive", "full"])]
+    pub selectivity: String,
+    /// Also lower selectivity under CPU or I/O pressure (/proc/pressure).
+    #[arg(long)]
+    pub selectivity_load: bool,
+    /// Power source for selectivity: auto (/sys/class/power_supply), ac, or
+    /// battery:PERCENT (simulated; below 15 % inline dedup is off).
+    #[arg(long, default_value = "auto")]
+    pub power_source: dedupd_engine::selectivity::PowerSource,
     /// Bytes of the read cache keyed by PBA (reads of different LBAs with
     /// the same content share one cached copy); 0 disables it.
     #[arg(long, default_value = "4M")]
@@ -138,6 +151,15 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
         verify: args.verify,
+        selectivity: dedupd_engine::selectivity::SelectivityConfig {
+            adaptive: args.selectivity == "adaptive",
+            load_aware: args.selectivity_load && args.selectivity == "adaptive",
+            power: if args.selectivity == "adaptive" {
+                args.power_source
+            } else {
+                dedupd_engine::selectivity::PowerSource::Ac
+            },
+        },
         read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,

@@ -50,7 +50,11 @@ fn fio_dedupe_50_percent_matches_reference_and_verifies() {
         &format!("--filename={}", reference.display()),
     ]));
 
-    let server = Server::start(&store, &["--default-volume-size", REGION]);
+    // every block through inline dedup: this test measures inline dedup
+    let server = Server::start(
+        &store,
+        &["--default-volume-size", REGION, "--selectivity", "full"],
+    );
     let uri = server.uri("default");
     run(&mut fio_write_job(&[
         "--ioengine=nbd",

@@ -35,6 +35,11 @@ use crate::paged::PagedArray;
 use crate::stats::{proc_status_bytes, Stats};
 use crate::store::{decode_checked, MetaImages, State, StoreDir, VolumeRecord};
 
+/// Stands for "not fingerprinted yet" (a block stored without inline
+/// dedup); the reverse index keeps it until out-of-line dedup hashes the
+/// block. No SHA-256 or BLAKE3 output is all zeros in practice.
+pub const UNHASHED: Fingerprint = Fingerprint([0u8; 32]);
+
 /// Number of locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 64;
 
@@ -65,6 +70,8 @@ pub struct EngineConfig {
     /// mode; `prefix_bits` applies when a store is created (afterwards the
     /// superblock's value is used).
     pub index: crate::index::IndexConfig,
+    /// Adaptive selectivity of inline dedup (duplication level, load, power).
+    pub selectivity: crate::selectivity::SelectivityConfig,
     /// Bytes of the read cache keyed by PBA (SmartDedup §3.4); 0 disables
     /// it. Default 4 MiB.
     pub read_cache_bytes: u64,
@@ -87,6 +94,7 @@ impl Default for EngineConfig {
             index: crate::index::IndexConfig::default(),
             skipped_buffer_bytes: 512 << 10,
             read_cache_bytes: 4 << 20,
+            selectivity: crate::selectivity::SelectivityConfig::default(),
             observer: crate::observe::Observer::default(),
         }
     }
@@ -191,6 +199,8 @@ pub struct Engine {
     commit_wanted: AtomicBool,
     /// Read cache keyed by PBA.
     cache: crate::cache::ReadCache,
+    /// Which blocks inline dedup fingerprints.
+    selectivity: crate::selectivity::Selectivity,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -297,6 +307,16 @@ impl Engine {
         drop(images);
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);
+        // the skipped buffer saved at the last clean shutdown, if any
+        let skipped_path = dir.root().join("skipped.json");
+        if let Some(mut saved) = std::fs::read(&skipped_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<crate::skipped::SkippedBuffer>(&b).ok())
+        {
+            saved.set_capacity(config.skipped_buffer_bytes);
+            meta.skipped = saved;
+        }
+        let _ = std::fs::remove_file(&skipped_path);
         let data =
             FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
         let data_blocks = data
@@ -341,6 +361,7 @@ impl Engine {
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
+            selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             foreground: AtomicU64::new(0),
             config,
         })
@@ -376,6 +397,7 @@ impl Engine {
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
+            selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -542,6 +564,23 @@ impl Engine {
     /// Metadata pages that failed their checksums when the store was opened.
     pub fn damage(&self) -> &[Damage] {
         &self.damage
+    }
+
+    /// Saves the skipped buffer to `<store>/skipped.json` (best effort: if
+    /// it is lost, `dedupd dedup --offline` finds the same duplicates).
+    fn save_skipped(&self) {
+        let Some(dir) = &self.dir else { return };
+        let m = lock(&self.meta);
+        if m.skipped.is_empty() {
+            let _ = std::fs::remove_file(dir.root().join("skipped.json"));
+            return;
+        }
+        if let Ok(bytes) = serde_json::to_vec(&m.skipped) {
+            let tmp = dir.root().join("skipped.json.tmp");
+            if std::fs::write(&tmp, bytes).is_ok() {
+                let _ = std::fs::rename(&tmp, dir.root().join("skipped.json"));
+            }
+        }
     }
 
     /// Conditions found when the store was opened that an operator should
@@ -805,12 +844,17 @@ impl Engine {
         }
         let block = |i: usize| &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
         // fingerprint outside the lock; None for zero blocks
+        // blocks not selected for inline dedup are stored unhashed and left
+        // to out-of-line dedup (adaptive selectivity, SmartDedup §3.4)
+        let selected = self.selectivity.select(n);
         let fps: Vec<Option<Fingerprint>> = (0..n)
             .map(|i| {
                 if is_zero(block(i)) {
                     None
-                } else {
+                } else if selected[i] {
                     Some(self.hash.fingerprint(block(i)))
+                } else {
+                    Some(UNHASHED)
                 }
             })
             .collect();
@@ -849,6 +893,7 @@ impl Engine {
         let n = fps.len();
         // phase 1: hits and zeros are mapped at once; misses get a reserved PBA
         let mut placement: Vec<Placement> = Vec::with_capacity(n);
+        let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
         {
             let mut m = lock(&self.meta);
             if !m.volumes.contains_key(&vol) {
@@ -864,7 +909,16 @@ impl Engine {
                         m.counters.zero_blocks_written += 1;
                         placement.push(Placement::Done);
                     }
+                    Some(fp) if *fp == UNHASHED => {
+                        let pba = m.allocate();
+                        placement.push(Placement::New {
+                            pba,
+                            fp: *fp,
+                            indexed: false,
+                        });
+                    }
                     Some(fp) => {
+                        selected_blocks += 1;
                         let block =
                             |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
                         let hit = m
@@ -874,11 +928,13 @@ impl Engine {
                         if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
                             m.remap(vol, lba, Some(p));
                             m.counters.duplicate_blocks += 1;
+                            inline_dups += 1;
                             placement.push(Placement::Done);
                         } else if let Some(j) =
                             same_request.filter(|&j| !self.config.verify || block(i) == block(j))
                         {
                             placement.push(Placement::SameAs(j));
+                            inline_dups += 1;
                         } else {
                             let indexed = hit.is_none() && same_request.is_none();
                             if indexed {
@@ -895,6 +951,8 @@ impl Engine {
                 }
             }
         }
+
+        self.selectivity.observe(selected_blocks, inline_dups);
 
         // phase 2: write new data, coalescing runs of consecutive PBAs
         let new: Vec<(usize, Pba)> = placement
@@ -1090,6 +1148,7 @@ impl Engine {
     /// Failing here (e.g. ENOSPC) loses nothing: the journal keeps the
     /// changes and the next start replays them.
     pub fn checkpoint(&self) -> Result<()> {
+        self.save_skipped();
         let mut c = lock(&self.commit);
         self.checkpoint_locked(&mut c)?;
         if let Some(j) = c.journal.as_mut() {
@@ -1123,6 +1182,7 @@ impl Engine {
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,
                 read_cache: self.cache.stats(),
+                selectivity: self.selectivity.stats(),
                 index_entries: m.index.len(),
                 index_bytes_in_memory: m.index_bytes(),
                 index: m.index.stats(),

@@ -22,6 +22,7 @@ pub mod meta;
 pub mod observe;
 pub mod outofline;
 pub mod paged;
+pub mod selectivity;
 pub mod skipped;
 pub mod stats;
 pub mod store;

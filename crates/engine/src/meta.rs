@@ -120,7 +120,12 @@ impl Meta {
             if self.refcounts.get_u32(p) > 0 {
                 top = p + 1;
                 self.stored_blocks += 1;
-                all.push((self.fingerprint_of(Pba(p)), Pba(p)));
+                let fp = self.fingerprint_of(Pba(p));
+                // blocks not fingerprinted yet are not indexed (out-of-line
+                // dedup hashes them)
+                if fp != crate::engine::UNHASHED {
+                    all.push((fp, Pba(p)));
+                }
             }
         }
         self.index.rebuild(all)?;

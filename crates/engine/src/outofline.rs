@@ -35,6 +35,8 @@ use crate::fingerprint::Fingerprint;
 pub struct PassReport {
     /// Block addresses examined.
     pub blocks_examined: u64,
+    /// Blocks fingerprinted by the pass (stored without inline dedup).
+    pub blocks_hashed: u64,
     /// LBAs remapped onto another copy of their content.
     pub lbas_remapped: u64,
     /// Pending merges applied by a map scan.
@@ -77,9 +79,16 @@ impl Engine {
                 let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(lba))) else {
                     continue;
                 };
-                let fp = m.fingerprint_of(p);
-                if fp == Fingerprint([0u8; 32]) {
-                    continue;
+                let mut fp = m.fingerprint_of(p);
+                if fp == crate::engine::UNHASHED {
+                    // stored without inline dedup (selectivity): hash it now
+                    let mut block = vec![0u8; crate::block::BLOCK_SIZE];
+                    self.backend
+                        .read_blocks(p, &mut block)
+                        .map_err(|e| EngineError::io(format!("reading PBA {}", p.0), e))?;
+                    fp = self.hash.fingerprint(&block);
+                    m.record_unindexed(p, fp);
+                    r.blocks_hashed += 1;
                 }
                 let candidates = m
                     .lookup_all(&fp)
@@ -211,7 +220,16 @@ impl Engine {
                     continue;
                 }
                 r.blocks_examined += 1;
-                let fp = m.fingerprint_of(Pba(q));
+                let mut fp = m.fingerprint_of(Pba(q));
+                if fp == crate::engine::UNHASHED {
+                    let mut block = vec![0u8; crate::block::BLOCK_SIZE];
+                    self.backend
+                        .read_blocks(Pba(q), &mut block)
+                        .map_err(|e| EngineError::io(format!("reading PBA {q}"), e))?;
+                    fp = self.hash.fingerprint(&block);
+                    m.record_unindexed(Pba(q), fp);
+                    r.blocks_hashed += 1;
+                }
                 match first.get(&fp) {
                     Some(&c) => {
                         m.pending_merges.insert(q, c);

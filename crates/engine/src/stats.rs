@@ -44,6 +44,8 @@ pub struct Stats {
     pub pending_merges: u64,
     /// The read cache keyed by PBA: capacity, use, hits and misses.
     pub read_cache: crate::cache::ReadCacheStats,
+    /// Inline selectivity now and its factors (duplication level, load, power).
+    pub selectivity: crate::selectivity::SelectivityStats,
     /// Dedup ratio: `logical_bytes_mapped` ÷ `physical_bytes_stored`, as VDO
     /// and ZFS report it (1.0 when nothing is stored).
     pub dedup_ratio: f64,

@@ -355,3 +355,54 @@ fn read_cache_serves_shared_content_once() {
     e.read(v, 0, &mut buf).unwrap();
     assert!(buf == other);
 }
+
+#[test]
+fn unselected_blocks_are_hashed_and_deduplicated_out_of_line() {
+    use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
+    let cfg = EngineConfig {
+        selectivity: SelectivityConfig {
+            adaptive: false,
+            load_aware: false,
+            power: PowerSource::Battery(40.0),
+        },
+        ..EngineConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, cfg.clone()).unwrap();
+    let a = e.create_volume("a", 16 << 20).unwrap();
+    let blk = |i: u64| {
+        let mut x = vec![1u8; BLOCK_SIZE];
+        x[..8].copy_from_slice(&(i % 100).to_le_bytes());
+        x
+    };
+    for i in 0..1000u64 {
+        e.write(a, i * 4096, &blk(i), false).unwrap();
+    }
+    let s = e.stats();
+    assert!(s.selectivity.blocks_unselected > 500, "{:?}", s.selectivity);
+    assert!(s.physical_blocks_stored > 100);
+    e.close().unwrap();
+    // fsck accepts blocks not fingerprinted yet
+    drop(e);
+    let r = dedupd_engine::fsck::fsck(
+        &path,
+        dedupd_engine::fsck::FsckOptions {
+            repair: false,
+            rehash: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(r.exit_code(), 0, "{:?}", r.problems);
+    let e = Engine::open(&path, cfg).unwrap();
+    let a = e.volume("a").unwrap().0;
+    e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    e.flush().unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 100);
+    for i in (0..1000u64).step_by(37) {
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        e.read(a, i * 4096, &mut buf).unwrap();
+        assert!(buf == blk(i));
+    }
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}

@@ -1,0 +1,324 @@
+//! Adaptive selectivity (SmartDedup §3.4, §4.4): inline dedup fingerprints
+//! only a fraction of the blocks written; the rest are stored at once and
+//! recorded in the skipped buffer for out-of-line dedup, which fingerprints
+//! them later.
+//!
+//! The fraction is the product of three factors:
+//! - **duplication level**: per window of 150 selected writes, the share of
+//!   duplicates found is compared with the mean of the last 30 windows;
+//!   when it falls the factor drops by 10 % (floor 30 %), when it rises the
+//!   factor grows by 30 % (cap 100 %);
+//! - **load**: when CPU or I/O pressure (`/proc/pressure/{cpu,io}`, "some"
+//!   avg10) passes 50 %, the factor halves; under 20 % it is 1;
+//! - **power**: on mains 1; on battery the charge fraction
+//!   (`/sys/class/power_supply`); 0 (inline dedup off) in low-power mode,
+//!   below 15 % charge. `--power-source` overrides the reading for tests.
+//!
+//! Blocks are selected by a credit counter (n of every N), not at random,
+//! so replays are deterministic.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// Writes per duplication-level window.
+pub const WINDOW_WRITES: u64 = 150;
+/// Windows averaged for the comparison.
+pub const HISTORY_WINDOWS: usize = 30;
+/// Floor of the duplication-level factor.
+pub const FLOOR: f64 = 0.3;
+const LOW_POWER_PERCENT: f64 = 15.0;
+
+/// Where power comes from, as configured (`--power-source`).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub enum PowerSource {
+    /// Read `/sys/class/power_supply` (mains if nothing is found).
+    #[default]
+    Auto,
+    /// Mains power.
+    Ac,
+    /// Battery at this charge, in percent (0–100).
+    Battery(f64),
+}
+
+impl std::str::FromStr for PowerSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(PowerSource::Auto),
+            "ac" => Ok(PowerSource::Ac),
+            _ => s
+                .strip_prefix("battery:")
+                .and_then(|p| p.trim_end_matches('%').parse::<f64>().ok())
+                .filter(|p| (0.0..=100.0).contains(p))
+                .map(PowerSource::Battery)
+                .ok_or_else(|| {
+                    format!("invalid power source {s:?}: use auto, ac or battery:PERCENT")
+                }),
+        }
+    }
+}
+
+/// Configuration of the controller.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SelectivityConfig {
+    /// Adapt to the duplication level (otherwise that factor stays 1).
+    pub adaptive: bool,
+    /// Back off under CPU or I/O pressure (default off: on a shared server
+    /// a busy neighbour would turn inline dedup down).
+    pub load_aware: bool,
+    /// Power source.
+    pub power: PowerSource,
+}
+
+impl Default for SelectivityConfig {
+    fn default() -> Self {
+        SelectivityConfig {
+            adaptive: true,
+            load_aware: false,
+            power: PowerSource::Auto,
+        }
+    }
+}
+
+/// Current selectivity and its factors, for `dedupd stats`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SelectivityStats {
+    /// Fraction of blocks fingerprinted inline now (0–1).
+    pub selectivity: f64,
+    /// Duplication-level factor.
+    pub duplication_factor: f64,
+    /// Load factor.
+    pub load_factor: f64,
+    /// Power factor.
+    pub power_factor: f64,
+    /// Blocks fingerprinted inline.
+    pub blocks_selected: u64,
+    /// Blocks stored without an inline fingerprint.
+    pub blocks_unselected: u64,
+}
+
+struct State {
+    dup_factor: f64,
+    window_writes: u64,
+    window_dups: u64,
+    history: VecDeque<f64>,
+    credit: f64,
+    load_factor: f64,
+    power_factor: f64,
+    sampled: Option<Instant>,
+    selected: u64,
+    unselected: u64,
+}
+
+/// The selectivity controller; cheap to call per block.
+pub struct Selectivity {
+    cfg: SelectivityConfig,
+    state: Mutex<State>,
+}
+
+impl Selectivity {
+    /// A controller starting at full selectivity.
+    pub fn new(cfg: SelectivityConfig) -> Self {
+        Selectivity {
+            cfg,
+            state: Mutex::new(State {
+                dup_factor: 1.0,
+                window_writes: 0,
+                window_dups: 0,
+                history: VecDeque::new(),
+                credit: 0.0,
+                load_factor: 1.0,
+                power_factor: 1.0,
+                sampled: None,
+                selected: 0,
+                unselected: 0,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Decides for `n` blocks which are fingerprinted inline.
+    pub fn select(&self, n: usize) -> Vec<bool> {
+        let mut s = self.lock();
+        self.refresh(&mut s);
+        let fraction = (s.dup_factor * s.load_factor * s.power_factor).clamp(0.0, 1.0);
+        (0..n)
+            .map(|_| {
+                s.credit += fraction;
+                if s.credit >= 1.0 - 1e-9 {
+                    s.credit -= 1.0;
+                    s.selected += 1;
+                    true
+                } else {
+                    s.unselected += 1;
+                    false
+                }
+            })
+            .collect()
+    }
+
+    /// Feeds the outcome of selected blocks: `writes` fingerprinted, of
+    /// which `duplicates` were found inline.
+    pub fn observe(&self, writes: u64, duplicates: u64) {
+        if !self.cfg.adaptive || writes == 0 {
+            return;
+        }
+        let mut s = self.lock();
+        s.window_writes += writes;
+        s.window_dups += duplicates;
+        if s.window_writes < WINDOW_WRITES {
+            return;
+        }
+        let level = s.window_dups as f64 / s.window_writes as f64;
+        if s.history.len() >= 3 {
+            let mean = s.history.iter().sum::<f64>() / s.history.len() as f64;
+            if level < mean {
+                s.dup_factor = (s.dup_factor * 0.9).max(FLOOR);
+            } else if level > mean {
+                s.dup_factor = (s.dup_factor * 1.3).min(1.0);
+            }
+        }
+        s.history.push_back(level);
+        if s.history.len() > HISTORY_WINDOWS {
+            s.history.pop_front();
+        }
+        s.window_writes = 0;
+        s.window_dups = 0;
+    }
+
+    /// Re-reads load and power at most once a second.
+    fn refresh(&self, s: &mut State) {
+        if s.sampled
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        s.sampled = Some(Instant::now());
+        s.load_factor = if self.cfg.load_aware {
+            let p = pressure("/proc/pressure/cpu").max(pressure("/proc/pressure/io"));
+            if p > 50.0 {
+                0.5
+            } else if p < 20.0 {
+                1.0
+            } else {
+                s.load_factor
+            }
+        } else {
+            1.0
+        };
+        s.power_factor = power_factor(self.cfg.power);
+    }
+
+    /// Figures for `dedupd stats`.
+    pub fn stats(&self) -> SelectivityStats {
+        let mut s = self.lock();
+        self.refresh(&mut s);
+        SelectivityStats {
+            selectivity: (s.dup_factor * s.load_factor * s.power_factor).clamp(0.0, 1.0),
+            duplication_factor: s.dup_factor,
+            load_factor: s.load_factor,
+            power_factor: s.power_factor,
+            blocks_selected: s.selected,
+            blocks_unselected: s.unselected,
+        }
+    }
+}
+
+/// "some avg10" of a pressure file, in percent; 0 if unreadable.
+fn pressure(path: &str) -> f64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("some"))
+                .and_then(|l| l.split_whitespace().find_map(|f| f.strip_prefix("avg10=")))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+/// 1 on mains, the charge fraction on battery, 0 in low-power mode.
+fn power_factor(src: PowerSource) -> f64 {
+    let on_battery = |pct: f64| {
+        if pct < LOW_POWER_PERCENT {
+            0.0
+        } else {
+            pct / 100.0
+        }
+    };
+    match src {
+        PowerSource::Ac => 1.0,
+        PowerSource::Battery(p) => on_battery(p),
+        PowerSource::Auto => {
+            let root = Path::new("/sys/class/power_supply");
+            let Ok(dir) = std::fs::read_dir(root) else {
+                return 1.0;
+            };
+            for e in dir.flatten() {
+                let p = e.path();
+                let kind = std::fs::read_to_string(p.join("type")).unwrap_or_default();
+                if kind.trim() != "Battery" {
+                    continue;
+                }
+                let status = std::fs::read_to_string(p.join("status")).unwrap_or_default();
+                if status.trim() != "Discharging" {
+                    return 1.0;
+                }
+                let cap: f64 = std::fs::read_to_string(p.join("capacity"))
+                    .ok()
+                    .and_then(|c| c.trim().parse().ok())
+                    .unwrap_or(100.0);
+                return on_battery(cap);
+            }
+            1.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixed(power: PowerSource) -> Selectivity {
+        Selectivity::new(SelectivityConfig {
+            adaptive: true,
+            load_aware: false,
+            power,
+        })
+    }
+
+    #[test]
+    fn falls_to_the_floor_when_duplicates_dry_up_and_recovers() {
+        let s = fixed(PowerSource::Ac);
+        for _ in 0..10 {
+            s.observe(150, 75);
+        }
+        for _ in 0..40 {
+            s.observe(150, 0);
+        }
+        let low = s.stats().duplication_factor;
+        assert!((FLOOR..0.5).contains(&low), "{low}");
+        for _ in 0..20 {
+            s.observe(150, 140);
+        }
+        assert!(s.stats().duplication_factor > 0.99);
+    }
+
+    #[test]
+    fn battery_scales_and_low_power_turns_inline_off() {
+        let half = fixed(PowerSource::Battery(50.0));
+        let picked = half.select(1000).into_iter().filter(|&b| b).count();
+        assert!((480..=520).contains(&picked), "{picked}");
+        let low = fixed(PowerSource::Battery(10.0));
+        assert!(low.select(100).iter().all(|&b| !b));
+        assert!("battery:40".parse::<PowerSource>().is_ok());
+        assert!("battery:140".parse::<PowerSource>().is_err());
+    }
+}
