@@ -17,9 +17,17 @@
 //!   binary-searches it.
 //! - **Eviction**: G-LRU (default) evicts the least recently used group
 //!   whole, with one read-merge-write of its on-disk group (none if the
-//!   group gained nothing since it was loaded); per-fingerprint LRU is
-//!   available for comparison (one read-merge-write per evicted entry). An
+//!   group gained nothing since it was loaded). The per-fingerprint
+//!   policies — LRU, LFU, ARC and CAFTL's reference count — evict one entry
+//!   at a time, each with one read-merge-write ([`EvictionPolicy`]). An
 //!   on-disk hit promotes only that fingerprint.
+//! - **Replacement bookkeeping** of the per-fingerprint policies: an
+//!   8-byte stamp per entry, kept beside the group's sorted entries, and
+//!   lazy records (stamp, key) in queues (LRU; ARC's T1, T2, B1, B2) or a
+//!   min-heap (LFU, reference count). A record counts while its entry
+//!   still carries its stamp; stale ones are dropped when they surface or
+//!   when they pass 1.5 × the live ones. All of it — stamps, records
+//!   (by capacity), ARC ghosts — is counted in the budget.
 //!
 //! Keys are the first 64 bits of the fingerprint (the prefix included).
 //! Every hit is validated by the caller against the reverse index
@@ -36,7 +44,8 @@
 //! validation). The on-disk store is derived data: it is rebuilt from the
 //! journaled reverse index each time the store opens, so it needs no journal.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -54,6 +63,8 @@ const GROUP_MAGIC: u32 = u32::from_le_bytes(*b"DDFG");
 const NONE: u32 = u32::MAX;
 
 /// How the in-memory store chooses what to evict when its budget is full.
+/// Every policy but G-LRU evicts single fingerprints, each with one
+/// read-merge-write of its on-disk group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum EvictionPolicy {
@@ -61,9 +72,37 @@ pub enum EvictionPolicy {
     /// group whole, with one read-merge-write of its on-disk group.
     #[default]
     GroupLru,
-    /// Per-fingerprint LRU: evict single entries (one read-merge-write
-    /// each); for comparison.
+    /// Per-fingerprint LRU: evict the least recently used fingerprint.
     Lru,
+    /// LFU: evict the fingerprint used least often since it entered memory
+    /// (ties: the least recently used). Frequencies start again at 1 when a
+    /// fingerprint re-enters memory.
+    Lfu,
+    /// ARC (Megiddo & Modha, FAST '03) over fingerprints: T1 (seen once)
+    /// and T2 (seen again) with ghost lists B1 and B2 of evicted keys that
+    /// adapt T1's target size. Ghosts are keys kept in their group without
+    /// a PBA: counted in the budget, bounded by ARC's |T1| + |B1| ≤ c and
+    /// |T1| + |T2| + |B1| + |B2| ≤ 2c, with c the resident entries.
+    Arc,
+    /// Reference-count replacement (CAFTL, FAST '11): evict the fingerprint
+    /// whose block has the fewest references (ties: least recently used).
+    /// The counts come from the caller ([`FingerprintIndex::insert_with_refcount`],
+    /// [`FingerprintIndex::lookup_with_refcount`]); without them the index
+    /// estimates them (1 when stored, +1 per hit; overwrites unseen).
+    RefCount,
+}
+
+impl EvictionPolicy {
+    /// The policy's name as [`str::parse`] accepts it.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::GroupLru => "g-lru",
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Arc => "arc",
+            EvictionPolicy::RefCount => "refcount",
+        }
+    }
 }
 
 impl std::str::FromStr for EvictionPolicy {
@@ -72,8 +111,11 @@ impl std::str::FromStr for EvictionPolicy {
         match s {
             "glru" | "g-lru" | "group-lru" => Ok(EvictionPolicy::GroupLru),
             "lru" => Ok(EvictionPolicy::Lru),
+            "lfu" => Ok(EvictionPolicy::Lfu),
+            "arc" => Ok(EvictionPolicy::Arc),
+            "refcount" | "ref-count" | "caftl" => Ok(EvictionPolicy::RefCount),
             _ => Err(format!(
-                "unknown eviction policy {s:?} (expected glru or lru)"
+                "unknown eviction policy {s:?} (expected glru, lru, lfu, arc or refcount)"
             )),
         }
     }
@@ -134,6 +176,9 @@ impl Default for IndexConfig {
 pub struct IndexStats {
     /// Fingerprints in the in-memory store.
     pub entries_in_memory: u64,
+    /// ARC ghosts in memory: keys of evicted fingerprints, without PBA.
+    #[serde(default)]
+    pub ghost_entries: u64,
     /// Entries in the on-disk store (may include stale ones awaiting a rewrite).
     pub entries_on_disk: u64,
     /// Bytes used by the in-memory store (counted against the budget).
@@ -236,7 +281,45 @@ impl Leaf {
 
 type Entry = (u64, u64);
 
-/// Per-entry access ticks, allocated only in per-fingerprint LRU mode (8
+/// PBA marker of an ARC ghost in ARC's B1 list: the key is remembered, the
+/// block is not (no real PBA comes near `u64::MAX`).
+const GHOST_B1: u64 = u64::MAX;
+/// PBA marker of an ARC ghost in B2.
+const GHOST_B2: u64 = u64::MAX - 1;
+
+fn is_ghost(pba: u64) -> bool {
+    pba >= GHOST_B2
+}
+
+/// Bits of the access tick in a per-entry stamp (LFU, reference count):
+/// the count is in the top 24 bits, so stamps order by (count, tick).
+const TICK_BITS: u32 = 40;
+const TICK_MASK: u64 = (1 << TICK_BITS) - 1;
+const COUNT_MAX: u64 = (1 << (64 - TICK_BITS)) - 1;
+/// ARC: the list (0 T1, 1 T2, 2 B1, 3 B2) is in the top 2 bits of a stamp.
+const ARC_LIST_SHIFT: u32 = 62;
+const T1: usize = 0;
+const T2: usize = 1;
+const B1: usize = 2;
+const B2: usize = 3;
+
+fn counted(count: u64, tick: u64) -> u64 {
+    (count.min(COUNT_MAX) << TICK_BITS) | (tick & TICK_MASK)
+}
+
+fn count_of(stamp: u64) -> u64 {
+    stamp >> TICK_BITS
+}
+
+/// A replacement record: (stamp, key) (the key's top bits are its prefix). Queues and heaps hold them
+/// lazily: a record counts only while its entry still carries its stamp,
+/// so moving an entry is one push and stale records are skipped when they
+/// come out (and compacted away when they pass 1.5 times the live ones:
+/// at most 24 bytes of records per entry, plus 8 of stamp).
+type Rec = (u64, u64);
+const REC_BYTES: u64 = std::mem::size_of::<Rec>() as u64;
+
+/// Per-entry stamps, allocated only for the per-fingerprint policies (8
 /// bytes in a group otherwise).
 #[derive(Debug, Default)]
 // boxed on purpose: 8 bytes per group instead of a 24-byte empty Vec
@@ -263,7 +346,9 @@ impl Ticks {
         self.v().remove(i);
     }
     fn shrink_to(&mut self, n: usize) {
-        self.v().shrink_to(n)
+        if let Some(v) = self.0.as_mut() {
+            v.shrink_to(n)
+        }
     }
     fn get(&self, i: usize) -> u64 {
         self.0.as_ref().and_then(|v| v.get(i).copied()).unwrap_or(0)
@@ -276,13 +361,27 @@ impl Ticks {
 #[derive(Debug, Default)]
 struct Group {
     prefix: u32,
+    /// Sorted by key. Under ARC it also holds ghosts (keys whose PBA is a
+    /// ghost marker), so a ghost costs an entry's bytes in the budget.
     entries: Vec<Entry>,
-    /// Last access tick per entry (per-fingerprint LRU only).
+    /// Per-entry stamp (per-fingerprint policies only): LRU the access
+    /// tick; LFU (frequency, tick); reference count (count, tick); ARC
+    /// (list, tick).
     ticks: Ticks,
     prev: u32,
     next: u32,
     /// Entries added since the group was last written to disk.
     dirty: bool,
+}
+
+/// ARC's adaptive state (Megiddo & Modha, FAST '03), in entries: `p` is
+/// the target size of T1; the lists' sizes are counted here.
+#[derive(Debug, Default, Clone, Copy)]
+struct ArcState {
+    p: u64,
+    len: [u64; 4],
+    /// The last admission came from B2 (REPLACE's tie rule).
+    last_from_b2: bool,
 }
 
 /// The 64-bit key of a fingerprint (its first 8 bytes, big-endian, so
@@ -300,13 +399,19 @@ pub struct FingerprintIndex {
     free_slots: Vec<u32>,
     head: u32,
     tail: u32,
+    /// Resident entries (ARC ghosts excluded).
     mem_entries: u64,
     mem_bytes: u64,
     store: Box<dyn GroupStore>,
     free_runs: BTreeMap<u32, u32>,
     end_page: u32,
     tick: u64,
-    access: VecDeque<(u64, u32, u64)>,
+    /// Recency queues, oldest first: LRU uses `queues[0]`; ARC uses
+    /// T1, T2, B1, B2.
+    queues: [VecDeque<Rec>; 4],
+    /// Min-heap of (count, tick) stamps: LFU and reference count.
+    heap: BinaryHeap<Reverse<Rec>>,
+    arc: ArcState,
     stats: IndexStats,
     /// Live duplicate copies the index dropped (copy, kept PBA), for
     /// out-of-line dedup to merge.
@@ -335,6 +440,20 @@ impl Default for FingerprintIndex {
 /// its stored fingerprint starts with the key.
 pub type Live<'a> = &'a dyn Fn(u64, Pba) -> bool;
 
+/// The reference count of a PBA (the reverse index's), for the
+/// reference-count policy (CAFTL).
+pub type RefCount<'a> = &'a dyn Fn(Pba) -> u32;
+
+/// What happened to an entry, for the replacement policy.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// A lookup found it (the caller maps one more LBA to it).
+    Hit,
+    /// Inserted or promoted; `old` is the PBA the key had in memory before
+    /// (a resident entry replaced, or an ARC ghost), if any.
+    Admit { old: Option<u64> },
+}
+
 impl FingerprintIndex {
     /// An empty index over `store`.
     pub fn new(cfg: IndexConfig, store: Box<dyn GroupStore>) -> Self {
@@ -355,7 +474,9 @@ impl FingerprintIndex {
             free_runs: BTreeMap::new(),
             end_page: 0,
             tick: 0,
-            access: VecDeque::new(),
+            queues: Default::default(),
+            heap: BinaryHeap::new(),
+            arc: ArcState::default(),
             stats: IndexStats::default(),
             displaced: Vec::new(),
         }
@@ -383,9 +504,14 @@ impl FingerprintIndex {
         &mut chunk[(prefix & 255) as usize]
     }
 
+    /// Heap bytes of a group (its header is counted with the group table).
     fn group_bytes(&self, g: &Group) -> u64 {
-        (std::mem::size_of::<Group>() + g.entries.capacity() * ENTRY_BYTES + g.ticks.capacity() * 8)
-            as u64
+        let ticks_header = if g.ticks.0.is_some() {
+            std::mem::size_of::<Vec<u64>>()
+        } else {
+            0
+        };
+        (g.entries.capacity() * ENTRY_BYTES + g.ticks.capacity() * 8 + ticks_header) as u64
     }
 
     /// Figures of the index.
@@ -393,6 +519,7 @@ impl FingerprintIndex {
         let chunks = self.tree.iter().filter(|c| c.is_some()).count() as u64;
         IndexStats {
             entries_in_memory: self.mem_entries,
+            ghost_entries: self.arc.len[B1] + self.arc.len[B2],
             memory_bytes: self.memory_bytes(),
             memory_budget_bytes: self.cfg.memory_budget_bytes,
             tree_bytes: chunks * std::mem::size_of::<[Leaf; 256]>() as u64
@@ -402,12 +529,15 @@ impl FingerprintIndex {
         }
     }
 
-    /// Bytes counted against the budget.
+    /// Bytes counted against the budget: groups (entries, ARC ghosts,
+    /// per-entry stamps), the group table, and the replacement records.
     pub fn memory_bytes(&self) -> u64 {
         self.mem_bytes
             + (self.groups.capacity() * std::mem::size_of::<Group>()) as u64
             + self.free_slots.capacity() as u64 * 4
-            + self.access.capacity() as u64 * 32
+            + self.queues.iter().map(|q| q.capacity() as u64).sum::<u64>() * REC_BYTES
+            + self.heap.capacity() as u64 * REC_BYTES
+            + self.displaced.capacity() as u64 * 16
     }
 
     /// Fingerprints held in memory and on disk (on-disk count may include
@@ -421,13 +551,19 @@ impl FingerprintIndex {
         self.len() == 0
     }
 
-    /// Every in-memory entry as (key, PBA), for checks.
+    /// Every in-memory entry as (key, PBA), for checks (ARC ghosts, which
+    /// have no PBA, are left out).
     pub fn memory_entries(&self) -> Vec<(u64, Pba)> {
         let mut out = Vec::new();
         let mut g = self.head;
         while g != NONE {
             let grp = &self.groups[g as usize];
-            out.extend(grp.entries.iter().map(|&(k, p)| (k, Pba(p))));
+            out.extend(
+                grp.entries
+                    .iter()
+                    .filter(|e| !is_ghost(e.1))
+                    .map(|&(k, p)| (k, Pba(p))),
+            );
             g = grp.next;
         }
         out
@@ -464,17 +600,145 @@ impl FingerprintIndex {
         }
     }
 
-    fn touch(&mut self, g: u32, pos: usize) {
+    // ---- replacement bookkeeping -------------------------------------------
+
+    fn per_entry(&self) -> bool {
+        self.cfg.policy != EvictionPolicy::GroupLru
+    }
+
+    fn push_queue(&mut self, q: usize, rec: Rec) {
+        let dq = &mut self.queues[q];
+        if dq.len() == dq.capacity() {
+            dq.reserve_exact(16 + dq.len() / 8);
+        }
+        dq.push_back(rec);
+        let live = self.queue_live(q);
+        if self.queues[q].len() as u64 > live + live / 2 + 64 {
+            self.compact_queue(q);
+        }
+    }
+
+    fn push_heap(&mut self, rec: Rec) {
+        if self.heap.len() == self.heap.capacity() {
+            self.heap.reserve_exact(16 + self.heap.len() / 8);
+        }
+        self.heap.push(Reverse(rec));
+        if self.heap.len() as u64 > self.mem_entries + self.mem_entries / 2 + 64 {
+            self.compact_heap();
+        }
+    }
+
+    /// The (group, position) of the entry a record stands for, if the
+    /// entry still carries the record's stamp.
+    fn find(&self, rec: Rec) -> Option<(u32, usize)> {
+        find_in(&self.tree, &self.groups, self.cfg.prefix_bits, rec)
+    }
+
+    fn compact_queue(&mut self, q: usize) {
+        let (tree, groups, bits) = (&self.tree, &self.groups, self.cfg.prefix_bits);
+        self.queues[q].retain(|&rec| find_in(tree, groups, bits, rec).is_some());
+        // capacity is kept while the queue may refill to it; a queue whose
+        // list shrank (ARC) gives the rest back to the budget
+        let n = self.queues[q].len();
+        let bound = n + n / 2 + 64;
+        if self.queues[q].capacity() > 2 * bound {
+            self.queues[q].shrink_to(bound);
+        }
+    }
+
+    /// Live records queue `q` should hold.
+    fn queue_live(&self, q: usize) -> u64 {
+        match self.cfg.policy {
+            EvictionPolicy::Arc => self.arc.len[q],
+            _ => self.mem_entries,
+        }
+    }
+
+    fn compact_heap(&mut self) {
+        let (tree, groups, bits) = (&self.tree, &self.groups, self.cfg.prefix_bits);
+        let mut v = std::mem::take(&mut self.heap).into_vec();
+        v.retain(|r| find_in(tree, groups, bits, r.0).is_some());
+        self.heap = BinaryHeap::from(v);
+    }
+
+    /// Records an access to entry `pos` of group `g` for the policy.
+    /// `refcount` is the entry's reference count when the caller knows it.
+    fn note_access(&mut self, g: u32, pos: usize, access: Access, refcount: Option<u32>) {
         if self.head != g {
             self.unlink(g);
             self.push_front(g);
         }
-        if self.cfg.policy == EvictionPolicy::Lru {
-            self.tick += 1;
-            let key = self.groups[g as usize].entries[pos].0;
-            self.groups[g as usize].ticks.set(pos, self.tick);
-            let prefix = self.groups[g as usize].prefix;
-            self.access.push_back((self.tick, prefix, key));
+        if !self.per_entry() {
+            return;
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let grp = &self.groups[g as usize];
+        let key = grp.entries[pos].0;
+        let old_stamp = grp.ticks.get(pos);
+        let was_resident = match access {
+            Access::Hit => true,
+            Access::Admit { old } => old.is_some_and(|p| !is_ghost(p)),
+        };
+        let stamp = match self.cfg.policy {
+            EvictionPolicy::GroupLru => unreachable!("per-entry policies only"),
+            EvictionPolicy::Lru => tick,
+            EvictionPolicy::Lfu => {
+                let freq = if was_resident {
+                    count_of(old_stamp) + 1
+                } else {
+                    1
+                };
+                counted(freq, tick)
+            }
+            EvictionPolicy::RefCount => {
+                // without the caller's count: 1 when stored, +1 per hit
+                let rc = match (refcount, access) {
+                    (Some(rc), _) => u64::from(rc.max(1)),
+                    (None, Access::Hit) => count_of(old_stamp) + 1,
+                    (None, Access::Admit { .. }) => 1,
+                };
+                counted(rc, tick)
+            }
+            EvictionPolicy::Arc => {
+                let list = match access {
+                    Access::Hit => T2,
+                    Access::Admit { old: None } => T1,
+                    Access::Admit { old: Some(p) } if !is_ghost(p) => T2,
+                    Access::Admit { old: Some(p) } => {
+                        // a ghost hit: adapt the target size of T1
+                        let c = self.arc.len[T1] + self.arc.len[T2];
+                        let [_, _, b1, b2] = self.arc.len;
+                        if p == GHOST_B1 {
+                            let d = (b2 / b1.max(1)).max(1);
+                            self.arc.p = (self.arc.p + d).min(c);
+                            self.arc.len[B1] -= 1;
+                        } else {
+                            let d = (b1 / b2.max(1)).max(1);
+                            self.arc.p = self.arc.p.saturating_sub(d);
+                            self.arc.len[B2] -= 1;
+                        }
+                        T2
+                    }
+                };
+                self.arc.last_from_b2 = access
+                    == Access::Admit {
+                        old: Some(GHOST_B2),
+                    };
+                if was_resident {
+                    self.arc.len[(old_stamp >> ARC_LIST_SHIFT) as usize] -= 1;
+                }
+                self.arc.len[list] += 1;
+                ((list as u64) << ARC_LIST_SHIFT) | tick
+            }
+        };
+        self.groups[g as usize].ticks.set(pos, stamp);
+        match self.cfg.policy {
+            EvictionPolicy::Lru => self.push_queue(0, (stamp, key)),
+            EvictionPolicy::Arc => {
+                self.push_queue((stamp >> ARC_LIST_SHIFT) as usize, (stamp, key))
+            }
+            _ => self.push_heap((stamp, key)),
         }
     }
 
@@ -508,42 +772,76 @@ impl FingerprintIndex {
         self.unlink(g);
         let grp = std::mem::take(&mut self.groups[g as usize]);
         self.mem_bytes -= self.group_bytes(&grp);
-        self.mem_entries -= grp.entries.len() as u64;
+        for (i, e) in grp.entries.iter().enumerate() {
+            match e.1 {
+                GHOST_B1 => self.arc.len[B1] -= 1,
+                GHOST_B2 => self.arc.len[B2] -= 1,
+                _ => {
+                    self.mem_entries -= 1;
+                    if self.cfg.policy == EvictionPolicy::Arc {
+                        self.arc.len[(grp.ticks.get(i) >> ARC_LIST_SHIFT) as usize] -= 1;
+                    }
+                }
+            }
+        }
         self.leaf_mut(grp.prefix).mem = NONE;
         self.free_slots.push(g);
     }
 
     /// Adds an entry to group `g` (sorted; replaces an equal key) and
-    /// returns its position.
-    fn add_entry(&mut self, g: u32, key: u64, pba: u64, dirty: bool) -> usize {
+    /// returns its position and the PBA the key had before, if any.
+    fn add_entry(&mut self, g: u32, key: u64, pba: u64, dirty: bool) -> (usize, Option<u64>) {
         let before = self.group_bytes(&self.groups[g as usize]);
-        let lru = self.cfg.policy == EvictionPolicy::Lru;
+        let per_entry = self.per_entry();
         let grp = &mut self.groups[g as usize];
-        let pos = match grp.entries.binary_search_by_key(&key, |e| e.0) {
+        let (pos, old) = match grp.entries.binary_search_by_key(&key, |e| e.0) {
             Ok(i) => {
+                let old = grp.entries[i].1;
                 grp.entries[i].1 = pba;
-                i
+                if is_ghost(old) {
+                    self.mem_entries += 1;
+                }
+                (i, Some(old))
             }
             Err(i) => {
                 if grp.entries.len() == grp.entries.capacity() {
                     let extra = 1 + grp.entries.len() / 8;
                     grp.entries.reserve_exact(extra);
-                    if lru {
+                    if per_entry {
                         grp.ticks.reserve_exact(extra);
                     }
                 }
                 grp.entries.insert(i, (key, pba));
-                if lru {
+                if per_entry {
                     grp.ticks.insert(i, 0);
                 }
                 self.mem_entries += 1;
-                i
+                (i, None)
             }
         };
         grp.dirty |= dirty;
         let after = self.group_bytes(&self.groups[g as usize]);
         self.mem_bytes = self.mem_bytes + after - before;
-        pos
+        (pos, old)
+    }
+
+    /// Removes entry `i` of group `g` from memory (no I/O), returning the
+    /// capacity it freed to the budget; drops the group when it empties.
+    fn remove_at(&mut self, g: u32, i: usize) {
+        let before = self.group_bytes(&self.groups[g as usize]);
+        let grp = &mut self.groups[g as usize];
+        grp.entries.remove(i);
+        if !grp.ticks.is_empty() {
+            grp.ticks.remove(i);
+        }
+        grp.entries
+            .shrink_to(grp.entries.len() + grp.entries.len() / 8);
+        grp.ticks.shrink_to(grp.entries.capacity());
+        let after = self.group_bytes(&self.groups[g as usize]);
+        self.mem_bytes = self.mem_bytes + after - before;
+        if self.groups[g as usize].entries.is_empty() {
+            self.drop_group(g);
+        }
     }
 
     // ---- operations ------------------------------------------------------
@@ -551,7 +849,32 @@ impl FingerprintIndex {
     /// Looks `fp` up: first in memory, then (in `disk` mode) in its on-disk
     /// group, promoting an on-disk hit. Candidates failing `live` are
     /// treated as absent. Returns the PBA of a live entry.
+    ///
+    /// The reference-count policy then estimates counts itself (1 when
+    /// stored, +1 per hit); [`FingerprintIndex::lookup_with_refcount`]
+    /// gives it the true ones.
     pub fn lookup(&mut self, fp: &Fingerprint, live: Live<'_>) -> io::Result<Option<Pba>> {
+        self.lookup_rc(fp, live, None)
+    }
+
+    /// [`FingerprintIndex::lookup`] with the reverse index's reference
+    /// counts, which the reference-count policy (CAFTL) evicts by. A hit is
+    /// recorded as `refcount(pba) + 1` (the caller maps one more LBA to it).
+    pub fn lookup_with_refcount(
+        &mut self,
+        fp: &Fingerprint,
+        live: Live<'_>,
+        refcount: RefCount<'_>,
+    ) -> io::Result<Option<Pba>> {
+        self.lookup_rc(fp, live, Some(refcount))
+    }
+
+    fn lookup_rc(
+        &mut self,
+        fp: &Fingerprint,
+        live: Live<'_>,
+        rc: Option<RefCount<'_>>,
+    ) -> io::Result<Option<Pba>> {
         let key = key_of(fp);
         let prefix = self.prefix_of(key);
         let Some(leaf) = self.leaf(prefix).copied() else {
@@ -563,10 +886,13 @@ impl FingerprintIndex {
                 .entries
                 .binary_search_by_key(&key, |e| e.0)
             {
-                let pba = Pba(self.groups[g as usize].entries[i].1);
-                if live(key, pba) {
-                    self.touch(g, i);
-                    return Ok(Some(pba));
+                let raw = self.groups[g as usize].entries[i].1;
+                if !is_ghost(raw) && live(key, Pba(raw)) {
+                    let count = rc.map(|f| f(Pba(raw)).saturating_add(1));
+                    self.note_access(g, i, Access::Hit, count);
+                    // the hit's record may have grown a queue past the budget
+                    self.enforce_budget(live, rc)?;
+                    return Ok(Some(Pba(raw)));
                 }
             }
         }
@@ -581,9 +907,10 @@ impl FingerprintIndex {
                         Some(g) if g != NONE => g,
                         _ => self.new_group(prefix),
                     };
-                    let pos = self.add_entry(g, key, pba.0, false);
-                    self.touch(g, pos);
-                    self.enforce_budget(live)?;
+                    let (pos, old) = self.add_entry(g, key, pba.0, false);
+                    let count = rc.map(|f| f(pba).saturating_add(1));
+                    self.note_access(g, pos, Access::Admit { old }, count);
+                    self.enforce_budget(live, rc)?;
                     return Ok(Some(pba));
                 }
             }
@@ -610,7 +937,10 @@ impl FingerprintIndex {
         if leaf.mem != NONE {
             let g = &self.groups[leaf.mem as usize];
             if let Ok(i) = g.entries.binary_search_by_key(&key, |e| e.0) {
-                out.push(Pba(g.entries[i].1));
+                // an ARC ghost has no PBA
+                if !is_ghost(g.entries[i].1) {
+                    out.push(Pba(g.entries[i].1));
+                }
             }
         }
         if leaf.disk_pages > 0 {
@@ -629,15 +959,39 @@ impl FingerprintIndex {
     /// Inserts `fp` → `pba` into the in-memory store, evicting to disk when
     /// the budget is full.
     pub fn insert(&mut self, fp: &Fingerprint, pba: Pba, live: Live<'_>) -> io::Result<()> {
+        self.insert_rc(fp, pba, live, None)
+    }
+
+    /// [`FingerprintIndex::insert`] with the reverse index's reference
+    /// counts (see [`FingerprintIndex::lookup_with_refcount`]). The new
+    /// entry counts at least 1 (the caller maps it next).
+    pub fn insert_with_refcount(
+        &mut self,
+        fp: &Fingerprint,
+        pba: Pba,
+        live: Live<'_>,
+        refcount: RefCount<'_>,
+    ) -> io::Result<()> {
+        self.insert_rc(fp, pba, live, Some(refcount))
+    }
+
+    fn insert_rc(
+        &mut self,
+        fp: &Fingerprint,
+        pba: Pba,
+        live: Live<'_>,
+        rc: Option<RefCount<'_>>,
+    ) -> io::Result<()> {
         let key = key_of(fp);
         let prefix = self.prefix_of(key);
         let g = match self.leaf(prefix).map(|l| l.mem) {
             Some(g) if g != NONE => g,
             _ => self.new_group(prefix),
         };
-        let pos = self.add_entry(g, key, pba.0, true);
-        self.touch(g, pos);
-        self.enforce_budget(live)
+        let (pos, old) = self.add_entry(g, key, pba.0, true);
+        let count = rc.map(|f| f(pba).max(1));
+        self.note_access(g, pos, Access::Admit { old }, count);
+        self.enforce_budget(live, rc)
     }
 
     /// Removes `fp` → `pba` from memory if it is there. An on-disk copy is
@@ -652,108 +1006,158 @@ impl FingerprintIndex {
             return;
         }
         let g = leaf.mem;
-        let grp = &mut self.groups[g as usize];
+        let grp = &self.groups[g as usize];
         if let Ok(i) = grp.entries.binary_search_by_key(&key, |e| e.0) {
             if grp.entries[i].1 == pba.0 {
-                grp.entries.remove(i);
-                if !grp.ticks.is_empty() {
-                    grp.ticks.remove(i);
+                if self.cfg.policy == EvictionPolicy::Arc {
+                    self.arc.len[(grp.ticks.get(i) >> ARC_LIST_SHIFT) as usize] -= 1;
                 }
                 self.mem_entries -= 1;
-                if self.groups[g as usize].entries.is_empty() && leaf.disk_pages == 0 {
-                    self.drop_group(g);
-                }
+                self.remove_at(g, i);
             }
         }
     }
 
-    fn enforce_budget(&mut self, live: Live<'_>) -> io::Result<()> {
+    fn enforce_budget(&mut self, live: Live<'_>, rc: Option<RefCount<'_>>) -> io::Result<()> {
         while self.memory_bytes() > self.cfg.memory_budget_bytes && self.tail != NONE {
-            match self.cfg.policy {
-                EvictionPolicy::GroupLru => self.evict_group(self.tail, live)?,
-                EvictionPolicy::Lru => self.evict_lru_entry(live)?,
+            // first give back record space of queues far above their lists
+            if let Some(q) =
+                (0..4).find(|&q| self.queues[q].capacity() as u64 > 4 * (self.queue_live(q) + 64))
+            {
+                self.compact_queue(q);
+                continue;
+            }
+            let victim = match self.cfg.policy {
+                EvictionPolicy::GroupLru => None,
+                EvictionPolicy::Lru => self.pop_queue(0),
+                EvictionPolicy::Lfu => self.pop_heap(None),
+                EvictionPolicy::RefCount => self.pop_heap(rc),
+                EvictionPolicy::Arc => {
+                    if self.arc.len[T1] + self.arc.len[T2] == 0 {
+                        // only ghosts are left: forget the oldest
+                        if !self.drop_ghost(B1) && !self.drop_ghost(B2) {
+                            self.evict_group(self.tail, live)?;
+                        }
+                        continue;
+                    }
+                    let [t1, t2, _, _] = self.arc.len;
+                    let p = self.arc.p;
+                    let from_t1 =
+                        t1 > 0 && (t1 > p || (self.arc.last_from_b2 && t1 == p) || t2 == 0);
+                    let q = if from_t1 { T1 } else { T2 };
+                    self.pop_queue(q)
+                }
+            };
+            match victim {
+                Some((g, i)) => self.evict_entry(g, i, live)?,
+                // G-LRU; or no records left: evict a whole group
+                None => self.evict_group(self.tail, live)?,
             }
         }
         Ok(())
+    }
+
+    /// The oldest entry of queue `q` still carrying its record's stamp.
+    fn pop_queue(&mut self, q: usize) -> Option<(u32, usize)> {
+        while let Some(rec) = self.queues[q].pop_front() {
+            if let Some(found) = self.find(rec) {
+                return Some(found);
+            }
+        }
+        None
+    }
+
+    /// The entry with the lowest (count, tick) stamp. With the caller's
+    /// reference counts, a count that grew since it was recorded is
+    /// refreshed (same tick) and the heap consulted again; a count that
+    /// fell is noticed when the entry reaches the top.
+    fn pop_heap(&mut self, rc: Option<RefCount<'_>>) -> Option<(u32, usize)> {
+        while let Some(Reverse(rec)) = self.heap.pop() {
+            let Some((g, i)) = self.find(rec) else {
+                continue;
+            };
+            if let Some(f) = rc {
+                let now = u64::from(f(Pba(self.groups[g as usize].entries[i].1)));
+                if now > count_of(rec.0) {
+                    let stamp = counted(now, rec.0 & TICK_MASK);
+                    self.groups[g as usize].ticks.set(i, stamp);
+                    self.heap.push(Reverse((stamp, rec.1)));
+                    continue;
+                }
+            }
+            return Some((g, i));
+        }
+        None
+    }
+
+    /// Per-fingerprint eviction of entry `i` of group `g`: one
+    /// read-merge-write of its on-disk group. Under ARC the key stays as a
+    /// ghost (B1 from T1, B2 from T2) and the ghost lists are trimmed to
+    /// ARC's bounds.
+    fn evict_entry(&mut self, g: u32, i: usize, live: Live<'_>) -> io::Result<()> {
+        let prefix = self.groups[g as usize].prefix;
+        let entry = self.groups[g as usize].entries[i];
+        self.stats.entries_evicted += 1;
+        self.merge_to_disk(prefix, &[entry], live)?;
+        self.mem_entries -= 1;
+        if self.cfg.policy != EvictionPolicy::Arc {
+            self.remove_at(g, i);
+            return Ok(());
+        }
+        let from = (self.groups[g as usize].ticks.get(i) >> ARC_LIST_SHIFT) as usize;
+        let (to, marker) = if from == T1 {
+            (B1, GHOST_B1)
+        } else {
+            (B2, GHOST_B2)
+        };
+        self.arc.len[from] -= 1;
+        self.arc.len[to] += 1;
+        self.tick += 1;
+        let stamp = ((to as u64) << ARC_LIST_SHIFT) | self.tick;
+        let grp = &mut self.groups[g as usize];
+        grp.entries[i].1 = marker;
+        grp.ticks.set(i, stamp);
+        self.push_queue(to, (stamp, entry.0));
+        // ARC's directory bounds with c = the resident entries the budget
+        // now holds: |T1| + |B1| ≤ c and |T1| + |T2| + |B1| + |B2| ≤ 2c
+        let [t1, t2, _, _] = self.arc.len;
+        let c = t1 + t2;
+        while self.arc.len[T1] + self.arc.len[B1] > c && self.drop_ghost(B1) {}
+        while self.arc.len.iter().sum::<u64>() > 2 * c
+            && (self.drop_ghost(B2) || self.drop_ghost(B1))
+        {}
+        Ok(())
+    }
+
+    /// Forgets the oldest ghost of list `q` (B1 or B2); false if none.
+    fn drop_ghost(&mut self, q: usize) -> bool {
+        match self.pop_queue(q) {
+            Some((g, i)) => {
+                self.arc.len[q] -= 1;
+                self.remove_at(g, i);
+                true
+            }
+            None => false,
+        }
     }
 
     /// G-LRU: writes the group's new entries to its on-disk group (one read,
     /// one write) and drops it from memory.
     fn evict_group(&mut self, g: u32, live: Live<'_>) -> io::Result<()> {
         self.stats.groups_evicted += 1;
-        self.stats.entries_evicted += self.groups[g as usize].entries.len() as u64;
+        let entries: Vec<Entry> = self.groups[g as usize]
+            .entries
+            .iter()
+            .copied()
+            .filter(|e| !is_ghost(e.1))
+            .collect();
+        self.stats.entries_evicted += entries.len() as u64;
         if self.groups[g as usize].dirty {
             let prefix = self.groups[g as usize].prefix;
-            let entries = self.groups[g as usize].entries.clone();
             self.merge_to_disk(prefix, &entries, live)?;
         }
         self.drop_group(g);
         Ok(())
-    }
-
-    /// Per-fingerprint LRU: evicts the least recently used entry alone.
-    fn evict_lru_entry(&mut self, live: Live<'_>) -> io::Result<()> {
-        while let Some((tick, prefix, key)) = self.access.pop_front() {
-            let Some(leaf) = self.leaf(prefix).copied() else {
-                continue;
-            };
-            if leaf.mem == NONE {
-                continue;
-            }
-            let g = leaf.mem;
-            let Ok(i) = self.groups[g as usize]
-                .entries
-                .binary_search_by_key(&key, |e| e.0)
-            else {
-                continue;
-            };
-            if self.groups[g as usize].ticks.get(i) != tick {
-                continue; // accessed again later: a newer record exists
-            }
-            let entry = self.groups[g as usize].entries[i];
-            self.stats.entries_evicted += 1;
-            self.merge_to_disk(prefix, &[entry], live)?;
-            let before = self.group_bytes(&self.groups[g as usize]);
-            let grp = &mut self.groups[g as usize];
-            grp.entries.remove(i);
-            grp.ticks.remove(i);
-            grp.entries
-                .shrink_to(grp.entries.len() + grp.entries.len() / 8);
-            grp.ticks.shrink_to(grp.entries.capacity());
-            self.mem_entries -= 1;
-            let after = self.group_bytes(&self.groups[g as usize]);
-            self.mem_bytes = self.mem_bytes + after - before;
-            if self.groups[g as usize].entries.is_empty() {
-                self.drop_group(g);
-            }
-            if self.access.len() > 4 * self.mem_entries as usize + 64 {
-                self.compact_access();
-            }
-            return Ok(());
-        }
-        // no records left: fall back to evicting a whole group
-        self.evict_group(self.tail, live)
-    }
-
-    fn compact_access(&mut self) {
-        let groups = &self.groups;
-        let tree = &self.tree;
-        self.access.retain(|&(tick, prefix, key)| {
-            let Some(leaf) = tree[(prefix >> 8) as usize]
-                .as_ref()
-                .map(|c| c[(prefix & 255) as usize])
-            else {
-                return false;
-            };
-            if leaf.mem == NONE {
-                return false;
-            }
-            let grp = &groups[leaf.mem as usize];
-            grp.entries
-                .binary_search_by_key(&key, |e| e.0)
-                .is_ok_and(|i| grp.ticks.get(i) == tick)
-        });
-        self.access.shrink_to_fit();
     }
 
     /// Read-merge-write of the on-disk group of `prefix` with `add`
@@ -916,10 +1320,8 @@ impl FingerprintIndex {
             if loading {
                 let g = self.new_group(prefix);
                 for e in &entries {
-                    let pos = self.add_entry(g, e.0, e.1, false);
-                    if self.cfg.policy == EvictionPolicy::Lru {
-                        self.touch(g, pos);
-                    }
+                    let (pos, old) = self.add_entry(g, e.0, e.1, false);
+                    self.note_access(g, pos, Access::Admit { old }, None);
                 }
                 if self.memory_bytes() * 10 > self.cfg.memory_budget_bytes * 9 {
                     self.drop_group(g);
@@ -929,8 +1331,27 @@ impl FingerprintIndex {
             i = j;
         }
         // loaded groups are clean: trimming to the budget costs no I/O
-        self.enforce_budget(&|_, _| true)
+        self.enforce_budget(&|_, _| true, None)
     }
+}
+
+/// The (group, position) of the entry record `rec` stands for, if that
+/// entry still carries the record's stamp.
+fn find_in(
+    tree: &[Option<Box<[Leaf; 256]>>],
+    groups: &[Group],
+    prefix_bits: u32,
+    rec: Rec,
+) -> Option<(u32, usize)> {
+    let (stamp, key) = rec;
+    let prefix = (key >> (64 - prefix_bits)) as u32;
+    let leaf = tree[(prefix >> 8) as usize].as_ref()?[(prefix & 255) as usize];
+    if leaf.mem == NONE {
+        return None;
+    }
+    let grp = &groups[leaf.mem as usize];
+    let i = grp.entries.binary_search_by_key(&key, |e| e.0).ok()?;
+    (grp.ticks.get(i) == stamp).then_some((leaf.mem, i))
 }
 
 fn pages_for(entries: usize) -> u32 {
@@ -1011,9 +1432,17 @@ mod tests {
         )
     }
 
+    const ALL: [EvictionPolicy; 5] = [
+        EvictionPolicy::GroupLru,
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::Arc,
+        EvictionPolicy::RefCount,
+    ];
+
     #[test]
     fn bounded_memory_and_disk_mode_finds_everything() {
-        for policy in [EvictionPolicy::GroupLru, EvictionPolicy::Lru] {
+        for policy in ALL {
             let mut live_set: HashMap<u64, u64> = HashMap::new();
             let mut idx = index(64 << 10, policy, LookupMode::Disk);
             for i in 0..20_000u64 {
@@ -1092,6 +1521,199 @@ mod tests {
         assert_eq!(idx.stats().entries_on_disk, 3_000);
         for i in 0..3_000u64 {
             assert_eq!(idx.lookup(&fp(i), &live).unwrap(), Some(Pba(i)));
+        }
+    }
+
+    /// Memory-mode index of `budget` bytes; every PBA is live.
+    fn mem_index(budget: u64, policy: EvictionPolicy) -> FingerprintIndex {
+        index(budget, policy, LookupMode::Memory)
+    }
+
+    fn hit(idx: &mut FingerprintIndex, i: u64) -> bool {
+        let r = idx.lookup(&fp(i), &|_, _| true).unwrap().is_some();
+        assert!(idx.memory_bytes() <= idx.config().memory_budget_bytes);
+        r
+    }
+
+    fn put(idx: &mut FingerprintIndex, i: u64) {
+        idx.insert(&fp(i), Pba(i), &|_, _| true).unwrap();
+        assert!(
+            idx.memory_bytes() <= idx.config().memory_budget_bytes,
+            "{:?} over budget: {:?}",
+            idx.config().policy,
+            idx.stats()
+        );
+    }
+
+    #[test]
+    fn every_policy_stays_within_budget_under_reuse() {
+        // a skewed mix of new fingerprints and re-references
+        for policy in ALL {
+            let mut idx = mem_index(96 << 10, policy);
+            let mut x = 1u64;
+            for i in 0..30_000u64 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                if i > 100 && x >> 62 != 0 {
+                    let back = 1 + (x >> 20) % (1 + (x >> 40) % 2000);
+                    let _ = hit(&mut idx, i.saturating_sub(back));
+                } else {
+                    put(&mut idx, i);
+                }
+            }
+            let s = idx.stats();
+            assert!(s.memory_bytes <= 96 << 10, "{policy:?}: {s:?}");
+            // ARC's ghosts cost as much as resident entries: half as many
+            assert!(
+                s.entries_in_memory > 400,
+                "{policy:?} keeps too little: {s:?}"
+            );
+            assert_eq!(s.entries_in_memory as usize, idx.memory_entries().len());
+            if policy != EvictionPolicy::GroupLru {
+                // one read-merge-write per evicted entry at most
+                assert_eq!(s.groups_evicted, 0, "{policy:?}");
+                assert!(s.eviction_writes <= s.entries_evicted);
+            }
+        }
+    }
+
+    /// Inserts a hot fingerprint, uses it `uses` times, then streams
+    /// `cold` single-use fingerprints past it; true if it survived.
+    fn hot_survives_scan(policy: EvictionPolicy, uses: u64, cold: u64) -> bool {
+        let mut idx = mem_index(32 << 10, policy);
+        put(&mut idx, 0);
+        for _ in 0..uses {
+            assert!(hit(&mut idx, 0));
+        }
+        for i in 1..=cold {
+            put(&mut idx, i);
+        }
+        hit(&mut idx, 0)
+    }
+
+    #[test]
+    fn lfu_keeps_a_frequently_used_fingerprint_that_lru_evicts() {
+        assert!(hot_survives_scan(EvictionPolicy::Lfu, 20, 20_000));
+        assert!(!hot_survives_scan(EvictionPolicy::Lru, 20, 20_000));
+        // LFU evicts by frequency, then by recency: among fingerprints used
+        // once, the oldest goes first
+        let mut idx = mem_index(32 << 10, EvictionPolicy::Lfu);
+        for i in 0..20_000u64 {
+            put(&mut idx, i);
+        }
+        assert!(hit(&mut idx, 19_999) && !hit(&mut idx, 0));
+    }
+
+    #[test]
+    fn arc_resists_a_scan_and_adapts_on_ghost_hits() {
+        // a working set seen twice (T2) survives a long one-time scan (T1)
+        let mut arc = mem_index(64 << 10, EvictionPolicy::Arc);
+        let mut lru = mem_index(64 << 10, EvictionPolicy::Lru);
+        for idx in [&mut arc, &mut lru] {
+            for i in 0..100u64 {
+                put(idx, i);
+            }
+            for i in 0..100u64 {
+                assert!(hit(idx, i));
+            }
+            for i in 1_000..40_000u64 {
+                put(idx, i);
+            }
+        }
+        let kept = |idx: &mut FingerprintIndex| (0..100u64).filter(|&i| hit(idx, i)).count();
+        assert_eq!(kept(&mut arc), 100);
+        assert_eq!(kept(&mut lru), 0);
+        // ghosts are bounded by ARC's directory rule (at most c of them)
+        let s = arc.stats();
+        assert!(s.ghost_entries <= s.entries_in_memory, "{s:?}");
+        assert_eq!(
+            arc.arc.len.iter().sum::<u64>(),
+            s.entries_in_memory + s.ghost_entries
+        );
+
+        // a fingerprint evicted from T1 comes back from B1: p grows, T2
+        let mut idx = mem_index(32 << 10, EvictionPolicy::Arc);
+        for i in 0..50u64 {
+            put(&mut idx, i);
+            assert!(hit(&mut idx, i));
+        }
+        let mut i = 1_000u64;
+        while idx.stats().ghost_entries == 0 || i < 20_000 {
+            put(&mut idx, i);
+            i += 1;
+        }
+        let p0 = idx.arc.p;
+        let ghost = (0..i)
+            .find(|&k| {
+                let key = key_of(&fp(k));
+                idx.memory_entries().iter().all(|e| e.0 != key)
+                    && idx
+                        .groups
+                        .iter()
+                        .any(|g| g.entries.contains(&(key, GHOST_B1)))
+            })
+            .expect("a B1 ghost");
+        let t2 = idx.arc.len[T2];
+        put(&mut idx, ghost);
+        assert!(idx.arc.p > p0);
+        assert_eq!(idx.arc.len[T2], t2 + 1);
+        assert!(hit(&mut idx, ghost));
+    }
+
+    #[test]
+    fn refcount_keeps_a_shared_block_that_lru_evicts() {
+        // estimated counts (no callback): 1 when stored, +1 per hit
+        assert!(hot_survives_scan(EvictionPolicy::RefCount, 4, 20_000));
+        assert!(!hot_survives_scan(EvictionPolicy::Lru, 4, 20_000));
+        // the caller's counts: PBA 7 is shared by 5 LBAs without any hit
+        // in the index (e.g. copies made before it was indexed); counts that
+        // grew after an entry was recorded are refreshed at eviction time
+        let counts = std::cell::RefCell::new(HashMap::<u64, u32>::new());
+        let rc = |p: Pba| counts.borrow().get(&p.0).copied().unwrap_or(1);
+        let mut idx = mem_index(32 << 10, EvictionPolicy::RefCount);
+        let all = |_: u64, _: Pba| true;
+        idx.insert_with_refcount(&fp(7), Pba(7), &all, &rc).unwrap();
+        counts.borrow_mut().insert(7, 5);
+        for i in 100..20_100u64 {
+            idx.insert_with_refcount(&fp(i), Pba(i), &all, &rc).unwrap();
+            assert!(idx.memory_bytes() <= 32 << 10);
+        }
+        assert!(idx
+            .lookup_with_refcount(&fp(7), &all, &rc)
+            .unwrap()
+            .is_some());
+        // without the caller's counts the same workload loses it
+        let mut est = mem_index(32 << 10, EvictionPolicy::RefCount);
+        put(&mut est, 7);
+        for i in 100..20_100u64 {
+            put(&mut est, i);
+        }
+        assert!(!hit(&mut est, 7));
+    }
+
+    #[test]
+    fn removal_and_rebuild_keep_policy_counts_consistent() {
+        for policy in ALL {
+            let mut idx = mem_index(16 << 10, policy);
+            for i in 0..3_000u64 {
+                put(&mut idx, i);
+                if i % 3 == 0 {
+                    let _ = hit(&mut idx, i / 2);
+                }
+                if i % 5 == 0 {
+                    idx.remove(&fp(i / 3), Pba(i / 3));
+                }
+            }
+            let s = idx.stats();
+            assert_eq!(s.entries_in_memory as usize, idx.memory_entries().len());
+            if policy == EvictionPolicy::Arc {
+                assert_eq!(idx.arc.len[T1] + idx.arc.len[T2], s.entries_in_memory);
+            }
+            let all: Vec<_> = (0..2_000u64).map(|i| (fp(i), Pba(i))).collect();
+            idx.rebuild(all).unwrap();
+            assert!(idx.memory_bytes() <= 16 << 10, "{policy:?}");
+            assert_eq!(idx.stats().entries_on_disk, 2_000);
         }
     }
 
