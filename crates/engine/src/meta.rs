@@ -148,14 +148,7 @@ impl Meta {
     /// Looks a fingerprint up in the index; a candidate counts only if its
     /// PBA is referenced and stores exactly this fingerprint (reverse index).
     pub fn lookup(&mut self, fp: &Fingerprint) -> std::io::Result<Option<Pba>> {
-        let Meta {
-            index,
-            refcounts,
-            fingerprints,
-            ..
-        } = self;
-        let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
-        let found = index.lookup(fp, &live)?;
+        let found = self.with_index(|index, live| index.lookup(fp, live))?;
         Ok(found.filter(|&p| self.fingerprint_of(p) == *fp))
     }
 
@@ -204,20 +197,21 @@ impl Meta {
     /// Every live PBA holding exactly `fp` that the index knows, in
     /// memory and on disk (out-of-line dedup).
     pub fn lookup_all(&mut self, fp: &Fingerprint) -> std::io::Result<Vec<Pba>> {
-        let Meta {
-            index,
-            refcounts,
-            fingerprints,
-            ..
-        } = self;
-        let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
-        let mut found = index.lookup_all(fp, &live)?;
+        let mut found = self.with_index(|index, live| index.lookup_all(fp, live))?;
         found.retain(|&p| self.fingerprint_of(p) == *fp);
         Ok(found)
     }
 
     /// Puts `fp` → `pba` in the in-memory index (the PBA already stores it).
     pub fn index_insert(&mut self, fp: Fingerprint, pba: Pba) -> std::io::Result<()> {
+        self.with_index(|index, live| index.insert(&fp, pba, live))
+    }
+
+    /// Runs `f` on the index with the reverse-index liveness check.
+    fn with_index<T>(
+        &mut self,
+        f: impl FnOnce(&mut FingerprintIndex, crate::index::Live<'_>) -> T,
+    ) -> T {
         let Meta {
             index,
             refcounts,
@@ -225,7 +219,7 @@ impl Meta {
             ..
         } = self;
         let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
-        index.insert(&fp, pba, &live)
+        f(index, &live)
     }
 
     /// Moves the duplicate copies the index dropped into `pending_merges`.
