@@ -239,9 +239,10 @@ pub struct MemoryGroupStore(pub Vec<u8>);
 
 impl GroupStore for MemoryGroupStore {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = self.0.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        let start = (offset as usize).min(self.0.len());
+        let n = buf.len().min(self.0.len() - start);
+        buf[..n].copy_from_slice(&self.0[start..start + n]);
+        buf[n..].fill(0);
         Ok(())
     }
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
