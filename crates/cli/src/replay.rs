@@ -36,13 +36,18 @@ pub struct ReplayArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
-    /// Fingerprint-index policy: exact (unbounded), g-lru or lru.
+    /// Fingerprint-index policy: exact (unbounded), g-lru, lru, lfu, arc or
+    /// refcount, optionally with write-path filters: +sampling, +prehash
+    /// (CAFTL), +tN (iDedup sequence threshold), e.g. lru+t4.
     #[arg(long, default_value = "exact")]
     policy: String,
-    /// Memory budget of the fingerprint index (suffixes K, M, G) for
-    /// g-lru and lru (default: the engine's, 8 MiB).
+    /// Memory budget of the fingerprint index (suffixes K, M, G) for the
+    /// bounded policies (default: the engine's, 8 MiB).
     #[arg(long, value_name = "SIZE")]
     index_memory: Option<String>,
+    /// Prefix bits of the index (8–24; default the engine's, 14).
+    #[arg(long, value_name = "BITS")]
+    index_prefix_bits: Option<u32>,
 }
 
 /// Parses `auto` (None) or a format name.
@@ -66,6 +71,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         skip_bad: args.skip_bad,
         policy: args.policy.clone(),
         index_memory_bytes,
+        prefix_bits: args.index_prefix_bits,
     };
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     if args.quiet || !std::io::stderr().is_terminal() {
@@ -136,6 +142,10 @@ fn print_report(r: &Report) {
         r.exact_duplicate_percent,
         r.distinct_fingerprints,
         r.inline_of_exact_percent
+    );
+    println!(
+        "hashing                       {} blocks fingerprinted, {} pre-hashed, {} written as new by filters ({:.3} s modelled)",
+        r.blocks_fingerprinted, r.blocks_prehashed, r.blocks_filtered_as_new, r.hashing_seconds_modelled
     );
     println!("dedup ratio                   {:.3}", r.dedup_ratio);
     println!(

@@ -85,17 +85,25 @@ fn replay_prints_text_and_json_reports() {
 }
 
 #[test]
-fn replay_rejects_unavailable_policy_and_names_bad_lines() {
+fn replay_rejects_unknown_policy_and_names_bad_lines() {
     let dir = tempfile::tempdir().unwrap();
     let (p, _, _) = trace(dir.path());
     let out = dedupd()
-        .args(["replay", "--policy", "lfu"])
+        .args(["replay", "--policy", "mru"])
         .arg(&p)
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("policy lfu is not available yet"), "{err}");
+    assert!(err.contains("unknown policy \"mru\""), "{err}");
+    for policy in ["lfu", "arc", "refcount", "g-lru+prehash+sampling+t2"] {
+        let out = dedupd()
+            .args(["replay", "-q", "--policy", policy, "--index-memory", "64K"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{policy}: {out:?}");
+    }
 
     let bad = dir.path().join("bad.blkparse");
     std::fs::write(&bad, format!("1 2 p 0 8 W 6 0 {:032x}\nnonsense\n", 1)).unwrap();

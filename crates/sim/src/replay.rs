@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use dedupd_engine::index::EvictionPolicy;
+use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
 use dedupd_engine::{
     Engine, EngineConfig, Fingerprint, HashAlgorithm, Lba, Stats, VolumeId, BLOCK_SIZE,
 };
@@ -45,10 +46,117 @@ const PROGRESS_EVERY_REQUESTS: u64 = 8192;
 
 /// Fingerprint-index policies this build can replay with: `exact` (every
 /// stored block's fingerprint stays in memory) and the engine's bounded
-/// policies `g-lru` (SmartDedup §3.2 group LRU) and `lru`.
-pub const AVAILABLE_POLICIES: &[&str] = &["exact", "g-lru", "lru"];
+/// policies `g-lru` (SmartDedup §3.2 group LRU), `lru`, `lfu`, `arc` and
+/// `refcount` (CAFTL). Each may be followed by filters of the write path
+/// ([`Filters`]): `+sampling`, `+prehash`, `+tN`.
+pub const AVAILABLE_POLICIES: &[&str] = &["exact", "g-lru", "lru", "lfu", "arc", "refcount"];
 /// Policies named by the design (ARCHITECTURE.md, index) but not built yet.
-pub const PLANNED_POLICIES: &[&str] = &["lfu", "arc", "refcount"];
+pub const PLANNED_POLICIES: &[&str] = &[];
+/// Modelled SHA-256 rate over 4 KiB blocks (ARCHITECTURE.md: `sha2` with
+/// SHA-NI on this machine), for the hashing-cost figures of the report.
+pub const SHA256_BYTES_PER_SECOND: f64 = 1.75e9;
+/// Modelled CRC32 (CRC-32C, hardware) rate over 4 KiB blocks.
+pub const CRC32_BYTES_PER_SECOND: f64 = 20e9;
+/// The 64-bit index key every block written "as new" by a filter gets: all
+/// such blocks share one index slot (see [`Filters`]).
+const SINK_KEY: u64 = 0xffff_ffff_ffff_fff0;
+
+/// Write-path filters modelled in the replay, in front of the engine
+/// (which has no hooks for them). A block a filter turns away is handed to
+/// the engine as new content: a synthetic fingerprint whose 64-bit index
+/// key is shared by all such blocks and whose remaining bytes are unique,
+/// so the engine stores it, never matches it, and it costs one index slot
+/// in all (a real implementation would not index it at all).
+///
+/// Whether a block "is a duplicate" before the engine sees it — needed by
+/// sampling and by the threshold — is decided with the replay's exact
+/// history of written content (an oracle: a real system would ask its
+/// fingerprint store, which knows less). The engine then finds what its
+/// index still holds among the blocks passed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Filters {
+    /// CAFTL sampling hashing (FAST '11, as SmartDedup §4.1 describes it):
+    /// of a write request with several non-zero blocks only one, the
+    /// sample, is fingerprinted — the block whose digest's first 4 bytes
+    /// are largest (a content-defined choice, so equal requests pick equal
+    /// samples); the others are fingerprinted only if the sample is a
+    /// duplicate, else written as new.
+    pub sampling: bool,
+    /// CAFTL lightweight pre-hashing: a CRC32 of every block (here CRC-32C
+    /// of the trace digest: 32 bits, so collisions pass as with real
+    /// CRCs); only a block whose CRC was seen before is fingerprinted, the
+    /// rest is written as new (and its CRC remembered). The first repeat of
+    /// any content is therefore lost (SmartDedup §4.1's observation).
+    pub prehash: bool,
+    /// iDedup's sequence threshold T (FAST '12; SmartDedup §4.5, HPDedup
+    /// §III-C): within a write request, only runs of at least T
+    /// consecutive duplicate blocks are deduplicated; shorter runs are
+    /// written as new (they are still fingerprinted). 1 turns it off.
+    /// iDedup also wants the duplicates' PBAs contiguous; that is not
+    /// modelled.
+    pub threshold: u32,
+}
+
+impl Default for Filters {
+    fn default() -> Self {
+        Filters {
+            sampling: false,
+            prehash: false,
+            threshold: 1,
+        }
+    }
+}
+
+/// A parsed policy name: `exact` or an engine eviction policy, plus
+/// filters: `POLICY[+sampling][+prehash][+tN]`, e.g. `refcount+prehash`,
+/// `g-lru+t4`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// The engine's eviction policy; `None` for `exact` (unbounded).
+    pub eviction: Option<EvictionPolicy>,
+    /// Write-path filters.
+    pub filters: Filters,
+}
+
+impl std::str::FromStr for PolicySpec {
+    type Err = TraceError;
+    fn from_str(s: &str) -> Result<Self> {
+        let mut parts = s.split('+');
+        let base = parts.next().unwrap_or_default();
+        let eviction = match base {
+            "exact" => None,
+            p => Some(p.parse::<EvictionPolicy>().map_err(|_| {
+                TraceError::Config(format!(
+                    "unknown policy {p:?} (available: {})",
+                    AVAILABLE_POLICIES.join(", ")
+                ))
+            })?),
+        };
+        let mut filters = Filters::default();
+        for f in parts {
+            match f {
+                "sampling" => filters.sampling = true,
+                "prehash" => filters.prehash = true,
+                t if t.starts_with('t') || t.starts_with('T') => {
+                    filters.threshold =
+                        t[1..]
+                            .parse()
+                            .ok()
+                            .filter(|&n: &u32| n >= 1)
+                            .ok_or_else(|| {
+                                TraceError::Config(format!("bad threshold {t:?} (t1, t2, …)"))
+                            })?;
+                }
+                f => {
+                    return Err(TraceError::Config(format!(
+                        "unknown filter {f:?} in policy {s:?} (sampling, prehash, tN)"
+                    )))
+                }
+            }
+        }
+        Ok(PolicySpec { eviction, filters })
+    }
+}
 /// Index budget standing for "unbounded" (`exact`): far above any memory,
 /// yet small enough that the engine's budget arithmetic cannot overflow.
 const UNBOUNDED_INDEX_BYTES: u64 = u64::MAX / 1024;
@@ -99,6 +207,9 @@ pub struct ReplayConfig {
     /// Memory budget of the fingerprint index in bytes, for bounded
     /// policies (`None`: the engine's default); refused with `exact`.
     pub index_memory_bytes: Option<u64>,
+    /// Prefix bits of the index (`None`: the engine's default, 14). Fewer
+    /// bits mean fewer, larger groups, so small budgets hold more entries.
+    pub prefix_bits: Option<u32>,
 }
 
 impl Default for ReplayConfig {
@@ -109,21 +220,37 @@ impl Default for ReplayConfig {
             skip_bad: false,
             policy: "exact".into(),
             index_memory_bytes: None,
+            prefix_bits: None,
         }
     }
 }
 
 /// Builds the engine a replay runs on: the one place where a policy and an
-/// index budget turn into an engine configuration. `exact` takes no budget;
-/// `g-lru` and `lru` use `index_memory_bytes` (default
-/// [`default_index_memory_bytes`]) with the engine's default lookup mode.
+/// index budget turn into an engine configuration. `exact` takes no budget
+/// (the index is unbounded); the others use `index_memory_bytes` (default
+/// [`default_index_memory_bytes`]) with the engine's default lookup mode
+/// (memory). Adaptive selectivity is off and so is the read cache: every
+/// block passed on is fingerprinted inline, so policies are compared alone.
+/// Filters ([`Filters`]) act in [`replay`], not in the engine.
 ///
-/// Errors: [`TraceError::Config`] for a policy not built yet, an unknown
-/// policy, or a budget given to the unbounded `exact` policy.
+/// Errors: [`TraceError::Config`] for an unknown policy or filter, or a
+/// budget given to the unbounded `exact` policy.
 pub fn build_engine(cfg: &ReplayConfig) -> Result<Engine> {
-    let mut ec = EngineConfig::default();
-    match cfg.policy.as_str() {
-        "exact" => {
+    let spec: PolicySpec = cfg.policy.parse()?;
+    let mut ec = EngineConfig {
+        selectivity: SelectivityConfig {
+            adaptive: false,
+            load_aware: false,
+            power: PowerSource::Ac,
+        },
+        read_cache_bytes: 0,
+        ..EngineConfig::default()
+    };
+    if let Some(bits) = cfg.prefix_bits {
+        ec.index.prefix_bits = bits;
+    }
+    match spec.eviction {
+        None => {
             if let Some(b) = cfg.index_memory_bytes {
                 return Err(TraceError::Config(format!(
                     "policy exact keeps every fingerprint; an index memory budget ({b} bytes) needs a bounded policy ({})",
@@ -132,24 +259,11 @@ pub fn build_engine(cfg: &ReplayConfig) -> Result<Engine> {
             }
             ec.index.memory_budget_bytes = UNBOUNDED_INDEX_BYTES;
         }
-        p @ ("g-lru" | "glru" | "lru") => {
-            ec.index.policy = p.parse::<EvictionPolicy>().map_err(TraceError::Config)?;
+        Some(p) => {
+            ec.index.policy = p;
             ec.index.memory_budget_bytes = cfg
                 .index_memory_bytes
                 .unwrap_or_else(default_index_memory_bytes);
-        }
-        p if PLANNED_POLICIES.contains(&p) => {
-            return Err(TraceError::Config(format!(
-                "policy {p} is not available yet (available: {})",
-                AVAILABLE_POLICIES.join(", ")
-            )))
-        }
-        p => {
-            return Err(TraceError::Config(format!(
-                "unknown policy {p:?} (available: {}; planned: {})",
-                AVAILABLE_POLICIES.join(", "),
-                PLANNED_POLICIES.join(", ")
-            )))
         }
     }
     Ok(Engine::simulated_with(HashAlgorithm::Sha256, ec))
@@ -253,6 +367,19 @@ pub struct Report {
     pub extents: u64,
     /// `mapped_blocks ÷ extents` (0 when nothing is mapped).
     pub mean_extent_blocks: f64,
+    /// Write-path filters applied ([`Filters`]).
+    pub filters: Filters,
+    /// Non-zero blocks given a cryptographic fingerprint (SHA-256 of 4 KiB):
+    /// all of them without filters; fewer with sampling or pre-hashing.
+    pub blocks_fingerprinted: u64,
+    /// Non-zero blocks given a CRC32 pre-hash (pre-hashing only).
+    pub blocks_prehashed: u64,
+    /// Non-zero blocks a filter handed to the engine as new content.
+    pub blocks_filtered_as_new: u64,
+    /// Modelled hashing time in seconds: fingerprinted blocks × 4 KiB at
+    /// [`SHA256_BYTES_PER_SECOND`] plus pre-hashed blocks × 4 KiB at
+    /// [`CRC32_BYTES_PER_SECOND`].
+    pub hashing_seconds_modelled: f64,
     /// Wall-clock time of the replay in seconds.
     pub elapsed_seconds: f64,
     /// Requests per second of wall-clock time.
@@ -312,6 +439,105 @@ fn volume_name(index: usize, label: &str) -> String {
     s
 }
 
+/// State of the write-path filters across a replay.
+#[derive(Default)]
+struct FilterState {
+    /// Per block of the current request: its content was written before.
+    seen: Vec<bool>,
+    /// Per block: passed on with its real fingerprint.
+    pass: Vec<bool>,
+    /// Per block: cryptographically fingerprinted.
+    hashed: Vec<bool>,
+    /// CRCs seen (pre-hashing).
+    crcs: HashSet<u32>,
+    /// Synthetic fingerprints handed out.
+    sunk: u64,
+}
+
+impl FilterState {
+    /// Applies `f` to one write request: blocks turned away get a
+    /// synthetic fingerprint in `fps`; the report's hashing counts grow.
+    fn apply(
+        &mut self,
+        f: &Filters,
+        blocks: &[Option<Digest>],
+        fps: &mut [Option<Fingerprint>],
+        r: &mut Report,
+    ) {
+        let n = blocks.len();
+        self.pass.clear();
+        self.pass.extend(blocks.iter().map(|b| b.is_some()));
+        self.hashed.clear();
+        self.hashed.extend_from_slice(&self.pass);
+        if f.prehash {
+            for (i, d) in blocks.iter().enumerate() {
+                if let Some(d) = d {
+                    r.blocks_prehashed += 1;
+                    if self.crcs.insert(crc32c::crc32c(d)) {
+                        // a CRC never seen: not fingerprinted, written as new
+                        self.pass[i] = false;
+                        self.hashed[i] = false;
+                    }
+                }
+            }
+        }
+        let nonzero = blocks.iter().filter(|b| b.is_some()).count();
+        if f.sampling && nonzero >= 2 {
+            let key = |d: &Digest| u32::from_be_bytes([d[0], d[1], d[2], d[3]]);
+            let sample = (0..n)
+                .filter(|&i| blocks[i].is_some())
+                .max_by_key(|&i| blocks[i].as_ref().map(key))
+                .expect("two non-zero blocks");
+            if !(self.hashed[sample] && self.seen[sample]) {
+                for i in (0..n).filter(|&i| i != sample) {
+                    self.pass[i] = false;
+                    self.hashed[i] = false;
+                }
+            }
+        }
+        if f.threshold > 1 {
+            let mut i = 0;
+            while i < n {
+                if !(self.seen[i] && blocks[i].is_some()) {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < n && self.seen[i] && blocks[i].is_some() {
+                    i += 1;
+                }
+                if i - start < f.threshold as usize {
+                    self.pass[start..i].fill(false);
+                }
+            }
+        }
+        for i in 0..n {
+            if blocks[i].is_none() {
+                continue;
+            }
+            if self.hashed[i] {
+                r.blocks_fingerprinted += 1;
+            }
+            if !self.pass[i] {
+                r.blocks_filtered_as_new += 1;
+                self.sunk += 1;
+                fps[i] = Some(sink_fingerprint(self.sunk));
+            }
+        }
+    }
+}
+
+/// The `n`-th synthetic fingerprint of a block written as new: index key
+/// [`SINK_KEY`], then `n` (unique), so it never matches and all share one
+/// index slot.
+fn sink_fingerprint(n: u64) -> Fingerprint {
+    let mut b = [0u8; 24];
+    b[..8].copy_from_slice(&SINK_KEY.to_be_bytes());
+    b[8..16].copy_from_slice(&n.to_le_bytes());
+    b[16..].copy_from_slice(b"filtered");
+    Fingerprint::from_digest(&b)
+}
+
 #[derive(PartialEq, Eq, Hash)]
 enum StreamKey {
     File(usize),
@@ -344,6 +570,9 @@ pub fn replay(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Report> {
     let engine = build_engine(cfg)?;
+    let filters = cfg.policy.parse::<PolicySpec>()?.filters;
+    let filtering = filters != Filters::default();
+    let mut filter = FilterState::default();
     let started = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
     let mut bytes_total = 0;
@@ -456,16 +685,27 @@ pub fn replay(
                     stream.report.blocks_written += n;
                     r.blocks_written += n;
                     fps.clear();
+                    filter.seen.clear();
                     for b in &req.blocks {
                         match b {
                             Some(d) => {
-                                if !exact.insert(*d) {
+                                let dup = !exact.insert(*d);
+                                if dup {
                                     r.exact_duplicate_blocks += 1;
                                 }
+                                filter.seen.push(dup);
                                 fps.push(Some(fingerprint_of(d)));
                             }
-                            None => fps.push(None),
+                            None => {
+                                filter.seen.push(false);
+                                fps.push(None);
+                            }
                         }
+                    }
+                    if filtering {
+                        filter.apply(&filters, &req.blocks, &mut fps, &mut r);
+                    } else {
+                        r.blocks_fingerprinted += fps.iter().filter(|f| f.is_some()).count() as u64;
                     }
                     engine
                         .write_fingerprinted(stream.volume, Lba(first), &fps)
@@ -545,6 +785,10 @@ pub fn replay(
     } else {
         r.mapped_blocks as f64 / r.extents as f64
     };
+    r.filters = filters;
+    r.hashing_seconds_modelled = (r.blocks_fingerprinted as f64 / SHA256_BYTES_PER_SECOND
+        + r.blocks_prehashed as f64 / CRC32_BYTES_PER_SECOND)
+        * BLOCK_SIZE as f64;
     r.elapsed_seconds = started.elapsed().as_secs_f64();
     r.requests_per_second = if r.elapsed_seconds > 0.0 {
         r.requests as f64 / r.elapsed_seconds

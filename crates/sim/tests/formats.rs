@@ -266,16 +266,19 @@ fn bad_lines_name_file_and_line_or_are_counted_with_skip_bad() {
 }
 
 #[test]
-fn unavailable_policy_is_a_clear_error() {
-    let cfg = ReplayConfig {
-        policy: "arc".into(),
-        ..ReplayConfig::default()
-    };
-    let err = replay(&[], &cfg, &mut |_| {}).unwrap_err();
-    assert!(
-        err.to_string().contains("policy arc is not available yet"),
-        "{err}"
-    );
+fn unknown_policy_or_filter_is_a_clear_error() {
+    for (policy, msg) in [
+        ("mru", "unknown policy \"mru\""),
+        ("lru+dedup", "unknown filter \"dedup\""),
+        ("lru+t0", "bad threshold"),
+    ] {
+        let cfg = ReplayConfig {
+            policy: policy.into(),
+            ..ReplayConfig::default()
+        };
+        let err = replay(&[], &cfg, &mut |_| {}).unwrap_err();
+        assert!(err.to_string().contains(msg), "{err}");
+    }
     let cfg = ReplayConfig {
         index_memory_bytes: Some(1 << 20),
         ..ReplayConfig::default()
