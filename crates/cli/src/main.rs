@@ -8,6 +8,7 @@ mod exports;
 mod replay;
 mod serve;
 mod size;
+mod sweep;
 mod trace;
 
 use std::path::{Path, PathBuf};
@@ -59,6 +60,9 @@ enum Command {
     /// Convert, inspect and generate block traces.
     #[command(subcommand)]
     Trace(trace::TraceCommand),
+    /// Replay a grid of traces × index policies × index budgets on all
+    /// cores; write results.csv, results.json and figures.
+    Sweep(sweep::SweepArgs),
     /// Check the store's metadata (the server must be stopped). Exit codes as
     /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
     /// operational error.
@@ -138,6 +142,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Volume(cmd) => volume(&store, cmd),
         Command::Replay(args) => replay::run(args),
         Command::Trace(cmd) => trace::run(cmd),
+        Command::Sweep(args) => sweep::run(args),
         Command::Fsck {
             repair,
             rehash,

@@ -5,7 +5,10 @@
 //! - [`text`]: FIU IODedup and MobileAppTraces parsers;
 //! - [`native`]: the native binary format (docs/trace-format.md);
 //! - [`input`]: gzip/zstd detection; [`reader`]: one reader for all formats;
-//! - [`replay`]: multi-stream replay into a simulated engine, the report;
+//! - [`replay`]: multi-stream replay into a simulated engine, the report,
+//!   index policies and write-path filters;
+//! - [`sweep`]: grids of (trace, policy, budget) on all cores; [`plot`]:
+//!   their figures;
 //! - [`stats`]: figures of a trace alone; [`convert`]: to the native format;
 //! - [`gen`]: seeded fio-like, locality and mixed-stream generators.
 //!
@@ -18,16 +21,21 @@ pub mod error;
 pub mod gen;
 pub mod input;
 pub mod native;
+pub mod plot;
 pub mod reader;
 pub mod replay;
 pub mod request;
 pub mod stats;
+pub mod sweep;
 pub mod text;
 
 pub use convert::{convert, ConvertSummary};
 pub use error::{Result, TraceError};
 pub use gen::{generate, generate_to, GenSpec, Locality, StreamSpec};
 pub use reader::{detect_format, Format, TraceReader};
-pub use replay::{build_engine, replay, Progress, ReplayConfig, Report, StreamBy};
+pub use replay::{
+    build_engine, replay, Filters, PolicySpec, Progress, ReplayConfig, Report, StreamBy,
+};
 pub use request::{Digest, Op, Request, Source};
 pub use stats::{trace_stats, TraceStats};
+pub use sweep::{run_sweep, SweepConfig, SweepRow};

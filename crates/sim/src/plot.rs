@@ -1,0 +1,244 @@
+//! Figures of a sweep, drawn in Rust with plotters (PNG and SVG, no
+//! system font libraries: DejaVu Sans is embedded, see
+//! `assets/DejaVuSans-LICENSE.txt`).
+//!
+//! - [`Figure::Duplicates`]: duplicates found (percent of the exact
+//!   dedup's) against index memory, one line per policy, `exact` as the
+//!   100 % reference;
+//! - [`Figure::EvictionIo`]: on-disk fingerprint-group reads + writes done
+//!   by evictions against index memory (log scale), one line per policy.
+
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::prelude::*;
+use plotters::style::{register_font, FontStyle};
+
+use crate::error::{Result, TraceError};
+use crate::sweep::SweepRow;
+
+static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+static REGISTER: Once = Once::new();
+
+/// Which figure to draw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Figure {
+    /// Duplicates found (% of exact) vs index memory.
+    Duplicates,
+    /// Eviction I/Os vs index memory.
+    EvictionIo,
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+fn draw_err<E: std::fmt::Display>(path: &Path) -> impl Fn(E) -> TraceError + '_ {
+    move |e| TraceError::Config(format!("drawing {}: {e}", path.display()))
+}
+
+/// Draws `what` for `trace` from `rows` into `path` (`.png` or `.svg`,
+/// 1000 × 640 pixels).
+///
+/// Errors: no bounded point for the trace, or a drawing/I/O failure.
+pub fn draw(rows: &[SweepRow], trace: &str, what: Figure, path: &Path) -> Result<()> {
+    REGISTER.call_once(|| {
+        let _ = register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+    let size = (1000, 640);
+    if path.extension().is_some_and(|e| e == "svg") {
+        let root = SVGBackend::new(path, size).into_drawing_area();
+        chart(root, rows, trace, what, path)
+    } else {
+        let root = BitMapBackend::new(path, size).into_drawing_area();
+        chart(root, rows, trace, what, path)
+    }
+}
+
+fn chart<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    rows: &[SweepRow],
+    trace: &str,
+    what: Figure,
+    path: &Path,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let err = draw_err(path);
+    let mine: Vec<&SweepRow> = rows.iter().filter(|r| r.trace == trace).collect();
+    let bounded: Vec<&&SweepRow> = mine
+        .iter()
+        .filter(|r| r.index_memory_bytes.is_some())
+        .collect();
+    if bounded.is_empty() {
+        return Err(TraceError::Config(format!(
+            "no bounded policy point for trace {trace} to draw"
+        )));
+    }
+    let (xmin, xmax) = bounded
+        .iter()
+        .map(|r| mib(r.index_memory_bytes.unwrap_or(0)).log2())
+        .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+    let pad = ((xmax - xmin) * 0.05).max(0.25);
+    let xr = (xmin - pad)..(xmax + pad);
+    let mut policies: Vec<&str> = Vec::new();
+    for r in &mine {
+        if !policies.contains(&r.policy.as_str()) {
+            policies.push(&r.policy);
+        }
+    }
+    root.fill(&WHITE).map_err(&err)?;
+    let value = |r: &SweepRow| match what {
+        Figure::Duplicates => r.of_exact_percent,
+        // log10, drawn on a linear axis labelled in powers of ten
+        Figure::EvictionIo => (r.eviction_ios() as f64).max(1.0).log10(),
+    };
+    let exact_pct = mine
+        .iter()
+        .find(|r| r.index_memory_bytes.is_none())
+        .map(|r| r.exact_duplicate_blocks as f64 * 100.0 / r.blocks_written.max(1) as f64);
+    let caption = match what {
+        Figure::Duplicates => format!("{trace}: duplicates found vs index memory"),
+        Figure::EvictionIo => format!("{trace}: eviction I/Os vs index memory"),
+    };
+    let label_x = |x: &f64| {
+        let m = x.exp2();
+        if m >= 1.0 {
+            format!("{m:.0} MiB")
+        } else {
+            format!("{:.0} KiB", m * 1024.0)
+        }
+    };
+    let mut b = ChartBuilder::on(&root);
+    b.caption(caption, ("sans-serif", 26))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(80);
+    let series: Vec<(&str, Vec<(f64, f64)>)> = policies
+        .iter()
+        .map(|p| {
+            let mut pts: Vec<(f64, f64)> = bounded
+                .iter()
+                .filter(|r| r.policy == *p)
+                .map(|r| (mib(r.index_memory_bytes.unwrap_or(0)).log2(), value(r)))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (*p, pts)
+        })
+        .collect();
+    let draw_lines = |chart: &mut ChartContext<'_, DB, _>| -> Result<()> {
+        for (i, (p, pts)) in series.iter().enumerate() {
+            let c = COLORS[i % COLORS.len()];
+            if pts.is_empty() {
+                if what == Figure::Duplicates {
+                    // exact: the 100 % reference line
+                    chart
+                        .draw_series(LineSeries::new(
+                            [(xr.start, 100.0), (xr.end, 100.0)],
+                            c.stroke_width(2),
+                        ))
+                        .map_err(&err)?
+                        .label(match exact_pct {
+                            Some(e) => format!("{p} ({e:.1} % of blocks written)"),
+                            None => p.to_string(),
+                        })
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                        });
+                }
+                continue;
+            }
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(3)))
+                .map_err(&err)?
+                .label(*p)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
+                });
+            chart
+                .draw_series(pts.iter().map(|&(x, y)| Circle::new((x, y), 5, c.filled())))
+                .map_err(&err)?;
+        }
+        Ok(())
+    };
+    match what {
+        Figure::Duplicates => {
+            let ymax = series
+                .iter()
+                .flat_map(|(_, p)| p.iter().map(|q| q.1))
+                .fold(100.0f64, f64::max);
+            let mut chart = b
+                .build_cartesian_2d(xr.clone(), 0.0..ymax * 1.05)
+                .map_err(&err)?;
+            chart
+                .configure_mesh()
+                .x_desc("index memory budget")
+                .y_desc("duplicates found, % of exact dedup")
+                .x_label_formatter(&label_x)
+                .x_labels(8)
+                .label_style(("sans-serif", 18))
+                .axis_desc_style(("sans-serif", 20))
+                .draw()
+                .map_err(&err)?;
+            draw_lines(&mut chart)?;
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::LowerRight)
+                .background_style(WHITE.mix(0.9))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 18))
+                .draw()
+                .map_err(&err)?;
+        }
+        Figure::EvictionIo => {
+            let ymax = series
+                .iter()
+                .flat_map(|(_, p)| p.iter().map(|q| q.1))
+                .fold(1.0f64, f64::max);
+            let mut chart = b
+                .build_cartesian_2d(xr.clone(), 0.0..ymax.ceil() + 0.3)
+                .map_err(&err)?;
+            chart
+                .configure_mesh()
+                .x_desc("index memory budget")
+                .y_desc("eviction I/Os (group reads + writes, log)")
+                .x_label_formatter(&label_x)
+                .x_labels(8)
+                .y_labels(((ymax.ceil() + 1.0) * 2.0) as usize)
+                .y_label_formatter(&|y| {
+                    if (y - y.round()).abs() < 1e-6 {
+                        format!("{:.0}", 10f64.powf(*y))
+                    } else {
+                        String::new()
+                    }
+                })
+                .label_style(("sans-serif", 18))
+                .axis_desc_style(("sans-serif", 20))
+                .draw()
+                .map_err(&err)?;
+            draw_lines(&mut chart)?;
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.9))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 18))
+                .draw()
+                .map_err(&err)?;
+        }
+    }
+    root.present().map_err(&err)?;
+    Ok(())
+}

@@ -1,0 +1,257 @@
+//! Parameter sweeps (`dedupd sweep`): every (trace, policy, index budget)
+//! of a grid replayed on its own simulated engine, on all cores (std
+//! threads), with results as CSV and JSON and one figure per trace
+//! ([`crate::plot`]).
+//!
+//! `exact` takes no budget: it runs once per trace and is drawn as the
+//! reference line.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::error::{io_err, Result, TraceError};
+use crate::replay::{replay, PolicySpec, ReplayConfig, Report};
+
+/// A sweep grid.
+#[derive(Debug, Clone)]
+pub struct SweepConfig {
+    /// Trace files (each replayed alone).
+    pub traces: Vec<PathBuf>,
+    /// Policy names as [`PolicySpec`] parses them (`exact`, `g-lru`,
+    /// `lru+t4`, …).
+    pub policies: Vec<String>,
+    /// Index budgets in bytes for the bounded policies.
+    pub budgets: Vec<u64>,
+    /// Worker threads (at least 1).
+    pub jobs: usize,
+    /// Format, stream key, bad-line handling and prefix bits of every
+    /// replay (its policy and budget are set per point).
+    pub base: ReplayConfig,
+}
+
+/// One point of the grid. Percentages are of blocks written unless said.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SweepRow {
+    /// Trace file name (without directories).
+    pub trace: String,
+    /// Policy name as given.
+    pub policy: String,
+    /// Index budget in bytes (None: exact, unbounded).
+    pub index_memory_bytes: Option<u64>,
+    /// Requests replayed.
+    pub requests: u64,
+    /// 4 KiB blocks written.
+    pub blocks_written: u64,
+    /// Duplicates an exact dedup finds (blocks).
+    pub exact_duplicate_blocks: u64,
+    /// Duplicates found inline (blocks).
+    pub duplicate_blocks_inline: u64,
+    /// Inline duplicates in percent of blocks written.
+    pub duplicate_percent: f64,
+    /// Inline duplicates in percent of the exact duplicates.
+    pub of_exact_percent: f64,
+    /// On-disk fingerprint-group reads done by evictions.
+    pub eviction_reads: u64,
+    /// On-disk fingerprint-group writes done by evictions.
+    pub eviction_writes: u64,
+    /// Fingerprints evicted from memory.
+    pub entries_evicted: u64,
+    /// Groups evicted whole (G-LRU).
+    pub groups_evicted: u64,
+    /// Peak index memory in bytes.
+    pub peak_index_bytes: u64,
+    /// Extents in the volume maps at the end.
+    pub extents: u64,
+    /// Blocks cryptographically fingerprinted.
+    pub blocks_fingerprinted: u64,
+    /// Modelled hashing time in seconds.
+    pub hashing_seconds_modelled: f64,
+    /// Wall-clock seconds of the replay.
+    pub elapsed_seconds: f64,
+    /// Requests per second of the replay.
+    pub requests_per_second: f64,
+}
+
+impl SweepRow {
+    /// The row of a replay report.
+    pub fn from_report(trace: &str, r: &Report) -> SweepRow {
+        let ix = &r.engine.index;
+        SweepRow {
+            trace: trace.to_string(),
+            policy: r.policy.clone(),
+            index_memory_bytes: r.index_memory_bytes,
+            requests: r.requests,
+            blocks_written: r.blocks_written,
+            exact_duplicate_blocks: r.exact_duplicate_blocks,
+            duplicate_blocks_inline: r.duplicate_blocks_inline,
+            duplicate_percent: r.duplicate_writes_eliminated_percent,
+            of_exact_percent: r.inline_of_exact_percent,
+            eviction_reads: ix.eviction_reads,
+            eviction_writes: ix.eviction_writes,
+            entries_evicted: ix.entries_evicted,
+            groups_evicted: ix.groups_evicted,
+            peak_index_bytes: r.peak_index_bytes_in_memory,
+            extents: r.extents,
+            blocks_fingerprinted: r.blocks_fingerprinted,
+            hashing_seconds_modelled: r.hashing_seconds_modelled,
+            elapsed_seconds: r.elapsed_seconds,
+            requests_per_second: r.requests_per_second,
+        }
+    }
+
+    /// Eviction I/Os: reads plus writes of on-disk groups.
+    pub fn eviction_ios(&self) -> u64 {
+        self.eviction_reads + self.eviction_writes
+    }
+}
+
+/// The name a trace has in results: its file name.
+pub fn trace_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| p.display().to_string())
+}
+
+/// Runs the grid on `cfg.jobs` threads, calling `done(row, finished,
+/// total)` as points finish. Rows come back in grid order (trace, policy,
+/// budget).
+///
+/// Errors: a policy that does not parse (before anything runs), or the
+/// first replay that fails.
+pub fn run_sweep(
+    cfg: &SweepConfig,
+    done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
+) -> Result<Vec<SweepRow>> {
+    let mut points: Vec<(PathBuf, String, Option<u64>)> = Vec::new();
+    for t in &cfg.traces {
+        for p in &cfg.policies {
+            let spec: PolicySpec = p.parse()?;
+            if spec.eviction.is_none() {
+                points.push((t.clone(), p.clone(), None));
+            } else {
+                for &b in &cfg.budgets {
+                    points.push((t.clone(), p.clone(), Some(b)));
+                }
+            }
+        }
+    }
+    let total = points.len();
+    let next = AtomicUsize::new(0);
+    let finished = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<SweepRow>>>> =
+        Mutex::new((0..total).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..cfg.jobs.clamp(1, total.max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    break;
+                }
+                let (trace, policy, budget) = &points[i];
+                let rc = ReplayConfig {
+                    policy: policy.clone(),
+                    index_memory_bytes: *budget,
+                    ..cfg.base.clone()
+                };
+                let out = replay(std::slice::from_ref(trace), &rc, &mut |_| {})
+                    .map(|r| SweepRow::from_report(&trace_name(trace), &r));
+                if let Ok(row) = &out {
+                    let n = finished.fetch_add(1, Ordering::Relaxed) + 1;
+                    done(row, n, total);
+                }
+                results.lock().expect("results lock")[i] = Some(out);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("results lock")
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(TraceError::Config("a sweep point did not run".into()))))
+        .collect()
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// The rows as CSV (a header line, then one line per row).
+pub fn to_csv(rows: &[SweepRow]) -> String {
+    let mut out = String::from(
+        "trace,policy,index_memory_bytes,requests,blocks_written,exact_duplicate_blocks,duplicate_blocks_inline,duplicate_percent,of_exact_percent,eviction_reads,eviction_writes,eviction_ios,entries_evicted,groups_evicted,peak_index_bytes,extents,blocks_fingerprinted,hashing_seconds_modelled,elapsed_seconds,requests_per_second\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{},{},{},{},{},{},{},{:.4},{:.4},{},{},{},{},{},{},{},{},{:.6},{:.3},{:.0}\n",
+            csv_field(&r.trace),
+            csv_field(&r.policy),
+            r.index_memory_bytes
+                .map_or(String::new(), |b| b.to_string()),
+            r.requests,
+            r.blocks_written,
+            r.exact_duplicate_blocks,
+            r.duplicate_blocks_inline,
+            r.duplicate_percent,
+            r.of_exact_percent,
+            r.eviction_reads,
+            r.eviction_writes,
+            r.eviction_ios(),
+            r.entries_evicted,
+            r.groups_evicted,
+            r.peak_index_bytes,
+            r.extents,
+            r.blocks_fingerprinted,
+            r.hashing_seconds_modelled,
+            r.elapsed_seconds,
+            r.requests_per_second,
+        ));
+    }
+    out
+}
+
+/// Writes `results.csv`, `results.json` and, per trace, the figures
+/// `<trace>-duplicates.{png,svg}` and `<trace>-eviction-io.{png,svg}` into
+/// `dir` (created if needed). Returns the files written.
+///
+/// Errors: I/O, or a drawing failure.
+pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
+    let name = dir.display().to_string();
+    std::fs::create_dir_all(dir).map_err(io_err(&name))?;
+    let mut files = Vec::new();
+    let csv = dir.join("results.csv");
+    std::fs::write(&csv, to_csv(rows)).map_err(io_err(&name))?;
+    files.push(csv);
+    let json = dir.join("results.json");
+    let text = serde_json::to_string_pretty(rows)
+        .map_err(|e| TraceError::Config(format!("encoding results: {e}")))?;
+    std::fs::write(&json, text + "\n").map_err(io_err(&name))?;
+    files.push(json);
+    let mut traces: Vec<&str> = Vec::new();
+    for r in rows {
+        if !traces.contains(&r.trace.as_str()) {
+            traces.push(&r.trace);
+        }
+    }
+    for t in traces {
+        let stem = t.replace(
+            |c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)),
+            "_",
+        );
+        for (kind, what) in [
+            ("duplicates", crate::plot::Figure::Duplicates),
+            ("eviction-io", crate::plot::Figure::EvictionIo),
+        ] {
+            for ext in ["png", "svg"] {
+                let path = dir.join(format!("{stem}-{kind}.{ext}"));
+                crate::plot::draw(rows, t, what, &path)?;
+                files.push(path);
+            }
+        }
+    }
+    Ok(files)
+}
