@@ -46,7 +46,7 @@ pub struct PassReport {
 }
 
 /// LBAs scanned under one hold of the metadata lock.
-const SCAN_CHUNK: u64 = 8192;
+const SCAN_CHUNK: u64 = 1024;
 
 impl Engine {
     /// True if out-of-line work is pending.
@@ -61,6 +61,16 @@ impl Engine {
     ///
     /// Errors: I/O errors reading the on-disk fingerprint store.
     pub fn dedup_pass(&self, max_blocks: usize) -> Result<PassReport> {
+        self.dedup_pass_yielding(max_blocks, &|| false)
+    }
+
+    /// [`Engine::dedup_pass`] that stops a merge scan early (leaving the
+    /// merges pending) as soon as `should_yield` returns true.
+    pub fn dedup_pass_yielding(
+        &self,
+        max_blocks: usize,
+        should_yield: &dyn Fn() -> bool,
+    ) -> Result<PassReport> {
         let mut r = PassReport::default();
         let items = {
             let mut m = lock(&self.meta);
@@ -114,7 +124,7 @@ impl Engine {
         }
         let buffer_empty = lock(&self.meta).skipped.is_empty();
         if buffer_empty {
-            r.merges_applied = self.apply_merges(None)?;
+            r.merges_applied = self.apply_merges(None, should_yield)?;
         }
         let mut m = lock(&self.meta);
         m.collect_displaced();
@@ -124,7 +134,7 @@ impl Engine {
 
     /// Remaps every LBA (of `only`, or of all volumes) mapped to a pending
     /// merge's copy onto the kept PBA, scanning the maps in chunks.
-    fn apply_merges(&self, only: Option<VolumeId>) -> Result<u64> {
+    fn apply_merges(&self, only: Option<VolumeId>, should_yield: &dyn Fn() -> bool) -> Result<u64> {
         let merges: HashMap<u64, u64> = {
             let m = lock(&self.meta);
             if m.pending_merges.is_empty() {
@@ -155,6 +165,9 @@ impl Engine {
         for (vol, blocks) in volumes {
             let mut lba = 0;
             while lba < blocks {
+                if should_yield() {
+                    return Ok(applied); // the merges stay pending
+                }
                 let end = (lba + SCAN_CHUNK).min(blocks);
                 let mut m = lock(&self.meta);
                 for l in lba..end {
@@ -245,7 +258,7 @@ impl Engine {
             p = end;
         }
         let _ = merges;
-        r.lbas_remapped = self.apply_merges(only)?;
+        r.lbas_remapped = self.apply_merges(only, &|| false)?;
         r.merges_applied = r.lbas_remapped;
         let m = lock(&self.meta);
         r.work_remaining = !m.skipped.is_empty();
@@ -272,7 +285,9 @@ impl Engine {
                     let busy = now_foreground != last_foreground;
                     last_foreground = now_foreground;
                     if !busy && engine.dedup_pending() {
-                        if let Err(e) = engine.dedup_pass(batch as usize) {
+                        let seen = engine.foreground_ops();
+                        let yield_now = || engine.foreground_ops() != seen;
+                        if let Err(e) = engine.dedup_pass_yielding(batch as usize, &yield_now) {
                             eprintln!("dedupd: out-of-line dedup: {e}");
                         }
                     }
