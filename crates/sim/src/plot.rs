@@ -113,8 +113,12 @@ where
         Figure::Duplicates => format!("{trace}: duplicates found vs index memory"),
         Figure::EvictionIo => format!("{trace}: eviction I/Os vs index memory"),
     };
+    // labels only at whole powers of two (the budgets are powers of two)
     let label_x = |x: &f64| {
-        let m = x.exp2();
+        if (x - x.round()).abs() > 1e-6 {
+            return String::new();
+        }
+        let m = x.round().exp2();
         if m >= 1.0 {
             format!("{m:.0} MiB")
         } else {
@@ -138,9 +142,12 @@ where
             (*p, pts)
         })
         .collect();
+    let x_labels = ((xr.end - xr.start) * 10.0).ceil() as usize + 2;
+    let n = series.len();
     let draw_lines = |chart: &mut ChartContext<'_, DB, _>| -> Result<()> {
         for (i, (p, pts)) in series.iter().enumerate() {
             let c = COLORS[i % COLORS.len()];
+            let w = (2 + 2 * (n - 1 - i) as u32).min(9);
             if pts.is_empty() {
                 if what == Figure::Duplicates {
                     // exact: the 100 % reference line
@@ -161,11 +168,12 @@ where
                 continue;
             }
             chart
-                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(3)))
+                // earlier lines are wider, so lines that coincide stay visible
+                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(w)))
                 .map_err(&err)?
                 .label(*p)
                 .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(w))
                 });
             chart
                 .draw_series(pts.iter().map(|&(x, y)| Circle::new((x, y), 5, c.filled())))
@@ -187,7 +195,8 @@ where
                 .x_desc("index memory budget")
                 .y_desc("duplicates found, % of exact dedup")
                 .x_label_formatter(&label_x)
-                .x_labels(8)
+                .x_labels(x_labels)
+                .disable_x_mesh()
                 .label_style(("sans-serif", 18))
                 .axis_desc_style(("sans-serif", 20))
                 .draw()
@@ -195,7 +204,8 @@ where
             draw_lines(&mut chart)?;
             chart
                 .configure_series_labels()
-                .position(SeriesLabelPosition::LowerRight)
+                // upper left, below the 100 % line: curves rise with memory
+                .position(SeriesLabelPosition::Coordinate(110, 110))
                 .background_style(WHITE.mix(0.9))
                 .border_style(BLACK)
                 .label_font(("sans-serif", 18))
@@ -215,7 +225,8 @@ where
                 .x_desc("index memory budget")
                 .y_desc("eviction I/Os (group reads + writes, log)")
                 .x_label_formatter(&label_x)
-                .x_labels(8)
+                .x_labels(x_labels)
+                .disable_x_mesh()
                 .y_labels(((ymax.ceil() + 1.0) * 2.0) as usize)
                 .y_label_formatter(&|y| {
                     if (y - y.round()).abs() < 1e-6 {
@@ -231,7 +242,7 @@ where
             draw_lines(&mut chart)?;
             chart
                 .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
+                .position(SeriesLabelPosition::LowerLeft)
                 .background_style(WHITE.mix(0.9))
                 .border_style(BLACK)
                 .label_font(("sans-serif", 18))
