@@ -163,3 +163,46 @@ fn trace_gen_convert_stats() {
     assert_eq!(v["streams"].as_array().unwrap().len(), 2);
     assert_eq!(v["blocks_written"], 1024);
 }
+
+#[test]
+fn sweep_writes_results_and_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("loc.ddt");
+    let s = dedupd()
+        .args(["trace", "gen", "--kind", "locality", "--size", "8M"])
+        .args(["--mean-reuse", "500", "--seed", "2", "-o"])
+        .arg(&t)
+        .status()
+        .unwrap();
+    assert!(s.success());
+    let out = dir.path().join("out");
+    let o = dedupd()
+        .args(["sweep", "-q", "--policies", "exact,g-lru,lru,arc"])
+        .args([
+            "--index-memory",
+            "16K,64K",
+            "--index-prefix-bits",
+            "8",
+            "--jobs",
+            "2",
+        ])
+        .arg("--traces")
+        .arg(&t)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    // header + exact + 3 bounded policies × 2 budgets
+    assert_eq!(csv.lines().count(), 1 + 1 + 3 * 2, "{csv}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(json.as_array().unwrap().len(), 7);
+    for f in ["loc.ddt-duplicates", "loc.ddt-eviction-io"] {
+        let png = std::fs::read(out.join(format!("{f}.png"))).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        let svg = std::fs::read_to_string(out.join(format!("{f}.svg"))).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("g-lru"));
+    }
+}
