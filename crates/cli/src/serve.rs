@@ -47,7 +47,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "8M")]
     pub index_memory: String,
     /// Eviction policy of the in-memory fingerprint store: glru (whole
-    /// prefix groups) or lru (single fingerprints, for comparison).
+    /// prefix groups; SmartDedup) or, for comparison, lru, lfu, arc or
+    /// refcount (CAFTL) over single fingerprints.
     #[arg(long, default_value = "glru")]
     pub index_policy: dedupd_engine::index::EvictionPolicy,
     /// Inline lookup: memory (never waits on disk; SmartDedup) or disk (also

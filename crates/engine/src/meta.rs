@@ -148,7 +148,7 @@ impl Meta {
     /// Looks a fingerprint up in the index; a candidate counts only if its
     /// PBA is referenced and stores exactly this fingerprint (reverse index).
     pub fn lookup(&mut self, fp: &Fingerprint) -> std::io::Result<Option<Pba>> {
-        let found = self.with_index(|index, live| index.lookup(fp, live))?;
+        let found = self.with_index(|index, live, rc| index.lookup_with_refcount(fp, live, rc))?;
         Ok(found.filter(|&p| self.fingerprint_of(p) == *fp))
     }
 
@@ -191,26 +191,29 @@ impl Meta {
             ..
         } = self;
         let live = |key: u64, p: Pba| p == pba || live(refcounts, fingerprints, key, p);
-        index.insert(&fp, pba, &live)
+        let rc = |p: Pba| refcounts.get_u32(p.0);
+        index.insert_with_refcount(&fp, pba, &live, &rc)
     }
 
     /// Every live PBA holding exactly `fp` that the index knows, in
     /// memory and on disk (out-of-line dedup).
     pub fn lookup_all(&mut self, fp: &Fingerprint) -> std::io::Result<Vec<Pba>> {
-        let mut found = self.with_index(|index, live| index.lookup_all(fp, live))?;
+        let mut found = self.with_index(|index, live, _| index.lookup_all(fp, live))?;
         found.retain(|&p| self.fingerprint_of(p) == *fp);
         Ok(found)
     }
 
     /// Puts `fp` → `pba` in the in-memory index (the PBA already stores it).
     pub fn index_insert(&mut self, fp: Fingerprint, pba: Pba) -> std::io::Result<()> {
-        self.with_index(|index, live| index.insert(&fp, pba, live))
+        self.with_index(|index, live, rc| index.insert_with_refcount(&fp, pba, live, rc))
     }
 
     /// Runs `f` on the index with the reverse-index liveness check.
+    /// Also passes reference counts, which the reference-count eviction
+    /// policy (CAFTL) evicts by.
     fn with_index<T>(
         &mut self,
-        f: impl FnOnce(&mut FingerprintIndex, crate::index::Live<'_>) -> T,
+        f: impl FnOnce(&mut FingerprintIndex, crate::index::Live<'_>, crate::index::RefCount<'_>) -> T,
     ) -> T {
         let Meta {
             index,
@@ -219,7 +222,8 @@ impl Meta {
             ..
         } = self;
         let live = |key: u64, p: Pba| live(refcounts, fingerprints, key, p);
-        f(index, &live)
+        let rc = |p: Pba| refcounts.get_u32(p.0);
+        f(index, &live, &rc)
     }
 
     /// Moves the duplicate copies the index dropped into `pending_merges`.
