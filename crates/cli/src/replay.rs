@@ -48,6 +48,11 @@ pub struct ReplayArgs {
     /// Prefix bits of the index (8–24; default the engine's, 14).
     #[arg(long, value_name = "BITS")]
     index_prefix_bits: Option<u32>,
+    /// Model the background out-of-line pass: off, every:N (a pass of up to
+    /// 4096 blocks after every N requests) or idle:MS (drain whenever the
+    /// trace's time stamps show an idle gap of MS milliseconds).
+    #[arg(long, default_value = "off", value_name = "MODE")]
+    out_of_line: dedupd_sim::replay::OutOfLine,
 }
 
 /// Parses `auto` (None) or a format name.
@@ -72,6 +77,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         policy: args.policy.clone(),
         index_memory_bytes,
         prefix_bits: args.index_prefix_bits,
+        out_of_line: args.out_of_line,
     };
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     if args.quiet || !std::io::stderr().is_terminal() {
@@ -135,6 +141,10 @@ fn print_report(r: &Report) {
     println!(
         "duplicates found inline       {} ({:.2} % of blocks written: duplicate writes eliminated)",
         r.duplicate_blocks_inline, r.duplicate_writes_eliminated_percent
+    );
+    println!(
+        "duplicates found out-of-line  {} (LBAs remapped by the modelled background pass; {} physical blocks at the end)",
+        r.duplicate_blocks_out_of_line, r.physical_blocks_stored
     );
     println!(
         "duplicates (exact dedup)      {} ({:.2} %; {} distinct fingerprints; inline found {:.1} % of them)",

@@ -153,44 +153,58 @@ impl Engine {
             }
             p
         };
-        let volumes: Vec<(VolumeId, u64)> = {
+        let volumes: Vec<VolumeId> = {
             let m = lock(&self.meta);
             m.volumes
-                .iter()
-                .filter(|(id, _)| only.is_none_or(|o| o == **id))
-                .map(|(id, v)| (*id, v.size_blocks()))
+                .keys()
+                .filter(|id| only.is_none_or(|o| o == **id))
+                .copied()
                 .collect()
         };
+        // scan only allocated map pages (a 1 PiB replay volume is sparse)
+        let per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        let pages_per_hold = SCAN_CHUNK.div_ceil(per_page);
         let mut applied = 0;
-        for (vol, blocks) in volumes {
-            let mut lba = 0;
-            while lba < blocks {
+        for vol in volumes {
+            let mut page = 0;
+            loop {
                 if should_yield() {
                     return Ok(applied); // the merges stay pending
                 }
-                let end = (lba + SCAN_CHUNK).min(blocks);
                 let mut m = lock(&self.meta);
-                for l in lba..end {
-                    let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(l))) else {
-                        continue;
-                    };
-                    if !merges.contains_key(&p.0) {
+                let Some(pages) = m.volumes.get(&vol).map(|v| v.map.page_count()) else {
+                    break;
+                };
+                if page >= pages {
+                    break;
+                }
+                let end_page = (page + pages_per_hold).min(pages);
+                for pg in page..end_page {
+                    if m.volumes[&vol].map.page_is_hole(pg) {
                         continue;
                     }
-                    let target = Pba(resolve(p.0));
-                    // merge only onto a live copy of the same content
-                    if target != p
-                        && m.refcounts.get_u32(target.0) > 0
-                        && m.fingerprint_of(target) == m.fingerprint_of(p)
-                    {
-                        m.remap(vol, Lba(l), Some(target));
-                        m.counters.out_of_line_duplicates += 1;
-                        applied += 1;
+                    for l in pg * per_page..(pg + 1) * per_page {
+                        let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(l))) else {
+                            continue;
+                        };
+                        if !merges.contains_key(&p.0) {
+                            continue;
+                        }
+                        let target = Pba(resolve(p.0));
+                        // merge only onto a live copy of the same content
+                        if target != p
+                            && m.refcounts.get_u32(target.0) > 0
+                            && m.fingerprint_of(target) == m.fingerprint_of(p)
+                        {
+                            m.remap(vol, Lba(l), Some(target));
+                            m.counters.out_of_line_duplicates += 1;
+                            applied += 1;
+                        }
                     }
                 }
                 self.note_change(&m);
                 drop(m);
-                lba = end;
+                page = end_page;
             }
         }
         let mut m = lock(&self.meta);

@@ -210,6 +210,51 @@ pub struct ReplayConfig {
     /// Prefix bits of the index (`None`: the engine's default, 14). Fewer
     /// bits mean fewer, larger groups, so small budgets hold more entries.
     pub prefix_bits: Option<u32>,
+    /// How the background out-of-line pass is modelled (SmartDedup §3.3).
+    pub out_of_line: OutOfLine,
+}
+
+/// When the replay runs the engine's out-of-line dedup pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutOfLine {
+    /// Never: inline dedup only.
+    #[default]
+    Off,
+    /// A pass of up to 4096 blocks after every N requests.
+    EveryRequests(u64),
+    /// Drain all pending work whenever the trace's time stamps show an idle
+    /// gap of at least this many milliseconds (the device is idle then).
+    IdleGapMs(u64),
+}
+
+impl std::str::FromStr for OutOfLine {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        let bad =
+            || format!("invalid out-of-line mode {s:?}: use off, every:N (requests) or idle:MS");
+        match s.split_once(':') {
+            None if s == "off" => Ok(OutOfLine::Off),
+            Some(("every", n)) => n
+                .parse()
+                .ok()
+                .filter(|&n| n > 0)
+                .map(OutOfLine::EveryRequests)
+                .ok_or_else(bad),
+            Some(("idle", ms)) => ms.parse().map(OutOfLine::IdleGapMs).map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// Runs out-of-line passes until no work is left (bounded).
+fn drain_out_of_line(engine: &Engine) -> std::result::Result<(), TraceError> {
+    for _ in 0..100_000 {
+        if !engine.dedup_pass(4096)?.work_remaining {
+            break;
+        }
+    }
+    Ok(())
 }
 
 impl Default for ReplayConfig {
@@ -221,6 +266,7 @@ impl Default for ReplayConfig {
             policy: "exact".into(),
             index_memory_bytes: None,
             prefix_bits: None,
+            out_of_line: OutOfLine::Off,
         }
     }
 }
@@ -330,6 +376,11 @@ pub struct Report {
     pub zero_blocks_written: u64,
     /// Duplicates the engine found inline (its `duplicate_writes_eliminated`).
     pub duplicate_blocks_inline: u64,
+    /// LBAs the modelled background pass remapped onto an existing copy
+    /// (duplicates inline dedup missed; 0 with out-of-line off).
+    pub duplicate_blocks_out_of_line: u64,
+    /// Physical blocks stored at the end.
+    pub physical_blocks_stored: u64,
     /// `duplicate_blocks_inline` in percent of `blocks_written` (the
     /// papers' "duplicate writes eliminated").
     pub duplicate_writes_eliminated_percent: f64,
@@ -601,6 +652,7 @@ pub fn replay(
     };
     let mut fps: Vec<Option<Fingerprint>> = Vec::new();
     let max_blocks = VOLUME_BYTES / BLOCK_SIZE as u64;
+    let mut last_ts_ns: Option<u64> = None;
     loop {
         // the input whose head is earliest (ties: the first file)
         let mut pick: Option<usize> = None;
@@ -730,6 +782,19 @@ pub fn replay(
                 }
                 None => {}
             }
+            match cfg.out_of_line {
+                OutOfLine::EveryRequests(n) if r.requests.is_multiple_of(n) => {
+                    engine.dedup_pass(4096)?;
+                }
+                OutOfLine::IdleGapMs(gap_ms)
+                    if last_ts_ns
+                        .is_some_and(|t| req.ts_ns.saturating_sub(t) >= gap_ms * 1_000_000) =>
+                {
+                    drain_out_of_line(&engine)?;
+                }
+                _ => {}
+            }
+            last_ts_ns = Some(req.ts_ns);
             if r.requests.is_multiple_of(FLUSH_EVERY_REQUESTS) {
                 engine.flush()?;
                 r.peak_index_bytes_in_memory = r
@@ -760,6 +825,8 @@ pub fn replay(
     r.blocks_written = st.blocks_written;
     r.zero_blocks_written = st.zero_blocks_written;
     r.duplicate_blocks_inline = st.duplicate_writes_eliminated;
+    r.duplicate_blocks_out_of_line = st.out_of_line_duplicates;
+    r.physical_blocks_stored = st.physical_blocks_stored;
     r.duplicate_writes_eliminated_percent = pct(st.duplicate_writes_eliminated, st.blocks_written);
     r.distinct_fingerprints = exact.len() as u64;
     r.exact_duplicate_percent = pct(r.exact_duplicate_blocks, st.blocks_written);
