@@ -204,7 +204,7 @@ fn hybrid_finds_more_than_inline_alone_under_a_small_budget() {
             out_of_line: ool,
             ..ReplayConfig::default()
         };
-        replay(&[trace.clone()], &cfg, &mut |_| {}).unwrap()
+        replay(std::slice::from_ref(&trace), &cfg, &mut |_| {}).unwrap()
     };
     let inline = run_with(OutOfLine::Off);
     let hybrid = run_with(OutOfLine::EveryRequests(512));
