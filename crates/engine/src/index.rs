@@ -61,6 +61,8 @@ const GROUP_PAGE: usize = 4096;
 const GROUP_HEADER: usize = 32;
 const GROUP_MAGIC: u32 = u32::from_le_bytes(*b"DDFG");
 const NONE: u32 = u32::MAX;
+/// Dropped duplicate copies remembered between two collections (16 bytes each).
+pub const MAX_DISPLACED: usize = 4096;
 
 /// How the in-memory store chooses what to evict when its budget is full.
 /// Every policy but G-LRU evicts single fingerprints, each with one
@@ -919,6 +921,14 @@ impl FingerprintIndex {
         Ok(None)
     }
 
+    /// Remembers a dropped live copy, up to [`MAX_DISPLACED`] of them (past
+    /// that they are left to `dedupd dedup --offline`).
+    fn note_displaced(&mut self, copy: Pba, kept: Pba) {
+        if self.displaced.len() < MAX_DISPLACED {
+            self.displaced.push((copy, kept));
+        }
+    }
+
     /// Takes the live duplicate copies the index dropped since the last
     /// call, as (copy, PBA kept in the index).
     pub fn take_displaced(&mut self) -> Vec<(Pba, Pba)> {
@@ -1188,7 +1198,7 @@ impl FingerprintIndex {
                             } else {
                                 (keep, other)
                             };
-                            self.displaced.push((Pba(hi.1), Pba(lo.1)));
+                            self.note_displaced(Pba(hi.1), Pba(lo.1));
                             keep = lo;
                         }
                         i += 1;
@@ -1295,7 +1305,7 @@ impl FingerprintIndex {
                     Some(l) if l.0 == e.0 => {
                         let (lo, hi) = (l.1.min(e.1), l.1.max(e.1));
                         if lo != hi {
-                            self.displaced.push((Pba(hi), Pba(lo)));
+                            self.note_displaced(Pba(hi), Pba(lo));
                         }
                         if let Some(last) = entries.last_mut() {
                             last.1 = lo;

@@ -16,6 +16,9 @@ use crate::journal::{MetaFile, Op};
 use crate::paged::PagedArray;
 use crate::store::{encode_checked, PersistentCounters, State, VolumeRecord};
 
+/// Pending merges kept at most (duplicate copies awaiting a map scan).
+pub const MAX_PENDING_MERGES: usize = 65536;
+
 /// One volume: its record and LBA→PBA map.
 #[derive(Debug)]
 pub struct Volume {
@@ -227,9 +230,13 @@ impl Meta {
     }
 
     /// Moves the duplicate copies the index dropped into `pending_merges`.
+    /// At most [`MAX_PENDING_MERGES`] are kept (about 48 bytes each); past
+    /// that, `dedupd dedup --offline` finds the rest.
     pub fn collect_displaced(&mut self) {
         for (copy, kept) in self.index.take_displaced() {
-            self.pending_merges.insert(copy.0, kept.0);
+            if self.pending_merges.len() < MAX_PENDING_MERGES {
+                self.pending_merges.insert(copy.0, kept.0);
+            }
         }
     }
 

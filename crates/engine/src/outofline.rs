@@ -110,7 +110,10 @@ impl Engine {
                     r.lbas_remapped += 1;
                 }
                 for c in candidates.iter().copied().chain([p]) {
-                    if c != canonical && m.refcounts.get_u32(c.0) > 0 {
+                    if c != canonical
+                        && m.refcounts.get_u32(c.0) > 0
+                        && m.pending_merges.len() < crate::meta::MAX_PENDING_MERGES
+                    {
                         m.pending_merges.insert(c.0, canonical.0);
                     }
                 }
