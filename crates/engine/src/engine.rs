@@ -418,6 +418,18 @@ impl Engine {
         e
     }
 
+    /// An in-memory engine over a caller's block backend (fault-injection
+    /// tests wrap [`MemoryBackend`] to fail chosen reads and writes).
+    pub fn in_memory_over(
+        hash: HashAlgorithm,
+        config: EngineConfig,
+        backend: Box<dyn BlockBackend>,
+    ) -> Engine {
+        let mut e = Engine::in_memory_with(hash, config);
+        e.backend = backend;
+        e
+    }
+
     /// The store's fingerprint algorithm.
     pub fn hash_algorithm(&self) -> HashAlgorithm {
         self.hash
