@@ -23,7 +23,7 @@ impl Faulty {
         if !n.is_multiple_of(self.every) {
             return None;
         }
-        Some(if (n / self.every) % 2 == 0 {
+        Some(if (n / self.every).is_multiple_of(2) {
             io::Error::from_raw_os_error(5) // EIO
         } else {
             io::Error::from_raw_os_error(28) // ENOSPC
