@@ -345,17 +345,37 @@ impl Engine {
             Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
         // best effort: without the reserve the store still works
         let _ = journal.reserve(config.journal_reserve_bytes);
-        Ok(Engine {
-            dir: Some(dir),
-            damage,
-            notes: damage_notes,
-            hash: sb.hash,
-            backend: Box::new(data),
+        let mut engine = Engine::assemble(sb.hash, Box::new(data), meta, Some(journal), config);
+        engine.dir = Some(dir);
+        engine.damage = damage;
+        engine.notes = damage_notes;
+        engine
+            .commit
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .checkpoint = checkpoint;
+        Ok(engine)
+    }
+
+    /// The parts every constructor shares; no store directory, no damage.
+    fn assemble(
+        hash: HashAlgorithm,
+        backend: Box<dyn BlockBackend>,
+        meta: Meta,
+        journal: Option<Journal>,
+        config: EngineConfig,
+    ) -> Engine {
+        Engine {
+            dir: None,
+            damage: Vec::new(),
+            notes: Vec::new(),
+            hash,
+            backend,
             meta: Mutex::new(meta),
             reuse: RwLock::new(()),
             commit: Mutex::new(CommitState {
-                journal: Some(journal),
-                checkpoint,
+                journal,
+                checkpoint: CheckpointBuffer::default(),
                 durable_changes: 0,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
@@ -364,7 +384,7 @@ impl Engine {
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             foreground: AtomicU64::new(0),
             config,
-        })
+        }
     }
 
     /// An engine whose data and metadata live only in memory (tests,
@@ -377,30 +397,12 @@ impl Engine {
     /// lookup mode, prefix bits, verify).
     pub fn in_memory_with(hash: HashAlgorithm, config: EngineConfig) -> Engine {
         let index = FingerprintIndex::new(config.index, Box::new(MemoryGroupStore::default()));
-        Engine {
-            dir: None,
-            damage: Vec::new(),
-            notes: Vec::new(),
-            hash,
-            backend: Box::new(MemoryBackend::default()),
-            meta: Mutex::new(Meta {
-                next_volume_id: 1,
-                skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
-                ..Meta::empty(index)
-            }),
-            reuse: RwLock::new(()),
-            commit: Mutex::new(CommitState {
-                journal: None,
-                checkpoint: CheckpointBuffer::default(),
-                durable_changes: 0,
-            }),
-            rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
-            commit_wanted: AtomicBool::new(false),
-            cache: crate::cache::ReadCache::new(config.read_cache_bytes),
-            selectivity: crate::selectivity::Selectivity::new(config.selectivity),
-            foreground: AtomicU64::new(0),
-            config,
-        }
+        let meta = Meta {
+            next_volume_id: 1,
+            skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
+            ..Meta::empty(index)
+        };
+        Engine::assemble(hash, Box::new(MemoryBackend::default()), meta, None, config)
     }
 
     /// An engine that keeps metadata in memory and stores no block data
