@@ -5,7 +5,9 @@
 //! Requests: `{"cmd":"stats"}`, `{"cmd":"volume_list"}`,
 //! `{"cmd":"volume_create","name":N,"size_bytes":S}`,
 //! `{"cmd":"volume_resize","name":N,"size_bytes":S}`,
-//! `{"cmd":"volume_delete","name":N}`.
+//! `{"cmd":"volume_delete","name":N}`,
+//! `{"cmd":"volume_set","name":N,"sequence_threshold_blocks":T|null}`,
+//! `{"cmd":"dedup_offline","volume":N|null}`.
 //! Replies: `{"ok":true,"result":…}` or `{"ok":false,"error":"…"}`.
 
 use std::io::{BufRead, BufReader, Write};
@@ -33,6 +35,11 @@ pub enum Request {
     VolumeResize { name: String, size_bytes: u64 },
     /// Delete a volume.
     VolumeDelete { name: String },
+    /// Set a volume's sequence threshold (None: the server's default).
+    VolumeSet {
+        name: String,
+        sequence_threshold_blocks: Option<u32>,
+    },
     /// Full out-of-line dedup pass over one volume or all.
     DedupOffline { volume: Option<String> },
 }

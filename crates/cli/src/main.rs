@@ -112,6 +112,16 @@ enum VolumeCommand {
     Resize { name: String, size: String },
     /// Delete a volume and release its blocks.
     Delete { name: String },
+    /// Change a volume's settings.
+    Set {
+        name: String,
+        /// Sequence threshold T in blocks for this volume (iDedup,
+        /// SmartDedup §4.5: dedup inline only runs of at least T duplicates
+        /// with contiguous stored copies), or `default` for the server's
+        /// `--sequence-threshold`.
+        #[arg(long)]
+        sequence_threshold: String,
+    },
 }
 
 fn main() {
@@ -219,6 +229,32 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             )?;
             println!("resized volume {name} to {}", human(size_bytes));
         }
+        VolumeCommand::Set {
+            name,
+            sequence_threshold,
+        } => {
+            let t = match sequence_threshold.as_str() {
+                "default" => None,
+                s => Some(s.parse::<u32>().map_err(|_| {
+                    anyhow::anyhow!("bad sequence threshold {s:?}: a number of blocks or `default`")
+                })?),
+            };
+            with_store(
+                store,
+                Request::VolumeSet {
+                    name: name.clone(),
+                    sequence_threshold_blocks: t,
+                },
+                |e| {
+                    e.set_sequence_threshold(&name, t)?;
+                    Ok(Value::Null)
+                },
+            )?;
+            match t {
+                Some(t) => println!("volume {name}: sequence threshold {t} blocks"),
+                None => println!("volume {name}: sequence threshold from the server"),
+            }
+        }
         VolumeCommand::Delete { name } => {
             with_store(store, Request::VolumeDelete { name: name.clone() }, |e| {
                 e.delete_volume(&name)?;
@@ -236,13 +272,19 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                 let Some(list) = v.as_array() else {
                     bail!("malformed volume list")
                 };
-                println!("{:<24} {:>12} {:>12}", "NAME", "SIZE", "MAPPED");
+                println!(
+                    "{:<24} {:>12} {:>12} {:>10}",
+                    "NAME", "SIZE", "MAPPED", "SEQ-T"
+                );
                 for vol in list {
                     println!(
-                        "{:<24} {:>12} {:>12}",
+                        "{:<24} {:>12} {:>12} {:>10}",
                         vol["name"].as_str().unwrap_or("?"),
                         human(vol["size_bytes"].as_u64().unwrap_or(0)),
-                        human(vol["mapped_bytes"].as_u64().unwrap_or(0))
+                        human(vol["mapped_bytes"].as_u64().unwrap_or(0)),
+                        vol["sequence_threshold_blocks"]
+                            .as_u64()
+                            .map_or("default".to_string(), |t| t.to_string())
                     );
                 }
             }
@@ -379,6 +421,10 @@ fn print_stats(v: &Value) {
         se["power_factor"].as_f64().unwrap_or(1.0),
         se["blocks_selected"].as_u64().unwrap_or(0),
         se["blocks_unselected"].as_u64().unwrap_or(0)
+    );
+    println!(
+        "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
+        u("sequence_filtered_blocks")
     );
     let rc = &v["read_cache"];
     println!(

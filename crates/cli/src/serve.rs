@@ -85,6 +85,12 @@ pub struct ServeArgs {
     /// Bytes of the skipped buffer (blocks awaiting out-of-line dedup).
     #[arg(long, default_value = "512K")]
     pub skipped_buffer: String,
+    /// Sequence threshold T (iDedup, SmartDedup §4.5): dedup inline only
+    /// runs of at least T duplicate blocks whose stored copies are
+    /// contiguous, to limit fragmentation; 1 turns it off. Volumes may
+    /// override it (`dedupd volume set`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub sequence_threshold: u32,
     /// Worker threads per NBD connection.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -162,6 +168,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
             },
         },
         read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
+        sequence_threshold_blocks: args.sequence_threshold,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,
         index: dedupd_engine::index::IndexConfig {
@@ -369,6 +376,13 @@ fn answer(engine: &Engine, server: &Server, req: Request) -> anyhow::Result<Valu
         }
         Request::VolumeDelete { name } => {
             engine.delete_volume(&name)?;
+            Value::Null
+        }
+        Request::VolumeSet {
+            name,
+            sequence_threshold_blocks,
+        } => {
+            engine.set_sequence_threshold(&name, sequence_threshold_blocks)?;
             Value::Null
         }
         Request::DedupOffline { volume } => {

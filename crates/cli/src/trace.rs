@@ -69,6 +69,10 @@ pub struct GenArgs {
     /// Percentage of blocks that repeat earlier content.
     #[arg(long, default_value_t = 50.0)]
     dup_percent: f64,
+    /// Consecutive duplicates of a request repeat consecutive earlier
+    /// writes (copies of earlier runs), for good and weak locality.
+    #[arg(long)]
+    copy_runs: bool,
     /// For --kind locality: good or weak.
     #[arg(long, default_value = "good")]
     locality: String,
@@ -207,6 +211,7 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
         volume_bytes: size(&g.volume_size)?,
         sequential,
         dup_percent: g.dup_percent,
+        copy_runs: g.copy_runs,
         seed: g.seed,
     };
     let n = dedupd_sim::generate(&spec, &g.output)?;

@@ -133,6 +133,9 @@ fn bad_store_paths_get_clear_errors() {
         &["volume", "create", "x", "1000"],
         &["volume", "create", "x", "12Q"],
         &["volume", "delete", "nope"],
+        &["volume", "set", "default", "--sequence-threshold", "0"],
+        &["volume", "set", "default", "--sequence-threshold", "x"],
+        &["volume", "set", "nope", "--sequence-threshold", "4"],
     ] {
         let out = dedupd(&store, args);
         assert!(!out.status.success(), "{args:?} succeeded");
@@ -141,7 +144,17 @@ fn bad_store_paths_get_clear_errors() {
             "{args:?}"
         );
     }
+    // a volume's sequence threshold, set through the running server, is
+    // listed and survives a restart
+    let out = dedupd(
+        &store,
+        &["volume", "set", "default", "--sequence-threshold", "4"],
+    );
+    assert!(out.status.success(), "{out:?}");
     server.stop();
+    let out = dedupd(&store, &["volume", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list[0]["sequence_threshold_blocks"], 4, "{list}");
 }
 
 fn handshake(port: u16, name: &str) -> TcpStream {

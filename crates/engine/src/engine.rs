@@ -32,6 +32,7 @@ use crate::index::{FileGroupStore, FingerprintIndex, MemoryGroupStore};
 use crate::journal::{self, Journal, MetaFile, Op};
 use crate::meta::{Meta, Volume};
 use crate::paged::PagedArray;
+use crate::sequence::Candidate;
 use crate::stats::{proc_status_bytes, Stats};
 use crate::store::{decode_checked, MetaImages, State, StoreDir, VolumeRecord};
 
@@ -78,6 +79,11 @@ pub struct EngineConfig {
     /// Bytes of the skipped buffer (blocks written without an inline match,
     /// for out-of-line dedup); default 512 KiB.
     pub skipped_buffer_bytes: usize,
+    /// Sequence threshold T in blocks (iDedup; SmartDedup §4.5): inline
+    /// dedup shares stored blocks only for runs of at least T consecutive
+    /// duplicates with contiguous PBAs; see [`crate::sequence`]. A volume
+    /// may override it. Default 1 (off).
+    pub sequence_threshold_blocks: u32,
     /// Receives every change made to the store's files (crash testing).
     pub observer: crate::observe::Observer,
 }
@@ -93,6 +99,7 @@ impl Default for EngineConfig {
             verify: false,
             index: crate::index::IndexConfig::default(),
             skipped_buffer_bytes: 512 << 10,
+            sequence_threshold_blocks: 1,
             read_cache_bytes: 4 << 20,
             selectivity: crate::selectivity::SelectivityConfig::default(),
             observer: crate::observe::Observer::default(),
@@ -113,6 +120,9 @@ pub struct VolumeInfo {
     pub mapped_bytes: u64,
     /// True if its metadata failed checksums: served read-only until repaired.
     pub read_only: bool,
+    /// Its own sequence threshold T in blocks, if set (else the engine's).
+    #[serde(default)]
+    pub sequence_threshold_blocks: Option<u32>,
 }
 
 /// Metadata pages that failed their checksum when the store was opened.
@@ -178,6 +188,9 @@ enum Placement {
         pba: Pba,
         fp: Fingerprint,
         indexed: bool,
+        /// A duplicate written as new by the sequence threshold: not
+        /// queued for out-of-line dedup, which would undo the choice.
+        filtered: bool,
     },
     SameAs(usize),
 }
@@ -459,6 +472,7 @@ impl Engine {
                     size_bytes: v.record.size_bytes,
                     mapped_bytes: mapped * BLOCK_SIZE_U64,
                     read_only: v.read_only(),
+                    sequence_threshold_blocks: v.record.sequence_threshold_blocks,
                 }
             })
             .collect()
@@ -501,6 +515,7 @@ impl Engine {
                         id,
                         name: name.into(),
                         size_bytes,
+                        sequence_threshold_blocks: None,
                     },
                     map: PagedArray::new(MetaFile::Map(id).page_tag()),
                     damaged_pages: Vec::new(),
@@ -534,6 +549,7 @@ impl Engine {
             }
             m.volumes.remove(&id);
             m.skipped.forget(id);
+            m.sequences.forget(id);
             m.structural_ops.push(Op::Remove {
                 file: MetaFile::Map(id),
             });
@@ -560,6 +576,7 @@ impl Engine {
             for lba in new_blocks..old_blocks {
                 m.remap(id, Lba(lba), None);
             }
+            m.sequences.forget(id);
             let v = m.volumes.get_mut(&id).expect("looked up above");
             v.record.size_bytes = size_bytes;
             v.map.truncate(new_blocks * 8);
@@ -567,6 +584,37 @@ impl Engine {
                 file: MetaFile::Map(id),
                 len_bytes: crate::paged::disk_len(new_blocks * 8),
             });
+            m.state_dirty = true;
+            m.change_count += 1;
+        }
+        self.flush()
+    }
+
+    /// Sets a volume's sequence threshold T in blocks (iDedup; SmartDedup
+    /// §4.5), or with `None` returns it to the engine's default. Durable on
+    /// return.
+    ///
+    /// Errors: [`EngineError::NoSuchVolume`]; [`EngineError::InvalidArgument`]
+    /// for T = 0 or T > 65536.
+    pub fn set_sequence_threshold(&self, name: &str, threshold_blocks: Option<u32>) -> Result<()> {
+        if let Some(t) = threshold_blocks {
+            if !(1..=65536).contains(&t) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "sequence threshold {t} blocks: must be 1 to 65536"
+                )));
+            }
+        }
+        {
+            let mut m = lock(&self.meta);
+            let id = m
+                .volumes
+                .values()
+                .find(|v| v.record.name == name)
+                .map(|v| v.record.id)
+                .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?;
+            m.sequences.forget(id);
+            let v = m.volumes.get_mut(&id).expect("looked up above");
+            v.record.sequence_threshold_blocks = threshold_blocks;
             m.state_dirty = true;
             m.change_count += 1;
         }
@@ -905,62 +953,94 @@ impl Engine {
         data: Option<&[u8]>,
     ) -> Result<()> {
         let n = fps.len();
-        // phase 1: hits and zeros are mapped at once; misses get a reserved PBA
+        // phase 1: look every block up; hits and zeros are mapped at once
+        // (after the sequence threshold has had its say); misses get a
+        // reserved PBA
         let mut placement: Vec<Placement> = Vec::with_capacity(n);
         let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
         {
             let mut m = lock(&self.meta);
-            if !m.volumes.contains_key(&vol) {
+            let Some(volume) = m.volumes.get(&vol) else {
                 return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
-            }
+            };
+            let threshold = volume
+                .record
+                .sequence_threshold_blocks
+                .unwrap_or(self.config.sequence_threshold_blocks)
+                .max(1);
+            let block = |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
             let mut first_of: HashMap<Fingerprint, usize> = HashMap::new();
+            let mut cands = Vec::with_capacity(n);
             m.counters.blocks_written += n as u64;
             for (i, fp) in fps.iter().enumerate() {
-                let lba = Lba(first + i as u64);
-                match fp {
-                    None => {
-                        m.remap(vol, lba, None);
-                        m.counters.zero_blocks_written += 1;
-                        placement.push(Placement::Done);
-                    }
-                    Some(fp) if *fp == UNHASHED => {
-                        let pba = m.allocate();
-                        placement.push(Placement::New {
-                            pba,
-                            fp: *fp,
-                            indexed: false,
-                        });
-                    }
+                let cand = match fp {
+                    None => Candidate::Other,
+                    Some(fp) if *fp == UNHASHED => Candidate::Other,
                     Some(fp) => {
                         selected_blocks += 1;
-                        let block =
-                            |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
                         let hit = m
                             .lookup(fp)
                             .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
                         let same_request = first_of.get(fp).copied();
                         if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
-                            m.remap(vol, lba, Some(p));
-                            m.counters.duplicate_blocks += 1;
-                            inline_dups += 1;
-                            placement.push(Placement::Done);
+                            Candidate::Stored(p.0)
                         } else if let Some(j) =
                             same_request.filter(|&j| !self.config.verify || block(i) == block(j))
                         {
-                            placement.push(Placement::SameAs(j));
-                            inline_dups += 1;
+                            Candidate::InRequest(j)
                         } else {
-                            let indexed = hit.is_none() && same_request.is_none();
-                            if indexed {
+                            if hit.is_none() && same_request.is_none() {
                                 first_of.insert(*fp, i);
                             }
-                            let pba = m.allocate();
-                            placement.push(Placement::New {
-                                pba,
-                                fp: *fp,
-                                indexed,
-                            });
+                            Candidate::Other
                         }
+                    }
+                };
+                if cand != Candidate::Other {
+                    inline_dups += 1;
+                }
+                cands.push(cand);
+            }
+            let keep = if threshold > 1 {
+                m.sequences.filter(vol, first, threshold, &cands)
+            } else {
+                cands.iter().map(|c| *c != Candidate::Other).collect()
+            };
+            for (i, fp) in fps.iter().enumerate() {
+                let lba = Lba(first + i as u64);
+                let Some(fp) = fp else {
+                    m.remap(vol, lba, None);
+                    m.counters.zero_blocks_written += 1;
+                    placement.push(Placement::Done);
+                    continue;
+                };
+                // an earlier block of this request may have released the
+                // stored copy (overwriting its last reference): then store anew
+                let live = |m: &Meta, p: u64| m.refcounts.get_u32(p) > 0;
+                match (cands[i], keep[i]) {
+                    (Candidate::Stored(p), true) if live(&m, p) => {
+                        m.remap(vol, lba, Some(Pba(p)));
+                        m.counters.duplicate_blocks += 1;
+                        placement.push(Placement::Done);
+                    }
+                    (Candidate::InRequest(j), true) => placement.push(Placement::SameAs(j)),
+                    (cand, keep) => {
+                        let filtered = cand != Candidate::Other && !keep;
+                        if filtered {
+                            m.counters.sequence_filtered_blocks += 1;
+                        }
+                        let pba = m.allocate();
+                        placement.push(Placement::New {
+                            pba,
+                            fp: *fp,
+                            // unhashed blocks and filtered duplicates are
+                            // not indexed (their content is, elsewhere);
+                            // a released copy's content is indexed anew
+                            indexed: *fp != UNHASHED
+                                && (first_of.get(fp) == Some(&i)
+                                    || matches!(cand, Candidate::Stored(_)) && keep),
+                            filtered,
+                        });
                     }
                 }
             }
@@ -1010,8 +1090,16 @@ impl Engine {
         // stored the same content meanwhile: then share its copy)
         let mut final_pba: Vec<Option<Pba>> = vec![None; n];
         for (i, p) in placement.iter().enumerate() {
-            if let Placement::New { pba, fp, indexed } = p {
-                m.skipped.record(vol, first + i as u64);
+            if let Placement::New {
+                pba,
+                fp,
+                indexed,
+                filtered,
+            } = p
+            {
+                if !filtered {
+                    m.skipped.record(vol, first + i as u64);
+                }
                 if !indexed {
                     m.record_unindexed(*pba, *fp);
                     m.remap(vol, Lba(first + i as u64), Some(*pba));
@@ -1193,6 +1281,7 @@ impl Engine {
                 blocks_trimmed: c.blocks_trimmed,
                 verify_mismatches: c.verify_mismatches,
                 out_of_line_duplicates: c.out_of_line_duplicates,
+                sequence_filtered_blocks: c.sequence_filtered_blocks,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,
                 read_cache: self.cache.stats(),

@@ -23,6 +23,7 @@ pub mod observe;
 pub mod outofline;
 pub mod paged;
 pub mod selectivity;
+pub mod sequence;
 pub mod skipped;
 pub mod stats;
 pub mod store;

@@ -64,6 +64,8 @@ pub struct Meta {
     pub index: FingerprintIndex,
     /// Blocks written without an inline match, for out-of-line dedup.
     pub skipped: crate::skipped::SkippedBuffer,
+    /// Runs of duplicates in progress per volume (sequence threshold).
+    pub sequences: crate::sequence::SequenceRuns,
     /// Duplicate copies to merge: every LBA mapped to the first PBA is to
     /// be remapped to the second (found by out-of-line dedup or dropped by
     /// the index).

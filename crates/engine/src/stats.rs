@@ -38,6 +38,9 @@ pub struct Stats {
     /// LBAs remapped onto an existing copy by out-of-line dedup (duplicates
     /// inline dedup missed), since the store was created.
     pub out_of_line_duplicates: u64,
+    /// Duplicate blocks written as new because their run of duplicates was
+    /// shorter than the sequence threshold T (iDedup; SmartDedup §4.5).
+    pub sequence_filtered_blocks: u64,
     /// The skipped buffer: records, regions and volumes pending out-of-line dedup.
     pub skipped: crate::skipped::SkippedStats,
     /// Duplicate copies waiting for a map scan to merge them.

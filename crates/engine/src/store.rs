@@ -59,6 +59,11 @@ pub struct VolumeRecord {
     pub name: String,
     /// Size in bytes (a multiple of 4096).
     pub size_bytes: u64,
+    /// This volume's sequence threshold T in blocks (iDedup; SmartDedup
+    /// §4.5), overriding [`crate::engine::EngineConfig::sequence_threshold_blocks`];
+    /// `None` uses the engine's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_threshold_blocks: Option<u32>,
 }
 
 /// Counters that persist across restarts (flows since the store was created).
@@ -84,6 +89,10 @@ pub struct PersistentCounters {
     /// LBAs remapped onto an existing copy by out-of-line dedup.
     #[serde(default)]
     pub out_of_line_duplicates: u64,
+    /// Duplicate blocks written as new because their run was shorter than
+    /// the sequence threshold (iDedup; SmartDedup §4.5).
+    #[serde(default)]
+    pub sequence_filtered_blocks: u64,
 }
 
 /// The content of `state.json`.

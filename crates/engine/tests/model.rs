@@ -8,8 +8,8 @@ use dedupd_engine::index::{EvictionPolicy, IndexConfig, LookupMode};
 use dedupd_engine::{Engine, EngineConfig, HashAlgorithm, VolumeId, BLOCK_SIZE};
 
 /// Index configurations the model runs under: the default (everything fits
-/// in memory), and a 4 KiB budget with 256 groups in each lookup mode and
-/// eviction policy.
+/// in memory), a 4 KiB budget with 256 groups in each lookup mode and
+/// eviction policy, and the default with a sequence threshold of 3.
 fn config(which: u8) -> EngineConfig {
     let tiny = |policy, lookup| IndexConfig {
         memory_budget_bytes: 4096,
@@ -24,10 +24,14 @@ fn config(which: u8) -> EngineConfig {
         4 => tiny(EvictionPolicy::Lfu, LookupMode::Disk),
         5 => tiny(EvictionPolicy::Arc, LookupMode::Disk),
         6 => tiny(EvictionPolicy::RefCount, LookupMode::Disk),
+        7 => IndexConfig::default(),
         _ => tiny(EvictionPolicy::GroupLru, LookupMode::Memory),
     };
     EngineConfig {
         index,
+        // the sequence threshold changes which duplicates are shared, never
+        // what reads return
+        sequence_threshold_blocks: if which == 7 { 3 } else { 1 },
         ..EngineConfig::default()
     }
 }
@@ -76,7 +80,7 @@ fn clamp(off: u64, len: u64) -> u64 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
     #[test]
-    fn engine_matches_model(actions in proptest::collection::vec(action(), 1..60), which in 0u8..7) {
+    fn engine_matches_model(actions in proptest::collection::vec(action(), 1..60), which in 0u8..8) {
         let cfg = config(which);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("store");
@@ -136,14 +140,21 @@ proptest! {
             }
         }
         let s = engine.stats();
-        if which != 3 {
+        if which == 7 {
+            // the sequence threshold keeps short runs of duplicates apart
+            prop_assert!(s.physical_blocks_stored >= distinct.len() as u64);
+        } else if which != 3 {
             // the unbounded index, or disk lookups: every duplicate is found
             prop_assert_eq!(s.physical_blocks_stored, distinct.len() as u64);
         } else {
             // memory-only lookups under a tiny budget may miss some
             prop_assert!(s.physical_blocks_stored >= distinct.len() as u64);
         }
-        // out-of-line dedup makes it exact, whatever the budget
+        // out-of-line dedup makes it exact, whatever the budget; duplicates
+        // the sequence threshold kept apart take a full pass
+        if which == 7 {
+            engine.dedup_offline(None, &mut |_, _| {}).unwrap();
+        }
         for _ in 0..1000 {
             if !engine.dedup_pass(256).unwrap().work_remaining {
                 break;
@@ -407,5 +418,65 @@ fn unselected_blocks_are_hashed_and_deduplicated_out_of_line() {
         e.read(a, i * 4096, &mut buf).unwrap();
         assert!(buf == blk(i));
     }
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
+/// iDedup's sequence threshold (SmartDedup §4.5) in the write path: only
+/// runs of at least T duplicates with contiguous stored copies are shared,
+/// also when a run spans requests; a volume's own T overrides the engine's.
+#[test]
+fn sequence_threshold_shares_only_long_contiguous_runs() {
+    let cfg = EngineConfig {
+        sequence_threshold_blocks: 3,
+        ..EngineConfig::default()
+    };
+    let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+    let src = e.create_volume("src", 64 * 4096).unwrap();
+    let dst = e.create_volume("dst", 64 * 4096).unwrap();
+    let blk = |k: u64| {
+        let mut b = vec![0u8; BLOCK_SIZE];
+        b[..8].copy_from_slice(&(k + 1).to_le_bytes());
+        b[4000] = 7;
+        b
+    };
+    let run = |from: u64, n: u64| (from..from + n).flat_map(blk).collect::<Vec<u8>>();
+    // 16 distinct blocks, stored at contiguous PBAs
+    e.write(src, 0, &run(0, 16), false).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 16);
+    // a run of 4: shared
+    e.write(dst, 0, &run(0, 4), false).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 16);
+    // a run of 2 and a single duplicate: stored anew
+    e.write(dst, 10 * 4096, &run(8, 2), false).unwrap();
+    e.write(dst, 20 * 4096, &blk(12), false).unwrap();
+    let s = e.stats();
+    assert_eq!(s.physical_blocks_stored, 19);
+    assert_eq!(s.sequence_filtered_blocks, 3);
+    // four duplicates whose copies are not contiguous (0, 2, 4, 6): stored anew
+    let scattered: Vec<u8> = [0, 2, 4, 6].into_iter().flat_map(blk).collect();
+    e.write(dst, 30 * 4096, &scattered, false).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 23);
+    // one run over three sequential requests: the third block reaches T
+    for k in 0..3u64 {
+        e.write(dst, (40 + k) * 4096, &blk(13 + k), false).unwrap();
+    }
+    let s = e.stats();
+    assert_eq!(s.physical_blocks_stored, 25);
+    assert_eq!(s.sequence_filtered_blocks, 9);
+    // a volume's own threshold of 1 turns the filter off for it
+    e.set_sequence_threshold("dst", Some(1)).unwrap();
+    e.write(dst, 50 * 4096, &blk(5), false).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 25);
+    assert!(e.set_sequence_threshold("dst", Some(0)).is_err());
+    assert!(e.set_sequence_threshold("nope", None).is_err());
+    // reads return what was written, whatever was shared
+    let mut got = vec![0u8; 4 * 4096];
+    e.read(dst, 30 * 4096, &mut got).unwrap();
+    assert_eq!(got, scattered);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    // the filtered duplicates are not queued for the background pass; a
+    // full pass merges them
+    e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 16);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }

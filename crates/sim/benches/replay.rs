@@ -29,6 +29,7 @@ fn native_trace(dir: &Path) -> std::path::PathBuf {
         volume_bytes: 64 << 30,
         sequential: true,
         dup_percent: 50.0,
+        copy_runs: false,
         seed: 1,
     };
     dedupd_sim::generate(&spec, &path).expect("generate");

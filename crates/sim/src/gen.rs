@@ -79,6 +79,11 @@ pub struct GenSpec {
     pub sequential: bool,
     /// Percentage (0–100) of blocks that repeat earlier content.
     pub dup_percent: f64,
+    /// Consecutive duplicate blocks of a request repeat consecutive earlier
+    /// writes (a copy of an earlier run, as copying a file makes) instead of
+    /// each drawing its own reuse distance. Applies to good- and
+    /// weak-locality streams; what the sequence threshold acts on.
+    pub copy_runs: bool,
     /// Seed of the random generator.
     pub seed: u64,
 }
@@ -260,13 +265,18 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
         req.source = si as u32;
         req.lba_sectors = slot * blocks_per_req * SECTORS_PER_BLOCK;
         req.blocks.clear();
+        let mut run_dist: Option<usize> = None;
         for _ in 0..blocks_per_req {
             let n = st.len();
             let repeat = n > 0 && rng.random_bool(dup_p);
             let d = if repeat {
-                let dist = match spec.streams[si].locality {
-                    Locality::Uniform | Locality::Weak => rng.random_range(1..=n),
-                    Locality::Good { mean_reuse_blocks } => {
+                let copying = spec.copy_runs && spec.streams[si].locality != Locality::Uniform;
+                let dist = match (run_dist.filter(|_| copying), spec.streams[si].locality) {
+                    // the same distance again: the write after the one
+                    // the previous block repeated
+                    (Some(d), _) => d.min(n),
+                    (None, Locality::Uniform | Locality::Weak) => rng.random_range(1..=n),
+                    (None, Locality::Good { mean_reuse_blocks }) => {
                         // geometric on {1, 2, …} with mean m: p = 1/m
                         let p = 1.0 / mean_reuse_blocks;
                         let u: f64 = rng.random();
@@ -278,8 +288,10 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
                         (k as usize).min(n)
                     }
                 };
+                run_dist = Some(dist);
                 st.ago(dist)
             } else {
+                run_dist = None;
                 let mut d = [0u8; 16];
                 rng.fill_bytes(&mut d);
                 d

@@ -89,11 +89,12 @@ pub struct Filters {
     /// any content is therefore lost (SmartDedup §4.1's observation).
     pub prehash: bool,
     /// iDedup's sequence threshold T (FAST '12; SmartDedup §4.5, HPDedup
-    /// §III-C): within a write request, only runs of at least T
-    /// consecutive duplicate blocks are deduplicated; shorter runs are
-    /// written as new (they are still fingerprinted). 1 turns it off.
-    /// iDedup also wants the duplicates' PBAs contiguous; that is not
-    /// modelled.
+    /// §III-C): only runs of at least T consecutive duplicate blocks whose
+    /// stored copies are contiguous are deduplicated; shorter runs are
+    /// written as new. 1 turns it off. Not a replay filter: it is the
+    /// engine's own write path
+    /// ([`dedupd_engine::EngineConfig::sequence_threshold_blocks`]), asking
+    /// the engine's fingerprint store, with runs followed across requests.
     pub threshold: u32,
 }
 
@@ -277,7 +278,8 @@ impl Default for ReplayConfig {
 /// [`default_index_memory_bytes`]) with the engine's default lookup mode
 /// (memory). Adaptive selectivity is off and so is the read cache: every
 /// block passed on is fingerprinted inline, so policies are compared alone.
-/// Filters ([`Filters`]) act in [`replay`], not in the engine.
+/// The sequence threshold (`+tN`) is set in the engine; sampling and
+/// pre-hashing ([`Filters`]) act in [`replay`], in front of it.
 ///
 /// Errors: [`TraceError::Config`] for an unknown policy or filter, or a
 /// budget given to the unbounded `exact` policy.
@@ -290,6 +292,7 @@ pub fn build_engine(cfg: &ReplayConfig) -> Result<Engine> {
             power: PowerSource::Ac,
         },
         read_cache_bytes: 0,
+        sequence_threshold_blocks: spec.filters.threshold,
         ..EngineConfig::default()
     };
     if let Some(bits) = cfg.prefix_bits {
@@ -546,22 +549,6 @@ impl FilterState {
                 }
             }
         }
-        if f.threshold > 1 {
-            let mut i = 0;
-            while i < n {
-                if !(self.seen[i] && blocks[i].is_some()) {
-                    i += 1;
-                    continue;
-                }
-                let start = i;
-                while i < n && self.seen[i] && blocks[i].is_some() {
-                    i += 1;
-                }
-                if i - start < f.threshold as usize {
-                    self.pass[start..i].fill(false);
-                }
-            }
-        }
         for i in 0..n {
             if blocks[i].is_none() {
                 continue;
@@ -622,7 +609,8 @@ pub fn replay(
 ) -> Result<Report> {
     let engine = build_engine(cfg)?;
     let filters = cfg.policy.parse::<PolicySpec>()?.filters;
-    let filtering = filters != Filters::default();
+    // the threshold is the engine's; sampling and pre-hashing act here
+    let filtering = filters.sampling || filters.prehash;
     let mut filter = FilterState::default();
     let started = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));

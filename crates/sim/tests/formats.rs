@@ -328,6 +328,7 @@ fn spec(locality: Locality, seed: u64) -> GenSpec {
         volume_bytes: 64 << 20,
         sequential: false,
         dup_percent: 50.0,
+        copy_runs: false,
         seed,
     }
 }

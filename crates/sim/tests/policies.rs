@@ -16,7 +16,20 @@ const MIB: u64 = 1 << 20;
 /// A single-stream temporal-locality trace: half the blocks repeat the
 /// block written d writes ago, d geometric with mean `reuse`.
 fn locality_trace(dir: &Path, blocks: u64, reuse: f64, block_bytes: u64, seq: bool) -> PathBuf {
-    let path = dir.join(format!("loc-{blocks}-{reuse}-{block_bytes}-{seq}.ddt"));
+    locality_trace_with(dir, blocks, reuse, block_bytes, seq, false)
+}
+
+fn locality_trace_with(
+    dir: &Path,
+    blocks: u64,
+    reuse: f64,
+    block_bytes: u64,
+    seq: bool,
+    copy_runs: bool,
+) -> PathBuf {
+    let path = dir.join(format!(
+        "loc-{blocks}-{reuse}-{block_bytes}-{seq}-{copy_runs}.ddt"
+    ));
     let spec = GenSpec {
         streams: vec![StreamSpec {
             locality: Locality::Good {
@@ -30,6 +43,7 @@ fn locality_trace(dir: &Path, blocks: u64, reuse: f64, block_bytes: u64, seq: bo
         volume_bytes: 64 << 30,
         sequential: seq,
         dup_percent: 50.0,
+        copy_runs,
         seed: 3,
     };
     dedupd_sim::generate(&spec, &path).unwrap();
@@ -141,8 +155,9 @@ fn more_memory_never_finds_fewer_refcount() {
 #[test]
 fn a_larger_threshold_gives_fewer_extents_and_fewer_duplicates() {
     let dir = tempfile::tempdir().unwrap();
-    // 16 KiB requests at random addresses: runs of duplicates of 1–4 blocks
-    let t = locality_trace(dir.path(), 60_000, 2_000.0, 16 << 10, false);
+    // 16 KiB requests at random addresses whose duplicates copy runs of
+    // earlier writes: runs of 1–4 duplicates with contiguous stored copies
+    let t = locality_trace_with(dir.path(), 60_000, 2_000.0, 16 << 10, false, true);
     let mut last: Option<Report> = None;
     for th in [1, 2, 3, 4] {
         let r = run(&t, &format!("exact+t{th}"), None, 14);

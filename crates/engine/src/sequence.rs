@@ -1,0 +1,180 @@
+//! The sequence threshold T of iDedup (Srinivasan et al., FAST '12), as
+//! SmartDedup §4.5 "Fragmentation Resistance" applies it: inline dedup
+//! shares a stored block only when the write belongs to a run of at least
+//! T consecutive duplicate blocks whose stored copies are physically
+//! contiguous too (PBA p, p + 1, …). Shorter runs are written as new
+//! blocks, so a file is not scattered over many one-block extents; T = 1
+//! turns the filter off.
+//!
+//! Runs are tracked per volume across requests: a sequential stream of
+//! small writes forms one run. A run that has not reached T when its
+//! request ends is written as new (the decision cannot wait); when the next
+//! request continues it and the run reaches T, the continuation is shared.
+//!
+//! Memory: one 24-byte entry per volume with a run in progress.
+
+use std::collections::HashMap;
+
+use crate::block::VolumeId;
+
+/// What inline dedup found for one block of a write request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Candidate {
+    /// Not a duplicate (new content, zero block, or not fingerprinted).
+    Other,
+    /// Duplicate of the block stored at this PBA.
+    Stored(u64),
+    /// Duplicate of block `j` of the same request (stored by it).
+    InRequest(usize),
+}
+
+impl Candidate {
+    /// True if `next` continues a run ending with `self`: the next PBA, or
+    /// the next block of the request.
+    fn continued_by(self, next: Candidate) -> bool {
+        match (self, next) {
+            (Candidate::Stored(p), Candidate::Stored(q)) => q == p.wrapping_add(1),
+            (Candidate::InRequest(i), Candidate::InRequest(j)) => j == i + 1,
+            _ => false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// LBA the run would continue at.
+    next_lba: u64,
+    /// PBA the run's next block would have to duplicate.
+    next_pba: u64,
+    /// Blocks in the run so far.
+    len_blocks: u64,
+}
+
+/// Runs in progress, per volume; see the module docs.
+#[derive(Debug, Default)]
+pub struct SequenceRuns {
+    runs: HashMap<VolumeId, Run>,
+}
+
+impl SequenceRuns {
+    /// Decides which duplicates of a write request of `cands.len()` blocks
+    /// at LBA `first` of `vol` inline dedup may share under threshold
+    /// `threshold_blocks` (≥ 1): `keep[i]` is true for a duplicate in a run
+    /// of at least that many blocks (counting the blocks of earlier
+    /// requests that the run continues), false for a short run's blocks
+    /// and for [`Candidate::Other`].
+    pub fn filter(
+        &mut self,
+        vol: VolumeId,
+        first: u64,
+        threshold_blocks: u32,
+        cands: &[Candidate],
+    ) -> Vec<bool> {
+        let n = cands.len();
+        let mut keep = vec![false; n];
+        let carried = self.runs.remove(&vol);
+        let t = u64::from(threshold_blocks.max(1));
+        let mut i = 0;
+        while i < n {
+            if cands[i] == Candidate::Other {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            i += 1;
+            while i < n && cands[i - 1].continued_by(cands[i]) {
+                i += 1;
+            }
+            let before = match (start, carried, cands[start]) {
+                (0, Some(r), Candidate::Stored(p)) if r.next_lba == first && r.next_pba == p => {
+                    r.len_blocks
+                }
+                _ => 0,
+            };
+            let len = before + (i - start) as u64;
+            if len >= t {
+                keep[start..i].fill(true);
+            }
+            if i == n {
+                if let Candidate::Stored(p) = cands[n - 1] {
+                    self.runs.insert(
+                        vol,
+                        Run {
+                            next_lba: first + n as u64,
+                            next_pba: p + 1,
+                            len_blocks: len,
+                        },
+                    );
+                }
+            }
+        }
+        keep
+    }
+
+    /// Forgets the run of `vol` (deleted or resized).
+    pub fn forget(&mut self, vol: VolumeId) {
+        self.runs.remove(&vol);
+    }
+
+    /// Bytes of memory held.
+    pub fn memory_bytes(&self) -> u64 {
+        (self.runs.capacity() * (std::mem::size_of::<(VolumeId, Run)>() + 8)) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Candidate::{InRequest, Other, Stored};
+    use super::*;
+
+    const V: VolumeId = VolumeId(1);
+
+    #[test]
+    fn threshold_one_keeps_every_duplicate() {
+        let mut s = SequenceRuns::default();
+        let c = [Stored(5), Other, Stored(9), InRequest(1)];
+        assert_eq!(s.filter(V, 0, 1, &c), vec![true, false, true, true]);
+    }
+
+    #[test]
+    fn short_and_scattered_runs_are_dropped() {
+        let mut s = SequenceRuns::default();
+        // 3 contiguous, then 2 non-contiguous, then 2 contiguous
+        let c = [
+            Stored(10),
+            Stored(11),
+            Stored(12),
+            Other,
+            Stored(40),
+            Stored(7),
+            Other,
+            Stored(3),
+            Stored(4),
+        ];
+        let keep = s.filter(V, 100, 3, &c);
+        assert_eq!(
+            keep,
+            vec![true, true, true, false, false, false, false, false, false]
+        );
+    }
+
+    #[test]
+    fn runs_continue_across_requests_of_a_volume() {
+        let mut s = SequenceRuns::default();
+        assert_eq!(s.filter(V, 0, 4, &[Stored(20), Stored(21)]), [false, false]);
+        // continues at LBA 2 with PBA 22: the run reaches 4
+        assert_eq!(s.filter(V, 2, 4, &[Stored(22), Stored(23)]), [true, true]);
+        // another volume's write does not break it
+        assert_eq!(s.filter(VolumeId(2), 0, 4, &[Stored(24)]), [false]);
+        assert_eq!(s.filter(V, 4, 4, &[Stored(24)]), [true]);
+        // a gap in LBAs starts over
+        assert_eq!(s.filter(V, 9, 4, &[Stored(25)]), [false]);
+    }
+
+    #[test]
+    fn in_request_duplicates_form_runs_by_position() {
+        let mut s = SequenceRuns::default();
+        let c = [Other, Other, InRequest(0), InRequest(1), InRequest(0)];
+        assert_eq!(s.filter(V, 0, 2, &c), [false, false, true, true, false]);
+    }
+}
