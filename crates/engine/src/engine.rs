@@ -41,6 +41,25 @@ use crate::store::{decode_checked, MetaImages, State, StoreDir, VolumeRecord};
 /// block. No SHA-256 or BLAKE3 output is all zeros in practice.
 pub const UNHASHED: Fingerprint = Fingerprint([0u8; 32]);
 
+/// The skipped buffer's file in the store directory (see [`crate::skipped`]).
+const SKIPPED_FILE: &str = "skipped.json";
+
+/// Loads `<store>/skipped.json`: `None` if there is none; an error message
+/// naming the file if it cannot be read or fails its checksum.
+fn load_skipped(
+    dir: &StoreDir,
+) -> std::result::Result<Option<crate::skipped::SkippedBuffer>, String> {
+    let path = dir.root().join(SKIPPED_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    decode_checked(&bytes, &path)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
 /// Number of locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 64;
 
@@ -320,16 +339,36 @@ impl Engine {
         drop(images);
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);
-        // the skipped buffer saved at the last clean shutdown, if any
-        let skipped_path = dir.root().join("skipped.json");
-        if let Some(mut saved) = std::fs::read(&skipped_path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<crate::skipped::SkippedBuffer>(&b).ok())
-        {
-            saved.set_capacity(config.skipped_buffer_bytes);
-            meta.skipped = saved;
+        // the skipped buffer saved at the last checkpoint, plus the LBAs of
+        // every map page written since (the journal being replayed)
+        match load_skipped(&dir) {
+            Ok(Some(mut saved)) => {
+                saved.set_capacity(config.skipped_buffer_bytes);
+                meta.skipped = saved;
+            }
+            Ok(None) => {}
+            Err(why) => {
+                damage_notes.push(format!(
+                    "{why}; every volume is queued for out-of-line dedup"
+                ));
+                for id in meta.volumes.keys().copied().collect::<Vec<_>>() {
+                    meta.skipped.record_volume(id);
+                }
+            }
         }
-        let _ = std::fs::remove_file(&skipped_path);
+        let lbas_per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        for op in &checkpoint.ops {
+            if let Op::Write {
+                file: MetaFile::Map(id),
+                offset,
+                ..
+            } = op
+            {
+                let page = offset / crate::paged::PAGE_SIZE as u64;
+                meta.skipped
+                    .record_range(*id, page * lbas_per_page, (page + 1) * lbas_per_page);
+            }
+        }
         let data =
             FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
         let data_blocks = data
@@ -628,20 +667,33 @@ impl Engine {
         &self.damage
     }
 
-    /// Saves the skipped buffer to `<store>/skipped.json` (best effort: if
-    /// it is lost, `dedupd dedup --offline` finds the same duplicates).
+    /// Saves a copy of the skipped buffer taken now to
+    /// `<store>/skipped.json`, durably (write, fsync, rename, fsync of the
+    /// directory); see [`crate::skipped`] for what this guarantees. Best
+    /// effort: a failure is counted, and a full pass finds the same
+    /// duplicates.
     fn save_skipped(&self) {
         let Some(dir) = &self.dir else { return };
-        let m = lock(&self.meta);
-        if m.skipped.is_empty() {
-            let _ = std::fs::remove_file(dir.root().join("skipped.json"));
-            return;
-        }
-        if let Ok(bytes) = serde_json::to_vec(&m.skipped) {
-            let tmp = dir.root().join("skipped.json.tmp");
-            if std::fs::write(&tmp, bytes).is_ok() {
-                let _ = std::fs::rename(&tmp, dir.root().join("skipped.json"));
+        let snapshot = lock(&self.meta).skipped.clone();
+        let path = dir.root().join(SKIPPED_FILE);
+        let result = if snapshot.is_empty() {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
             }
+        } else {
+            let tmp = dir.root().join(format!("{SKIPPED_FILE}.tmp"));
+            let bytes = crate::store::encode_checked_compact(&snapshot);
+            std::fs::File::create(&tmp)
+                .and_then(|mut f| {
+                    std::io::Write::write_all(&mut f, &bytes)?;
+                    f.sync_all()
+                })
+                .and_then(|()| std::fs::rename(&tmp, &path))
+        }
+        .and_then(|()| std::fs::File::open(dir.root())?.sync_all());
+        if result.is_err() {
+            lock(&self.meta).counters.skipped_save_errors += 1;
         }
     }
 
@@ -1231,6 +1283,10 @@ impl Engine {
 
     fn checkpoint_locked(&self, c: &mut CommitState) -> Result<()> {
         let Some(dir) = &self.dir else { return Ok(()) };
+        // every change being put in place was taken from the metadata
+        // before now (commits hold `c`), so this copy of the skipped buffer
+        // covers all of them; later changes stay in the journal
+        self.save_skipped();
         dir.apply(&c.checkpoint.ops)?;
         c.checkpoint = CheckpointBuffer::default();
         if let Some(j) = c.journal.as_mut() {
@@ -1250,7 +1306,6 @@ impl Engine {
     /// Failing here (e.g. ENOSPC) loses nothing: the journal keeps the
     /// changes and the next start replays them.
     pub fn checkpoint(&self) -> Result<()> {
-        self.save_skipped();
         let mut c = lock(&self.commit);
         self.checkpoint_locked(&mut c)?;
         if let Some(j) = c.journal.as_mut() {
@@ -1282,6 +1337,7 @@ impl Engine {
                 verify_mismatches: c.verify_mismatches,
                 out_of_line_duplicates: c.out_of_line_duplicates,
                 sequence_filtered_blocks: c.sequence_filtered_blocks,
+                skipped_save_errors: c.skipped_save_errors,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,
                 read_cache: self.cache.stats(),

@@ -9,10 +9,18 @@
 //! numbers the same way). Memory: 16 bytes per record; regions and volumes
 //! are counted in the same budget.
 //!
-//! The buffer lives in memory and is saved at clean shutdown. A crash loses
-//! at most the records pending at that moment — bounded by the buffer's
-//! size — and `dedupd dedup --offline` (a full pass) finds those duplicates
-//! all the same.
+//! The buffer lives in memory and is checkpointed with the metadata: every
+//! metadata checkpoint (and clean shutdown) first saves it to
+//! `<store>/skipped.json`, so the saved copy holds a record of every block
+//! whose write the checkpoint puts in place. Writes after the checkpoint
+//! are in the journal; at the next start each volume-map page the journal
+//! replays adds its LBAs as dirty regions. A crash therefore loses no
+//! pending work of committed writes; what it can lose is bounded to the
+//! batch the out-of-line worker had taken but not yet committed (at most
+//! one pass batch), and, if `skipped.json` cannot be written (a full file
+//! system), the records since its last save. A damaged `skipped.json`
+//! queues every volume whole. `dedupd dedup --offline` (a full pass) finds
+//! any duplicate all the same.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -43,7 +51,7 @@ pub struct SkippedStats {
 }
 
 /// The skipped buffer; see the module docs.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct SkippedBuffer {
     capacity_bytes: usize,
     records: VecDeque<(VolumeId, u64)>,
@@ -89,6 +97,30 @@ impl SkippedBuffer {
                 self.volumes.entry(v).or_insert(0);
             }
         }
+    }
+
+    /// Records that blocks `start..end` of `vol` may hold duplicates, as
+    /// dirty regions (used for writes replayed from the journal).
+    pub fn record_range(&mut self, vol: VolumeId, start: u64, end: u64) {
+        if start >= end || self.volumes.contains_key(&vol) {
+            return;
+        }
+        for region in start / REGION_BLOCKS..=(end - 1) / REGION_BLOCKS {
+            self.regions.insert((vol, region));
+        }
+        if self.used_bytes() > self.capacity_bytes {
+            self.degradations += 1;
+            for (v, _) in std::mem::take(&mut self.regions) {
+                self.volumes.entry(v).or_insert(0);
+            }
+        }
+    }
+
+    /// Records that every block of `vol` may hold duplicates.
+    pub fn record_volume(&mut self, vol: VolumeId) {
+        self.records.retain(|r| r.0 != vol);
+        self.regions.retain(|r| r.0 != vol);
+        self.volumes.insert(vol, 0);
     }
 
     /// Forgets everything about `vol` (deleted).

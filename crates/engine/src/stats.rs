@@ -41,6 +41,10 @@ pub struct Stats {
     /// Duplicate blocks written as new because their run of duplicates was
     /// shorter than the sequence threshold T (iDedup; SmartDedup §4.5).
     pub sequence_filtered_blocks: u64,
+    /// Checkpoints at which the skipped buffer could not be saved (its
+    /// records since the previous save are lost on a crash; a full pass
+    /// finds those duplicates).
+    pub skipped_save_errors: u64,
     /// The skipped buffer: records, regions and volumes pending out-of-line dedup.
     pub skipped: crate::skipped::SkippedStats,
     /// Duplicate copies waiting for a map scan to merge them.

@@ -93,6 +93,9 @@ pub struct PersistentCounters {
     /// the sequence threshold (iDedup; SmartDedup §4.5).
     #[serde(default)]
     pub sequence_filtered_blocks: u64,
+    /// Times the skipped buffer could not be saved at a checkpoint.
+    #[serde(default)]
+    pub skipped_save_errors: u64,
 }
 
 /// The content of `state.json`.
@@ -110,7 +113,15 @@ pub struct State {
 
 /// Serializes `value` as JSON followed by a line `crc32c=<hex>` of the JSON.
 pub fn encode_checked<T: Serialize>(value: &T) -> Vec<u8> {
-    let mut body = serde_json::to_vec_pretty(value).expect("serializable");
+    with_crc_line(serde_json::to_vec_pretty(value).expect("serializable"))
+}
+
+/// As [`encode_checked`], with the JSON on one line (for large values).
+pub fn encode_checked_compact<T: Serialize>(value: &T) -> Vec<u8> {
+    with_crc_line(serde_json::to_vec(value).expect("serializable"))
+}
+
+fn with_crc_line(mut body: Vec<u8>) -> Vec<u8> {
     body.push(b'\n');
     let crc = crc32c::crc32c(&body);
     body.extend_from_slice(format!("crc32c={crc:08x}\n").as_bytes());
