@@ -426,6 +426,16 @@ fn print_stats(v: &Value) {
         "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
         u("sequence_filtered_blocks")
     );
+    let ca = &v["caftl"];
+    println!(
+        "fingerprinted inline         {} blocks (CAFTL: {} pre-hashed, {} unseen CRCs, {} sampled requests, {} blocks behind a missed sample; table {})",
+        u("blocks_fingerprinted_inline"),
+        ca["blocks_prehashed"].as_u64().unwrap_or(0),
+        ca["prehash_misses"].as_u64().unwrap_or(0),
+        ca["requests_sampled"].as_u64().unwrap_or(0),
+        ca["sample_misses"].as_u64().unwrap_or(0),
+        human(ca["prehash_table_bytes"].as_u64().unwrap_or(0))
+    );
     let rc = &v["read_cache"];
     println!(
         "read cache                   {} hits, {} misses ({} used of {})",

@@ -91,6 +91,14 @@ pub struct ServeArgs {
     /// override it (`dedupd volume set`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub sequence_threshold: u32,
+    /// Bytes of CAFTL's pre-hash CRC table: only blocks whose CRC-32C was
+    /// seen before are fingerprinted inline (0: off).
+    #[arg(long, default_value = "0")]
+    pub prehash: String,
+    /// CAFTL's sampling: fingerprint a request's other blocks only if its
+    /// sample (largest CRC-32C) is a duplicate.
+    #[arg(long)]
+    pub sampling: bool,
     /// Worker threads per NBD connection.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -169,6 +177,8 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         },
         read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
         sequence_threshold_blocks: args.sequence_threshold,
+        prehash_bytes: parse_size(&args.prehash).map_err(anyhow::Error::msg)?,
+        sampling: args.sampling,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,
         index: dedupd_engine::index::IndexConfig {

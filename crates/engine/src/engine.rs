@@ -103,6 +103,13 @@ pub struct EngineConfig {
     /// duplicates with contiguous PBAs; see [`crate::sequence`]. A volume
     /// may override it. Default 1 (off).
     pub sequence_threshold_blocks: u32,
+    /// Bytes of CAFTL's pre-hash CRC table (see [`crate::caftl`]): only
+    /// blocks whose CRC-32C was seen before are fingerprinted inline.
+    /// Default 0 (off).
+    pub prehash_bytes: u64,
+    /// CAFTL's sampling (see [`crate::caftl`]): fingerprint the other blocks
+    /// of a request only if its sample is a duplicate. Default false.
+    pub sampling: bool,
     /// Receives every change made to the store's files (crash testing).
     pub observer: crate::observe::Observer,
 }
@@ -119,6 +126,8 @@ impl Default for EngineConfig {
             index: crate::index::IndexConfig::default(),
             skipped_buffer_bytes: 512 << 10,
             sequence_threshold_blocks: 1,
+            prehash_bytes: 0,
+            sampling: false,
             read_cache_bytes: 4 << 20,
             selectivity: crate::selectivity::SelectivityConfig::default(),
             observer: crate::observe::Observer::default(),
@@ -233,6 +242,10 @@ pub struct Engine {
     cache: crate::cache::ReadCache,
     /// Which blocks inline dedup fingerprints.
     selectivity: crate::selectivity::Selectivity,
+    /// CAFTL pre-hash table and sampling figures.
+    caftl: Mutex<crate::caftl::PrehashTable>,
+    /// Blocks fingerprinted in the write path since the engine started.
+    fingerprinted_inline: AtomicU64,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -434,6 +447,8 @@ impl Engine {
             commit_wanted: AtomicBool::new(false),
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
+            caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
+            fingerprinted_inline: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -958,21 +973,87 @@ impl Engine {
         }
         let block = |i: usize| &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
         // fingerprint outside the lock; None for zero blocks
-        // blocks not selected for inline dedup are stored unhashed and left
-        // to out-of-line dedup (adaptive selectivity, SmartDedup §3.4)
+        // blocks not selected for inline dedup (adaptive selectivity,
+        // SmartDedup §3.4; CAFTL's filters) are stored unhashed and left to
+        // out-of-line dedup
         let selected = self.selectivity.select(n);
+        let zero: Vec<bool> = (0..n).map(|i| is_zero(block(i))).collect();
+        let mut inline: Vec<bool> = (0..n).map(|i| selected[i] && !zero[i]).collect();
+        let sample = self.caftl_filter(
+            &mut inline,
+            |i| crc32c::crc32c(block(i)),
+            |i| self.hash.fingerprint(block(i)),
+        )?;
         let fps: Vec<Option<Fingerprint>> = (0..n)
-            .map(|i| {
-                if is_zero(block(i)) {
-                    None
-                } else if selected[i] {
-                    Some(self.hash.fingerprint(block(i)))
-                } else {
-                    Some(UNHASHED)
-                }
+            .map(|i| match sample {
+                _ if zero[i] => None,
+                _ if !inline[i] => Some(UNHASHED),
+                Some((s, fp)) if s == i => Some(fp),
+                _ => Some(self.hash.fingerprint(block(i))),
             })
             .collect();
-        self.place_blocks(vol, first, &fps, Some(data))
+        self.place_blocks(vol, first, &fps, Some(data), None)
+    }
+
+    /// CAFTL's pre-hashing and sampling ([`crate::caftl`]) over the blocks
+    /// marked `inline`: clears the mark of each block they turn away.
+    /// `crc(i)` gives block `i`'s CRC-32C, `fingerprint(i)` its
+    /// fingerprint. Returns the sample and its fingerprint if one was
+    /// taken (so it is not computed twice).
+    ///
+    /// Errors: [`EngineError::Io`] if looking the sample up fails.
+    fn caftl_filter(
+        &self,
+        inline: &mut [bool],
+        crc: impl Fn(usize) -> u32,
+        fingerprint: impl Fn(usize) -> Fingerprint,
+    ) -> Result<Option<(usize, Fingerprint)>> {
+        let prehash = self.config.prehash_bytes > 0;
+        if !prehash && !self.config.sampling {
+            return Ok(None);
+        }
+        let crcs: Vec<Option<u32>> = inline
+            .iter()
+            .enumerate()
+            .map(|(i, &on)| on.then(|| crc(i)))
+            .collect();
+        if prehash {
+            let mut table = lock(&self.caftl);
+            for (i, c) in crcs.iter().enumerate() {
+                if let Some(c) = c {
+                    if !table.seen_before(*c) {
+                        inline[i] = false;
+                    }
+                }
+            }
+        }
+        if !self.config.sampling {
+            return Ok(None);
+        }
+        let candidates: Vec<Option<u32>> = crcs
+            .iter()
+            .zip(inline.iter())
+            .map(|(c, &on)| c.filter(|_| on))
+            .collect();
+        let Some(s) = crate::caftl::sample(&candidates) else {
+            return Ok(None);
+        };
+        let fp = fingerprint(s);
+        let duplicate = lock(&self.meta)
+            .lookup(&fp)
+            .map_err(|e| EngineError::io("reading the fingerprint store", e))?
+            .is_some();
+        let mut turned_away = 0;
+        if !duplicate {
+            for (i, on) in inline.iter_mut().enumerate() {
+                if *on && i != s {
+                    *on = false;
+                    turned_away += 1;
+                }
+            }
+        }
+        lock(&self.caftl).note_sample(turned_away);
+        Ok(Some((s, fp)))
     }
 
     /// Writes blocks known only by fingerprint (`None`: a zero block)
@@ -992,17 +1073,28 @@ impl Engine {
             first.0.saturating_mul(BLOCK_SIZE_U64),
             fps.len() as u64 * BLOCK_SIZE_U64,
         )?;
-        self.place_blocks(vol, first.0, fps, None)
+        // CAFTL's filters see the fingerprint's CRC instead of the data's
+        let mut inline: Vec<bool> = fps
+            .iter()
+            .map(|f| f.is_some_and(|f| f != UNHASHED))
+            .collect();
+        let fp = |i: usize| fps[i].unwrap_or(UNHASHED);
+        self.caftl_filter(&mut inline, |i| crc32c::crc32c(&fp(i).0), fp)?;
+        self.place_blocks(vol, first.0, fps, None, Some(&inline))
     }
 
     /// The inline dedup of whole blocks: `fps[i]` is block `first + i`'s
     /// fingerprint; `data` (if any) holds their bytes, written for misses.
+    /// A block with `inline[i]` false (or fingerprint [`UNHASHED`]) is
+    /// stored without an inline lookup, its fingerprint kept in the reverse
+    /// index for the out-of-line pass.
     fn place_blocks(
         &self,
         vol: VolumeId,
         first: u64,
         fps: &[Option<Fingerprint>],
         data: Option<&[u8]>,
+        inline: Option<&[bool]>,
     ) -> Result<()> {
         let n = fps.len();
         // phase 1: look every block up; hits and zeros are mapped at once
@@ -1028,6 +1120,7 @@ impl Engine {
                 let cand = match fp {
                     None => Candidate::Other,
                     Some(fp) if *fp == UNHASHED => Candidate::Other,
+                    Some(_) if inline.is_some_and(|on| !on[i]) => Candidate::Other,
                     Some(fp) => {
                         selected_blocks += 1;
                         let hit = m
@@ -1099,6 +1192,8 @@ impl Engine {
         }
 
         self.selectivity.observe(selected_blocks, inline_dups);
+        self.fingerprinted_inline
+            .fetch_add(selected_blocks, Ordering::Relaxed);
 
         // phase 2: write new data, coalescing runs of consecutive PBAs
         let new: Vec<(usize, Pba)> = placement
@@ -1337,6 +1432,8 @@ impl Engine {
                 verify_mismatches: c.verify_mismatches,
                 out_of_line_duplicates: c.out_of_line_duplicates,
                 sequence_filtered_blocks: c.sequence_filtered_blocks,
+                blocks_fingerprinted_inline: self.fingerprinted_inline.load(Ordering::Relaxed),
+                caftl: lock(&self.caftl).stats(),
                 skipped_save_errors: c.skipped_save_errors,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,

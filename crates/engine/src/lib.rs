@@ -12,6 +12,7 @@
 pub mod backend;
 pub mod block;
 pub mod cache;
+pub mod caftl;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;

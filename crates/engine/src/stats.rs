@@ -41,6 +41,12 @@ pub struct Stats {
     /// Duplicate blocks written as new because their run of duplicates was
     /// shorter than the sequence threshold T (iDedup; SmartDedup §4.5).
     pub sequence_filtered_blocks: u64,
+    /// Blocks fingerprinted and looked up in the write path since the
+    /// engine started (the hashing inline dedup paid for).
+    pub blocks_fingerprinted_inline: u64,
+    /// CAFTL's pre-hashing and sampling: table size, CRCs computed, blocks
+    /// turned away (since the engine started).
+    pub caftl: crate::caftl::CaftlStats,
     /// Checkpoints at which the skipped buffer could not be saved (its
     /// records since the previous save are lost on a crash; a full pass
     /// finds those duplicates).

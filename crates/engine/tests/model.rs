@@ -9,7 +9,8 @@ use dedupd_engine::{Engine, EngineConfig, HashAlgorithm, VolumeId, BLOCK_SIZE};
 
 /// Index configurations the model runs under: the default (everything fits
 /// in memory), a 4 KiB budget with 256 groups in each lookup mode and
-/// eviction policy, and the default with a sequence threshold of 3.
+/// eviction policy, the default with a sequence threshold of 3, and the
+/// default with CAFTL's pre-hashing and sampling.
 fn config(which: u8) -> EngineConfig {
     let tiny = |policy, lookup| IndexConfig {
         memory_budget_bytes: 4096,
@@ -24,7 +25,7 @@ fn config(which: u8) -> EngineConfig {
         4 => tiny(EvictionPolicy::Lfu, LookupMode::Disk),
         5 => tiny(EvictionPolicy::Arc, LookupMode::Disk),
         6 => tiny(EvictionPolicy::RefCount, LookupMode::Disk),
-        7 => IndexConfig::default(),
+        7 | 8 => IndexConfig::default(),
         _ => tiny(EvictionPolicy::GroupLru, LookupMode::Memory),
     };
     EngineConfig {
@@ -32,6 +33,9 @@ fn config(which: u8) -> EngineConfig {
         // the sequence threshold changes which duplicates are shared, never
         // what reads return
         sequence_threshold_blocks: if which == 7 { 3 } else { 1 },
+        // CAFTL's filters leave blocks unhashed for the out-of-line pass
+        prehash_bytes: if which == 8 { 4096 } else { 0 },
+        sampling: which == 8,
         ..EngineConfig::default()
     }
 }
@@ -80,7 +84,7 @@ fn clamp(off: u64, len: u64) -> u64 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
     #[test]
-    fn engine_matches_model(actions in proptest::collection::vec(action(), 1..60), which in 0u8..8) {
+    fn engine_matches_model(actions in proptest::collection::vec(action(), 1..60), which in 0u8..9) {
         let cfg = config(which);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("store");
@@ -140,8 +144,9 @@ proptest! {
             }
         }
         let s = engine.stats();
-        if which == 7 {
-            // the sequence threshold keeps short runs of duplicates apart
+        if which == 7 || which == 8 {
+            // the sequence threshold keeps short runs of duplicates apart;
+            // CAFTL's filters skip some duplicates inline
             prop_assert!(s.physical_blocks_stored >= distinct.len() as u64);
         } else if which != 3 {
             // the unbounded index, or disk lookups: every duplicate is found
@@ -592,4 +597,59 @@ fn pending_out_of_line_work_survives_a_crash() {
         assert!(r.check().is_empty(), "{:?}", r.check());
     }
     std::mem::forget(e);
+}
+
+/// CAFTL's pre-hashing and sampling (SmartDedup §4.1) in the write path:
+/// blocks they turn away are stored unhashed, the first repeat of content
+/// is missed inline, and the out-of-line pass makes dedup exact again.
+#[test]
+fn caftl_prehash_and_sampling_hash_less_and_stay_exact() {
+    let blk = |k: u64| {
+        let mut b = vec![3u8; BLOCK_SIZE];
+        b[..8].copy_from_slice(&(k + 1).to_le_bytes());
+        b
+    };
+    let request: Vec<u8> = (0..8).flat_map(blk).collect();
+    for (prehash_bytes, sampling) in [(64 << 10, false), (0, true)] {
+        let cfg = EngineConfig {
+            prehash_bytes,
+            sampling,
+            ..EngineConfig::default()
+        };
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &request, false).unwrap();
+        let s = e.stats();
+        assert_eq!(s.physical_blocks_stored, 8);
+        if sampling {
+            // the sample alone was hashed; it missed, so 7 were turned away
+            assert_eq!(s.blocks_fingerprinted_inline, 1);
+            assert_eq!((s.caftl.requests_sampled, s.caftl.sample_misses), (1, 7));
+        } else {
+            // no CRC was seen before: nothing hashed
+            assert_eq!(s.blocks_fingerprinted_inline, 0);
+            assert_eq!(s.caftl.prehash_misses, 8);
+            assert_eq!(s.caftl.blocks_prehashed, 8);
+        }
+        // the first repeat: hashed now, but the first copies were not
+        // indexed (sampling: the sample was, so it alone is shared)
+        e.write(v, 8 * 4096, &request, false).unwrap();
+        let s = e.stats();
+        assert_eq!(s.physical_blocks_stored, if sampling { 15 } else { 16 });
+        // the second repeat is found inline
+        e.write(v, 16 * 4096, &request, false).unwrap();
+        let s = e.stats();
+        assert_eq!(s.physical_blocks_stored, if sampling { 15 } else { 16 });
+        assert!(s.skipped.records > 0);
+        while e.dedup_pass(1000).unwrap().work_remaining {}
+        assert_eq!(
+            e.stats().physical_blocks_stored,
+            8,
+            "not exact after the pass"
+        );
+        let mut got = vec![0u8; 24 * 4096];
+        e.read(v, 0, &mut got).unwrap();
+        assert!(got.chunks(request.len()).all(|c| c == request));
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
 }

@@ -57,36 +57,25 @@ pub const PLANNED_POLICIES: &[&str] = &[];
 pub const SHA256_BYTES_PER_SECOND: f64 = 1.75e9;
 /// Modelled CRC32 (CRC-32C, hardware) rate over 4 KiB blocks.
 pub const CRC32_BYTES_PER_SECOND: f64 = 20e9;
-/// The 64-bit index key every block written "as new" by a filter gets: all
-/// such blocks share one index slot (see [`Filters`]).
-const SINK_KEY: u64 = 0xffff_ffff_ffff_fff0;
-
-/// Write-path filters modelled in the replay, in front of the engine
-/// (which has no hooks for them). A block a filter turns away is handed to
-/// the engine as new content: a synthetic fingerprint whose 64-bit index
-/// key is shared by all such blocks and whose remaining bytes are unique,
-/// so the engine stores it, never matches it, and it costs one index slot
-/// in all (a real implementation would not index it at all).
-///
-/// Whether a block "is a duplicate" before the engine sees it — needed by
-/// sampling and by the threshold — is decided with the replay's exact
-/// history of written content (an oracle: a real system would ask its
-/// fingerprint store, which knows less). The engine then finds what its
-/// index still holds among the blocks passed on.
+/// Write-path filters of a policy (`+sampling`, `+prehash`, `+tN`), each
+/// an engine option ([`build_engine`] sets them): CAFTL's sampling and
+/// pre-hashing ([`dedupd_engine::caftl`]) and iDedup's sequence threshold
+/// ([`dedupd_engine::sequence`]). Blocks the CAFTL filters turn away are
+/// stored without an inline lookup (their fingerprint kept for the
+/// out-of-line pass), as the server does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Filters {
     /// CAFTL sampling hashing (FAST '11, as SmartDedup §4.1 describes it):
-    /// of a write request with several non-zero blocks only one, the
-    /// sample, is fingerprinted — the block whose digest's first 4 bytes
-    /// are largest (a content-defined choice, so equal requests pick equal
-    /// samples); the others are fingerprinted only if the sample is a
-    /// duplicate, else written as new.
+    /// of a write request with several non-zero blocks only the sample —
+    /// the block with the largest CRC-32C of its trace digest — is
+    /// fingerprinted and looked up first; the others only if it is a
+    /// duplicate ([`dedupd_engine::EngineConfig::sampling`]).
     pub sampling: bool,
-    /// CAFTL lightweight pre-hashing: a CRC32 of every block (here CRC-32C
-    /// of the trace digest: 32 bits, so collisions pass as with real
-    /// CRCs); only a block whose CRC was seen before is fingerprinted, the
-    /// rest is written as new (and its CRC remembered). The first repeat of
-    /// any content is therefore lost (SmartDedup §4.1's observation).
+    /// CAFTL pre-hashing: a CRC-32C of every block (of its trace digest
+    /// here: 32 bits, so collisions pass as with real CRCs); only a block
+    /// whose CRC was seen before is fingerprinted inline. The engine's CRC
+    /// table has [`PREHASH_TABLE_BYTES`]
+    /// ([`dedupd_engine::EngineConfig::prehash_bytes`]).
     pub prehash: bool,
     /// iDedup's sequence threshold T (FAST '12; SmartDedup §4.5, HPDedup
     /// §III-C): only runs of at least T consecutive duplicate blocks whose
@@ -158,6 +147,10 @@ impl std::str::FromStr for PolicySpec {
         Ok(PolicySpec { eviction, filters })
     }
 }
+/// Bytes of the engine's pre-hash CRC table under `+prehash`: 16 MiB, two
+/// million CRC slots, so a replay's table forgets little.
+pub const PREHASH_TABLE_BYTES: u64 = 16 << 20;
+
 /// Index budget standing for "unbounded" (`exact`): far above any memory,
 /// yet small enough that the engine's budget arithmetic cannot overflow.
 const UNBOUNDED_INDEX_BYTES: u64 = u64::MAX / 1024;
@@ -278,8 +271,7 @@ impl Default for ReplayConfig {
 /// [`default_index_memory_bytes`]) with the engine's default lookup mode
 /// (memory). Adaptive selectivity is off and so is the read cache: every
 /// block passed on is fingerprinted inline, so policies are compared alone.
-/// The sequence threshold (`+tN`) is set in the engine; sampling and
-/// pre-hashing ([`Filters`]) act in [`replay`], in front of it.
+/// The filters (`+sampling`, `+prehash`, `+tN`) are engine options too.
 ///
 /// Errors: [`TraceError::Config`] for an unknown policy or filter, or a
 /// budget given to the unbounded `exact` policy.
@@ -293,6 +285,12 @@ pub fn build_engine(cfg: &ReplayConfig) -> Result<Engine> {
         },
         read_cache_bytes: 0,
         sequence_threshold_blocks: spec.filters.threshold,
+        prehash_bytes: if spec.filters.prehash {
+            PREHASH_TABLE_BYTES
+        } else {
+            0
+        },
+        sampling: spec.filters.sampling,
         ..EngineConfig::default()
     };
     if let Some(bits) = cfg.prefix_bits {
@@ -423,12 +421,13 @@ pub struct Report {
     pub mean_extent_blocks: f64,
     /// Write-path filters applied ([`Filters`]).
     pub filters: Filters,
-    /// Non-zero blocks given a cryptographic fingerprint (SHA-256 of 4 KiB):
-    /// all of them without filters; fewer with sampling or pre-hashing.
+    /// Non-zero blocks fingerprinted and looked up inline (SHA-256 of
+    /// 4 KiB in a real system): all of them without filters; fewer with
+    /// sampling or pre-hashing.
     pub blocks_fingerprinted: u64,
-    /// Non-zero blocks given a CRC32 pre-hash (pre-hashing only).
+    /// Non-zero blocks given a CRC-32C pre-hash (pre-hashing only).
     pub blocks_prehashed: u64,
-    /// Non-zero blocks a filter handed to the engine as new content.
+    /// Non-zero blocks the CAFTL filters stored without an inline lookup.
     pub blocks_filtered_as_new: u64,
     /// Modelled hashing time in seconds: fingerprinted blocks × 4 KiB at
     /// [`SHA256_BYTES_PER_SECOND`] plus pre-hashed blocks × 4 KiB at
@@ -493,89 +492,6 @@ fn volume_name(index: usize, label: &str) -> String {
     s
 }
 
-/// State of the write-path filters across a replay.
-#[derive(Default)]
-struct FilterState {
-    /// Per block of the current request: its content was written before.
-    seen: Vec<bool>,
-    /// Per block: passed on with its real fingerprint.
-    pass: Vec<bool>,
-    /// Per block: cryptographically fingerprinted.
-    hashed: Vec<bool>,
-    /// CRCs seen (pre-hashing).
-    crcs: HashSet<u32>,
-    /// Synthetic fingerprints handed out.
-    sunk: u64,
-}
-
-impl FilterState {
-    /// Applies `f` to one write request: blocks turned away get a
-    /// synthetic fingerprint in `fps`; the report's hashing counts grow.
-    fn apply(
-        &mut self,
-        f: &Filters,
-        blocks: &[Option<Digest>],
-        fps: &mut [Option<Fingerprint>],
-        r: &mut Report,
-    ) {
-        let n = blocks.len();
-        self.pass.clear();
-        self.pass.extend(blocks.iter().map(|b| b.is_some()));
-        self.hashed.clear();
-        self.hashed.extend_from_slice(&self.pass);
-        if f.prehash {
-            for (i, d) in blocks.iter().enumerate() {
-                if let Some(d) = d {
-                    r.blocks_prehashed += 1;
-                    if self.crcs.insert(crc32c::crc32c(d)) {
-                        // a CRC never seen: not fingerprinted, written as new
-                        self.pass[i] = false;
-                        self.hashed[i] = false;
-                    }
-                }
-            }
-        }
-        let nonzero = blocks.iter().filter(|b| b.is_some()).count();
-        if f.sampling && nonzero >= 2 {
-            let key = |d: &Digest| u32::from_be_bytes([d[0], d[1], d[2], d[3]]);
-            let sample = (0..n)
-                .filter(|&i| blocks[i].is_some())
-                .max_by_key(|&i| blocks[i].as_ref().map(key))
-                .expect("two non-zero blocks");
-            if !(self.hashed[sample] && self.seen[sample]) {
-                for i in (0..n).filter(|&i| i != sample) {
-                    self.pass[i] = false;
-                    self.hashed[i] = false;
-                }
-            }
-        }
-        for i in 0..n {
-            if blocks[i].is_none() {
-                continue;
-            }
-            if self.hashed[i] {
-                r.blocks_fingerprinted += 1;
-            }
-            if !self.pass[i] {
-                r.blocks_filtered_as_new += 1;
-                self.sunk += 1;
-                fps[i] = Some(sink_fingerprint(self.sunk));
-            }
-        }
-    }
-}
-
-/// The `n`-th synthetic fingerprint of a block written as new: index key
-/// [`SINK_KEY`], then `n` (unique), so it never matches and all share one
-/// index slot.
-fn sink_fingerprint(n: u64) -> Fingerprint {
-    let mut b = [0u8; 24];
-    b[..8].copy_from_slice(&SINK_KEY.to_be_bytes());
-    b[8..16].copy_from_slice(&n.to_le_bytes());
-    b[16..].copy_from_slice(b"filtered");
-    Fingerprint::from_digest(&b)
-}
-
 #[derive(PartialEq, Eq, Hash)]
 enum StreamKey {
     File(usize),
@@ -609,9 +525,6 @@ pub fn replay(
 ) -> Result<Report> {
     let engine = build_engine(cfg)?;
     let filters = cfg.policy.parse::<PolicySpec>()?.filters;
-    // the threshold is the engine's; sampling and pre-hashing act here
-    let filtering = filters.sampling || filters.prehash;
-    let mut filter = FilterState::default();
     let started = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
     let mut bytes_total = 0;
@@ -725,27 +638,16 @@ pub fn replay(
                     stream.report.blocks_written += n;
                     r.blocks_written += n;
                     fps.clear();
-                    filter.seen.clear();
                     for b in &req.blocks {
                         match b {
                             Some(d) => {
-                                let dup = !exact.insert(*d);
-                                if dup {
+                                if !exact.insert(*d) {
                                     r.exact_duplicate_blocks += 1;
                                 }
-                                filter.seen.push(dup);
                                 fps.push(Some(fingerprint_of(d)));
                             }
-                            None => {
-                                filter.seen.push(false);
-                                fps.push(None);
-                            }
+                            None => fps.push(None),
                         }
-                    }
-                    if filtering {
-                        filter.apply(&filters, &req.blocks, &mut fps, &mut r);
-                    } else {
-                        r.blocks_fingerprinted += fps.iter().filter(|f| f.is_some()).count() as u64;
                     }
                     engine
                         .write_fingerprinted(stream.volume, Lba(first), &fps)
@@ -841,6 +743,9 @@ pub fn replay(
         r.mapped_blocks as f64 / r.extents as f64
     };
     r.filters = filters;
+    r.blocks_fingerprinted = st.blocks_fingerprinted_inline;
+    r.blocks_prehashed = st.caftl.blocks_prehashed;
+    r.blocks_filtered_as_new = st.caftl.prehash_misses + st.caftl.sample_misses;
     r.hashing_seconds_modelled = (r.blocks_fingerprinted as f64 / SHA256_BYTES_PER_SECOND
         + r.blocks_prehashed as f64 / CRC32_BYTES_PER_SECOND)
         * BLOCK_SIZE as f64;
