@@ -15,7 +15,10 @@
 //! `dedupd dedup --offline`).
 //!
 //! The background worker runs passes at a bounded rate (blocks per second)
-//! and backs off while foreground requests are arriving.
+//! and backs off while foreground requests are arriving. So that sustained
+//! load cannot starve it while the skipped buffer fills (and degrades to
+//! coarser records), it keeps a minimum share under load once the buffer
+//! is half full: one batch per ten periods, a tenth of its rate.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,6 +57,13 @@ impl Engine {
         let mut m = lock(&self.meta);
         m.collect_displaced();
         !m.skipped.is_empty() || !m.pending_merges.is_empty()
+    }
+
+    /// True if the skipped buffer is at least half full or has degraded to
+    /// regions or volumes: the worker then keeps a minimum share under load.
+    pub fn dedup_pressure(&self) -> bool {
+        let s = lock(&self.meta).skipped.stats();
+        s.used_bytes * 2 >= s.capacity_bytes || s.regions > 0 || s.volumes > 0
     }
 
     /// One out-of-line pass over at most `max_blocks` skipped records; when
@@ -284,7 +294,9 @@ impl Engine {
 
     /// Starts the background out-of-line worker: passes of up to 64 blocks
     /// at most `rate_blocks_per_s` blocks per second, pausing while
-    /// foreground requests arrive. Stops when the handle is dropped.
+    /// foreground requests arrive — except for one batch per ten periods
+    /// while [`Engine::dedup_pressure`] holds. Stops when the handle is
+    /// dropped.
     pub fn start_out_of_line(self: &Arc<Self>, rate_blocks_per_s: u64) -> WorkerHandle {
         let stop = Arc::new(AtomicBool::new(false));
         let engine = self.clone();
@@ -296,12 +308,20 @@ impl Engine {
                 let period =
                     Duration::from_secs_f64(batch as f64 / rate_blocks_per_s.max(1) as f64);
                 let mut last_foreground = engine.foreground_ops();
+                let mut last_pass = Instant::now();
                 while !flag.load(Ordering::Relaxed) {
                     let started = Instant::now();
                     let now_foreground = engine.foreground_ops();
                     let busy = now_foreground != last_foreground;
                     last_foreground = now_foreground;
-                    if !busy && engine.dedup_pending() {
+                    if busy && last_pass.elapsed() >= period * 10 && engine.dedup_pressure() {
+                        // the minimum share: one batch, not yielding
+                        last_pass = Instant::now();
+                        if let Err(e) = engine.dedup_pass(batch as usize) {
+                            eprintln!("dedupd: out-of-line dedup: {e}");
+                        }
+                    } else if !busy && engine.dedup_pending() {
+                        last_pass = Instant::now();
                         let seen = engine.foreground_ops();
                         let yield_now = || engine.foreground_ops() != seen;
                         if let Err(e) = engine.dedup_pass_yielding(batch as usize, &yield_now) {
