@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE_U64};
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
-use crate::index::{key_of, FingerprintIndex};
+use crate::index::FingerprintIndex;
 use crate::journal::{MetaFile, Op};
 use crate::paged::PagedArray;
 use crate::store::{encode_checked, PersistentCounters, State, VolumeRecord};
@@ -159,10 +159,7 @@ impl Meta {
 
     /// The fingerprint recorded for a PBA.
     pub fn fingerprint_of(&self, pba: Pba) -> Fingerprint {
-        let mut fp = [0u8; FINGERPRINT_SIZE];
-        self.fingerprints
-            .read(pba.0 * FINGERPRINT_SIZE as u64, &mut fp);
-        Fingerprint(fp)
+        Fingerprint(self.fingerprints.get_array(pba.0 * FINGERPRINT_SIZE as u64))
     }
 
     /// Takes a free PBA for new data (lowest free, else the high-water mark).
@@ -461,7 +458,6 @@ fn live(refcounts: &PagedArray, fingerprints: &PagedArray, key: u64, p: Pba) -> 
     if refcounts.get_u32(p.0) == 0 {
         return false;
     }
-    let mut fp = [0u8; FINGERPRINT_SIZE];
-    fingerprints.read(p.0 * FINGERPRINT_SIZE as u64, &mut fp);
-    key_of(&Fingerprint(fp)) == key
+    // the index key is the fingerprint's first 8 bytes (big-endian)
+    u64::from_be_bytes(fingerprints.get_array(p.0 * FINGERPRINT_SIZE as u64)) == key
 }

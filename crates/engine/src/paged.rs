@@ -175,28 +175,62 @@ impl PagedArray {
         }
     }
 
+    /// Reads `N` bytes at logical byte offset `off` (zeros past the end or
+    /// in holes). A fixed-size copy when they lie in one page, as every
+    /// element of a size dividing [`PAYLOAD_SIZE`] does: no `memcpy` call.
+    #[inline]
+    pub fn get_array<const N: usize>(&self, off: u64) -> [u8; N] {
+        let page = (off / PAYLOAD_SIZE as u64) as usize;
+        let in_page = (off % PAYLOAD_SIZE as u64) as usize;
+        if in_page + N > PAYLOAD_SIZE {
+            let mut b = [0u8; N];
+            self.read(off, &mut b);
+            return b;
+        }
+        match self.pages.get(page) {
+            Some(Some(p)) => p[in_page..in_page + N].try_into().expect("N bytes"),
+            _ => [0u8; N],
+        }
+    }
+
+    /// Writes `N` bytes at logical byte offset `off`, as [`PagedArray::write`]
+    /// does, with a fixed-size copy when they lie in one allocated page.
+    #[inline]
+    fn set_array<const N: usize>(&mut self, off: u64, data: [u8; N]) {
+        let page = (off / PAYLOAD_SIZE as u64) as usize;
+        let in_page = (off % PAYLOAD_SIZE as u64) as usize;
+        if in_page + N <= PAYLOAD_SIZE {
+            if let Some(Some(p)) = self.pages.get_mut(page) {
+                p[in_page..in_page + N].copy_from_slice(&data);
+                self.mark_dirty(page as u64);
+                return;
+            }
+        }
+        self.write(off, &data);
+    }
+
     /// Reads the little-endian `u64` at element index `i`.
+    #[inline]
     pub fn get_u64(&self, i: u64) -> u64 {
-        let mut b = [0u8; 8];
-        self.read(i * 8, &mut b);
-        u64::from_le_bytes(b)
+        u64::from_le_bytes(self.get_array(i * 8))
     }
 
     /// Sets the little-endian `u64` at element index `i`.
+    #[inline]
     pub fn set_u64(&mut self, i: u64, v: u64) {
-        self.write(i * 8, &v.to_le_bytes());
+        self.set_array(i * 8, v.to_le_bytes());
     }
 
     /// Reads the little-endian `u32` at element index `i`.
+    #[inline]
     pub fn get_u32(&self, i: u64) -> u32 {
-        let mut b = [0u8; 4];
-        self.read(i * 4, &mut b);
-        u32::from_le_bytes(b)
+        u32::from_le_bytes(self.get_array(i * 4))
     }
 
     /// Sets the little-endian `u32` at element index `i`.
+    #[inline]
     pub fn set_u32(&mut self, i: u64, v: u32) {
-        self.write(i * 4, &v.to_le_bytes());
+        self.set_array(i * 4, v.to_le_bytes());
     }
 
     /// True if page `page` holds no non-zero entry (not allocated).
