@@ -35,6 +35,9 @@ pub trait BlockBackend: Send + Sync {
 pub struct FileBackend {
     file: File,
     preallocated_end: std::sync::atomic::AtomicU64,
+    /// Set while one writer runs `fallocate`; the others do not queue
+    /// behind it on the inode lock.
+    preallocating: std::sync::atomic::AtomicBool,
     observer: crate::observe::Observer,
 }
 
@@ -47,6 +50,7 @@ impl FileBackend {
         FileBackend {
             file,
             preallocated_end: std::sync::atomic::AtomicU64::new(0),
+            preallocating: std::sync::atomic::AtomicBool::new(false),
             observer: crate::observe::Observer::default(),
         }
     }
@@ -61,11 +65,12 @@ impl FileBackend {
         use std::os::unix::io::AsRawFd;
         use std::sync::atomic::Ordering;
         let have = self.preallocated_end.load(Ordering::Relaxed);
-        if end <= have {
+        // extend half a step ahead of need, one writer at a time
+        if end + PREALLOCATE_BYTES / 2 <= have || self.preallocating.swap(true, Ordering::Acquire) {
             return;
         }
         let start = end.max(have);
-        let new_end = (end / PREALLOCATE_BYTES + 1) * PREALLOCATE_BYTES;
+        let new_end = ((end + PREALLOCATE_BYTES / 2) / PREALLOCATE_BYTES + 1) * PREALLOCATE_BYTES;
         // SAFETY: fallocate on a file descriptor we own; failure (no space,
         // unsupported) is harmless: the write itself reports ENOSPC.
         let rc = unsafe {
@@ -79,6 +84,7 @@ impl FileBackend {
         if rc == 0 {
             self.preallocated_end.fetch_max(new_end, Ordering::Relaxed);
         }
+        self.preallocating.store(false, Ordering::Release);
     }
 }
 

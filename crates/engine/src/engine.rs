@@ -864,7 +864,19 @@ impl Engine {
     }
 
     fn after_write(&self, fua: bool) -> Result<()> {
-        if fua || self.commit_wanted.swap(false, Ordering::Relaxed) {
+        if fua {
+            return self.flush();
+        }
+        if self.commit_wanted.swap(false, Ordering::Relaxed) {
+            if matches!(
+                self.commit.try_lock(),
+                Err(std::sync::TryLockError::WouldBlock)
+            ) {
+                // a commit is running: leave the next one to a later writer
+                // instead of queueing behind it
+                self.commit_wanted.store(true, Ordering::Relaxed);
+                return Ok(());
+            }
             return self.flush();
         }
         Ok(())
@@ -1353,7 +1365,9 @@ impl Engine {
             for &p in &batch.frees {
                 self.cache.invalidate(p);
             }
-            lock(&self.meta).free.extend(batch.frees.iter().copied());
+            lock(&self.meta)
+                .free
+                .extend(batch.frees.iter().copied().map(std::cmp::Reverse));
         }
         if c.journal.is_some() {
             c.checkpoint.add(batch.ops);

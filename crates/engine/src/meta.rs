@@ -70,8 +70,10 @@ pub struct Meta {
     /// be remapped to the second (found by out-of-line dedup or dropped by
     /// the index).
     pub pending_merges: std::collections::BTreeMap<u64, u64>,
-    /// Free PBAs below the high-water mark, reusable now (lowest last).
-    pub free: Vec<u64>,
+    /// Free PBAs below the high-water mark, reusable now; a min-heap, so
+    /// allocation hands out the lowest first and consecutive allocations
+    /// get ascending PBAs that coalesce into one data write.
+    pub free: std::collections::BinaryHeap<std::cmp::Reverse<u64>>,
     /// PBAs whose reference count reached 0 since the last journal commit;
     /// reusable only after the commit that records it (deferred free).
     pub pending_free: Vec<u64>,
@@ -136,8 +138,8 @@ impl Meta {
         self.index.rebuild(all)?;
         self.high_water_blocks = top.max(data_blocks);
         self.free = (0..self.high_water_blocks)
-            .rev()
             .filter(|&p| self.refcounts.get_u32(p) == 0)
+            .map(std::cmp::Reverse)
             .collect();
         self.mapped_blocks = 0;
         for v in self.volumes.values() {
@@ -166,7 +168,7 @@ impl Meta {
     /// The PBA is reserved: not free, not referenced, not indexed.
     pub fn allocate(&mut self) -> Pba {
         match self.free.pop() {
-            Some(p) => Pba(p),
+            Some(std::cmp::Reverse(p)) => Pba(p),
             None => {
                 self.high_water_blocks += 1;
                 Pba(self.high_water_blocks - 1)
@@ -176,7 +178,7 @@ impl Meta {
 
     /// Returns a reserved PBA that was never referenced; reusable at once.
     pub fn unreserve(&mut self, pba: Pba) {
-        self.free.push(pba.0);
+        self.free.push(std::cmp::Reverse(pba.0));
     }
 
     /// Records that `pba` now stores the block with fingerprint `fp`
@@ -424,7 +426,12 @@ impl Meta {
             }
         }
         let mut free_or_pending = vec![false; self.high_water_blocks as usize];
-        for &p in self.free.iter().chain(&self.pending_free) {
+        for p in self
+            .free
+            .iter()
+            .map(|r| r.0)
+            .chain(self.pending_free.iter().copied())
+        {
             if let Some(f) = free_or_pending.get_mut(p as usize) {
                 if *f {
                     errs.push(format!("PBA {p} is on the free lists twice"));

@@ -10,7 +10,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[derive(Debug)]
 pub(crate) struct Budget {
     capacity: usize,
-    used: Mutex<usize>,
+    /// (bytes taken, threads waiting for room)
+    used: Mutex<(usize, usize)>,
     freed: Condvar,
 }
 
@@ -19,12 +20,12 @@ impl Budget {
     pub(crate) fn new(capacity: usize) -> Arc<Budget> {
         Arc::new(Budget {
             capacity,
-            used: Mutex::new(0),
+            used: Mutex::new((0, 0)),
             freed: Condvar::new(),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, usize> {
+    fn lock(&self) -> MutexGuard<'_, (usize, usize)> {
         self.used.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -34,10 +35,12 @@ impl Budget {
     pub(crate) fn acquire(self: &Arc<Self>, bytes: usize) -> BudgetGuard {
         if bytes > 0 {
             let mut used = self.lock();
-            while *used != 0 && used.saturating_add(bytes) > self.capacity {
+            while used.0 != 0 && used.0.saturating_add(bytes) > self.capacity {
+                used.1 += 1;
                 used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+                used.1 -= 1;
             }
-            *used = used.saturating_add(bytes);
+            used.0 = used.0.saturating_add(bytes);
         }
         BudgetGuard {
             budget: Arc::clone(self),
@@ -47,7 +50,7 @@ impl Budget {
 
     /// Bytes currently taken.
     pub(crate) fn in_use(&self) -> usize {
-        *self.lock()
+        self.lock().0
     }
 }
 
@@ -62,9 +65,13 @@ impl Drop for BudgetGuard {
     fn drop(&mut self) {
         if self.bytes > 0 {
             let mut used = self.budget.lock();
-            *used = used.saturating_sub(self.bytes);
+            used.0 = used.0.saturating_sub(self.bytes);
+            let waiting = used.1 > 0;
             drop(used);
-            self.budget.freed.notify_all();
+            // a wake-up system call only when someone waits for room
+            if waiting {
+                self.budget.freed.notify_all();
+            }
         }
     }
 }
