@@ -1113,6 +1113,7 @@ impl Engine {
         // (after the sequence threshold has had its say); misses get a
         // reserved PBA
         let mut placement: Vec<Placement> = Vec::with_capacity(n);
+        let mut inserts_seen: u64;
         let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
         {
             let mut m = lock(&self.meta);
@@ -1201,6 +1202,7 @@ impl Engine {
                     }
                 }
             }
+            inserts_seen = m.index_inserts;
         }
 
         self.selectivity.observe(selected_blocks, inline_dups);
@@ -1265,11 +1267,17 @@ impl Engine {
                     final_pba[i] = Some(*pba);
                     continue;
                 }
-                let raced = match m.lookup(fp) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        m.unreserve(*pba);
-                        return Err(EngineError::io("reading the fingerprint store", e));
+                // a miss in phase 1 still holds if nobody indexed anything
+                // since but this request
+                let raced = if m.index_inserts == inserts_seen {
+                    None
+                } else {
+                    match m.lookup(fp) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            m.unreserve(*pba);
+                            return Err(EngineError::io("reading the fingerprint store", e));
+                        }
                     }
                 };
                 let target = match raced {
@@ -1279,7 +1287,9 @@ impl Engine {
                         existing
                     }
                     None => {
-                        if let Err(e) = m.index_new(*pba, *fp) {
+                        let result = m.index_new(*pba, *fp);
+                        inserts_seen += 1;
+                        if let Err(e) = result {
                             // the block is stored and mapped below; only the
                             // index missed it (out-of-line dedup or fsck finds it)
                             m.counters.index_errors += 1;

@@ -64,6 +64,9 @@ pub struct Meta {
     pub index: FingerprintIndex,
     /// Blocks written without an inline match, for out-of-line dedup.
     pub skipped: crate::skipped::SkippedBuffer,
+    /// Fingerprints indexed by [`Meta::index_new`] so far: a writer that
+    /// saw none added since its lookup knows its miss still holds.
+    pub index_inserts: u64,
     /// Runs of duplicates in progress per volume (sequence threshold).
     pub sequences: crate::sequence::SequenceRuns,
     /// Duplicate copies to merge: every LBA mapped to the first PBA is to
@@ -184,6 +187,7 @@ impl Meta {
     /// Records that `pba` now stores the block with fingerprint `fp`
     /// (reference count still 0; the caller maps it next).
     pub fn index_new(&mut self, pba: Pba, fp: Fingerprint) -> std::io::Result<()> {
+        self.index_inserts += 1;
         self.fingerprints
             .write(pba.0 * FINGERPRINT_SIZE as u64, &fp.0);
         // the entry is live once the caller maps it; count it live now so an

@@ -294,11 +294,25 @@ pub(crate) struct Resources<'a> {
     pub stopping: &'a AtomicBool,
 }
 
+/// Bytes of payload buffer a worker keeps between requests (reused, so a
+/// request's buffer is neither allocated nor zeroed again); a larger one
+/// is freed after its request.
+const KEPT_BUFFER_BYTES: usize = (1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN;
+
 /// A request read whole, ready to execute.
 struct Job {
     req: Request,
-    payload: Vec<u8>,
+    /// The worker's buffer: a WRITE's payload in its first `req.length`
+    /// bytes; space for a READ's reply.
+    buf: Vec<u8>,
     _budget: BudgetGuard,
+}
+
+/// Makes `buf` at least `len` bytes long, zeroing only what it grows by.
+fn ensure_len(buf: &mut Vec<u8>, len: usize) {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
 }
 
 /// What one turn at the reading half produced.
@@ -362,13 +376,19 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
 impl<R: RequestSource + ?Sized> Connection<'_, R> {
     /// One worker: read a request, execute it, reply; until reading stops.
     fn work(&self) {
+        let mut buf = Vec::new();
         loop {
             let next = {
                 let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-                self.next(&mut **reader)
+                self.next(&mut **reader, &mut buf)
             };
             match next {
-                Next::Job(job) => execute(job, self.export, self.writer),
+                Next::Job(job) => {
+                    buf = execute(job, self.export, self.writer);
+                    if buf.capacity() > KEPT_BUFFER_BYTES {
+                        buf = Vec::new();
+                    }
+                }
                 Next::Handled => {}
                 Next::Stop => {
                     self.done.store(true, Ordering::SeqCst);
@@ -379,7 +399,7 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
     }
 
     /// Reads the next request whole; the caller holds the reading half.
-    fn next(&self, reader: &mut R) -> Next {
+    fn next(&self, reader: &mut R, buf: &mut Vec<u8>) -> Next {
         let writer = self.writer;
         if self.done.load(Ordering::SeqCst)
             || self.res.stopping.load(Ordering::SeqCst)
@@ -437,17 +457,17 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                     _ => 0,
                 };
                 let guard = self.res.budget.acquire(bytes);
-                let mut payload = Vec::new();
+                let mut buf = std::mem::take(buf);
                 if req.command == Command::Write {
-                    payload = vec![0u8; len];
-                    if reader.read_exact(&mut payload).is_err() {
+                    ensure_len(&mut buf, len);
+                    if reader.read_exact(&mut buf[..len]).is_err() {
                         return Next::Stop;
                     }
                 }
                 writer.begin();
                 Next::Job(Job {
                     req,
-                    payload,
+                    buf,
                     _budget: guard,
                 })
             }
@@ -462,29 +482,34 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportErr
 }
 
 /// Executes a counted request and sends its reply; its budget is given back
-/// once the reply is sent.
-fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) {
-    let req = job.req;
+/// once the reply is sent. Returns the worker's buffer for the next request.
+fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
+    let Job {
+        req,
+        mut buf,
+        _budget,
+    } = job;
     let fua = req.flags & proto::CMD_FLAG_FUA != 0;
     let len = u64::from(req.length);
     let result = match req.command {
         Command::Read => {
             // Header and data in one buffer: the reply leaves in one send.
-            let mut buf = vec![0u8; proto::SIMPLE_REPLY_HEADER_LEN + req.length as usize];
+            let total = proto::SIMPLE_REPLY_HEADER_LEN + req.length as usize;
+            ensure_len(&mut buf, total);
             let r = if len == 0 {
                 Ok(())
             } else {
-                guarded(|| export.read(req.offset, &mut buf[proto::SIMPLE_REPLY_HEADER_LEN..]))
+                guarded(|| export.read(req.offset, &mut buf[proto::SIMPLE_REPLY_HEADER_LEN..total]))
             };
             if r.is_ok() {
-                proto::write_simple_reply_header(&mut buf, 0, req.handle);
-                writer.reply(&buf);
-                return;
+                proto::write_simple_reply_header(&mut buf[..total], 0, req.handle);
+                writer.reply(&buf[..total]);
+                return buf;
             }
             r
         }
         Command::Write if len == 0 => Ok(()),
-        Command::Write => guarded(|| export.write(req.offset, &job.payload, fua)),
+        Command::Write => guarded(|| export.write(req.offset, &buf[..len as usize], fua)),
         Command::Flush => guarded(|| export.flush()),
         Command::Trim if len == 0 => Ok(()),
         Command::Trim => guarded(|| export.trim(req.offset, len, fua)),
@@ -497,6 +522,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) {
         Err(e) => proto::error_code(e),
     };
     writer.reply(&proto::encode_simple_reply(code, req.handle));
+    buf
 }
 
 #[cfg(test)]
