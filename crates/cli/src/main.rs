@@ -426,6 +426,16 @@ fn print_stats(v: &Value) {
         "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
         u("sequence_filtered_blocks")
     );
+    let ol = &v["out_of_line"];
+    println!(
+        "out-of-line passes           {} ({} blocks examined, {} hashed, {} LBAs remapped, {} merges; {:.2} µs CPU per block)",
+        ol["passes"].as_u64().unwrap_or(0),
+        ol["blocks_examined"].as_u64().unwrap_or(0),
+        ol["blocks_hashed"].as_u64().unwrap_or(0),
+        ol["lbas_remapped"].as_u64().unwrap_or(0),
+        ol["merges_applied"].as_u64().unwrap_or(0),
+        ol["cpu_us_per_block"].as_f64().unwrap_or(0.0)
+    );
     let ca = &v["caftl"];
     println!(
         "fingerprinted inline         {} blocks (CAFTL: {} pre-hashed, {} unseen CRCs, {} sampled requests, {} blocks behind a missed sample; table {})",

@@ -246,6 +246,8 @@ pub struct Engine {
     caftl: Mutex<crate::caftl::PrehashTable>,
     /// Blocks fingerprinted in the write path since the engine started.
     fingerprinted_inline: AtomicU64,
+    /// Totals of the out-of-line passes.
+    pub(crate) out_of_line: Mutex<crate::outofline::OutOfLineStats>,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -449,6 +451,7 @@ impl Engine {
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
             fingerprinted_inline: AtomicU64::new(0),
+            out_of_line: Mutex::new(crate::outofline::OutOfLineStats::default()),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -1458,6 +1461,7 @@ impl Engine {
                 sequence_filtered_blocks: c.sequence_filtered_blocks,
                 blocks_fingerprinted_inline: self.fingerprinted_inline.load(Ordering::Relaxed),
                 caftl: lock(&self.caftl).stats(),
+                out_of_line: self.out_of_line_stats(),
                 skipped_save_errors: c.skipped_save_errors,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,

@@ -33,6 +33,55 @@ use crate::engine::{lock, Engine};
 use crate::error::{EngineError, Result};
 use crate::fingerprint::Fingerprint;
 
+/// Totals of the out-of-line passes since the engine started (for
+/// `dedupd stats`), with their CPU cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct OutOfLineStats {
+    /// Passes run (background worker, replay and offline passes alike).
+    pub passes: u64,
+    /// Block addresses examined.
+    pub blocks_examined: u64,
+    /// Blocks fingerprinted by the passes.
+    pub blocks_hashed: u64,
+    /// LBAs remapped onto another copy of their content.
+    pub lbas_remapped: u64,
+    /// Pending merges applied by map scans.
+    pub merges_applied: u64,
+    /// CPU time of the passes' threads, in seconds (user + system).
+    pub cpu_seconds: f64,
+    /// `cpu_seconds` per block examined, in microseconds (0 before any).
+    pub cpu_us_per_block: f64,
+}
+
+impl OutOfLineStats {
+    fn add(&mut self, r: &PassReport, cpu_seconds: f64) {
+        self.passes += 1;
+        self.blocks_examined += r.blocks_examined;
+        self.blocks_hashed += r.blocks_hashed;
+        self.lbas_remapped += r.lbas_remapped;
+        self.merges_applied += r.merges_applied;
+        self.cpu_seconds += cpu_seconds;
+        self.cpu_us_per_block = if self.blocks_examined == 0 {
+            0.0
+        } else {
+            self.cpu_seconds * 1e6 / self.blocks_examined as f64
+        };
+    }
+}
+
+/// CPU time of the calling thread in seconds (0 if unavailable).
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// What a pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PassReport {
@@ -81,6 +130,19 @@ impl Engine {
         max_blocks: usize,
         should_yield: &dyn Fn() -> bool,
     ) -> Result<PassReport> {
+        let cpu_before = thread_cpu_seconds();
+        let r = self.pass(max_blocks, should_yield)?;
+        let cpu = (thread_cpu_seconds() - cpu_before).max(0.0);
+        lock(&self.out_of_line).add(&r, cpu);
+        Ok(r)
+    }
+
+    /// The totals of the passes run so far.
+    pub fn out_of_line_stats(&self) -> OutOfLineStats {
+        *lock(&self.out_of_line)
+    }
+
+    fn pass(&self, max_blocks: usize, should_yield: &dyn Fn() -> bool) -> Result<PassReport> {
         let mut r = PassReport::default();
         let items = {
             let mut m = lock(&self.meta);

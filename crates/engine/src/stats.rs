@@ -47,6 +47,9 @@ pub struct Stats {
     /// CAFTL's pre-hashing and sampling: table size, CRCs computed, blocks
     /// turned away (since the engine started).
     pub caftl: crate::caftl::CaftlStats,
+    /// Out-of-line passes since the engine started: blocks examined,
+    /// remapped, merges, and their CPU cost per block.
+    pub out_of_line: crate::outofline::OutOfLineStats,
     /// Checkpoints at which the skipped buffer could not be saved (its
     /// records since the previous save are lost on a crash; a full pass
     /// finds those duplicates).
