@@ -233,10 +233,25 @@ fn ool_store(dir: &Path) -> Engine {
         ..config()
     };
     let (e, vol) = create(dir, cfg, OOL_BLOCKS * BLOCK);
-    let mut rng = Rng(3);
+    fill_half_duplicates(&e, vol, OOL_BLOCKS, OOL_REQUEST, 3);
+    e
+}
+
+/// Writes LBAs `0..blocks` of `vol` in requests of `request_blocks`, each
+/// block with a 1 in 2 chance of copying a random block of an earlier
+/// request (new content otherwise), then flushes. Returns the number of
+/// distinct contents written.
+fn fill_half_duplicates(
+    e: &Engine,
+    vol: VolumeId,
+    blocks: u64,
+    request_blocks: u64,
+    seed: u64,
+) -> u64 {
+    let mut rng = Rng(seed);
     let mut unique = 0u64;
-    let mut buf = vec![0u8; (OOL_REQUEST * BLOCK) as usize];
-    for first in (0..OOL_BLOCKS).step_by(OOL_REQUEST as usize) {
+    let mut buf = vec![0u8; (request_blocks * BLOCK) as usize];
+    for first in (0..blocks).step_by(request_blocks as usize) {
         let before = unique;
         for b in buf.chunks_exact_mut(BLOCK_SIZE) {
             let id = if before > 0 && rng.below(2) == 0 {
@@ -250,7 +265,7 @@ fn ool_store(dir: &Path) -> Engine {
         e.write(vol, first * BLOCK, &buf, false).expect("write");
     }
     e.flush().expect("flush");
-    e
+    unique
 }
 
 fn out_of_line_pass(c: &mut Criterion) {
@@ -358,24 +373,7 @@ fn fg_store(dir: &Path) -> (Arc<Engine>, VolumeId, u64) {
         ..config()
     };
     let (e, vol) = create(dir, cfg, FG_VOLUME);
-    let lbas = FG_VOLUME / BLOCK;
-    let mut rng = Rng(4);
-    let mut unique = 0u64;
-    let chunk = 256u64;
-    let mut buf = vec![0u8; (chunk * BLOCK) as usize];
-    for first in (0..lbas).step_by(chunk as usize) {
-        for b in buf.chunks_exact_mut(BLOCK_SIZE) {
-            let id = if unique > 0 && rng.below(2) == 0 {
-                rng.below(unique)
-            } else {
-                unique += 1;
-                unique - 1
-            };
-            content(id, b);
-        }
-        e.write(vol, first * BLOCK, &buf, false).expect("write");
-    }
-    e.flush().expect("flush");
+    let unique = fill_half_duplicates(&e, vol, FG_VOLUME / BLOCK, 256, 4);
     (Arc::new(e), vol, unique)
 }
 

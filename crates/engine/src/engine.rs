@@ -594,12 +594,7 @@ impl Engine {
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         {
             let mut m = lock(&self.meta);
-            let id = m
-                .volumes
-                .values()
-                .find(|v| v.record.name == name)
-                .map(|v| v.record.id)
-                .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?;
+            let id = volume_id(&m, name)?;
             let blocks = m.volumes[&id].size_blocks();
             for lba in 0..blocks {
                 m.remap(id, Lba(lba), None);
@@ -622,12 +617,7 @@ impl Engine {
         validate_size(size_bytes)?;
         {
             let mut m = lock(&self.meta);
-            let id = m
-                .volumes
-                .values()
-                .find(|v| v.record.name == name)
-                .map(|v| v.record.id)
-                .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?;
+            let id = volume_id(&m, name)?;
             let old_blocks = m.volumes[&id].size_blocks();
             let new_blocks = size_bytes / BLOCK_SIZE_U64;
             for lba in new_blocks..old_blocks {
@@ -663,12 +653,7 @@ impl Engine {
         }
         {
             let mut m = lock(&self.meta);
-            let id = m
-                .volumes
-                .values()
-                .find(|v| v.record.name == name)
-                .map(|v| v.record.id)
-                .ok_or_else(|| EngineError::NoSuchVolume(name.into()))?;
+            let id = volume_id(&m, name)?;
             m.sequences.forget(id);
             let v = m.volumes.get_mut(&id).expect("looked up above");
             v.record.sequence_threshold_blocks = threshold_blocks;
@@ -1540,6 +1525,17 @@ impl Drop for Engine {
         // best effort; errors were reported to whoever called flush/close
         let _ = self.close();
     }
+}
+
+/// The id of the volume named `name`.
+///
+/// Errors: [`EngineError::NoSuchVolume`].
+fn volume_id(m: &Meta, name: &str) -> Result<VolumeId> {
+    m.volumes
+        .values()
+        .find(|v| v.record.name == name)
+        .map(|v| v.record.id)
+        .ok_or_else(|| EngineError::NoSuchVolume(name.into()))
 }
 
 fn percent(part: u64, whole: u64) -> f64 {
