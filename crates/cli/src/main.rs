@@ -426,6 +426,19 @@ fn print_stats(v: &Value) {
         "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
         u("sequence_filtered_blocks")
     );
+    let ri = &v["reverse_index"];
+    println!(
+        "reverse index in memory      {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors)",
+        human(ri["resident_bytes"].as_u64().unwrap_or(0)),
+        match ri["cache_bytes"].as_u64().unwrap_or(0) {
+            0 => "unbounded".to_string(),
+            b => human(b),
+        },
+        ri["pinned_pages"].as_u64().unwrap_or(0),
+        ri["pages_loaded"].as_u64().unwrap_or(0),
+        ri["pages_evicted"].as_u64().unwrap_or(0),
+        ri["load_errors"].as_u64().unwrap_or(0)
+    );
     let ol = &v["out_of_line"];
     println!(
         "out-of-line passes           {} ({} blocks examined, {} hashed, {} LBAs remapped, {} merges; {:.2} µs CPU per block)",

@@ -91,6 +91,11 @@ pub struct ServeArgs {
     /// override it (`dedupd volume set`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub sequence_threshold: u32,
+    /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per stored
+    /// block) kept in memory; the rest is read from disk on demand (0: keep
+    /// all of it).
+    #[arg(long, default_value = "16M")]
+    pub reverse_index_cache: String,
     /// Bytes of CAFTL's pre-hash CRC table: only blocks whose CRC-32C was
     /// seen before are fingerprinted inline (0: off).
     #[arg(long, default_value = "0")]
@@ -178,6 +183,8 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
         sequence_threshold_blocks: args.sequence_threshold,
         prehash_bytes: parse_size(&args.prehash).map_err(anyhow::Error::msg)?,
+        reverse_index_cache_bytes: parse_size(&args.reverse_index_cache)
+            .map_err(anyhow::Error::msg)?,
         sampling: args.sampling,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,

@@ -103,6 +103,11 @@ pub struct EngineConfig {
     /// duplicates with contiguous PBAs; see [`crate::sequence`]. A volume
     /// may override it. Default 1 (off).
     pub sequence_threshold_blocks: u32,
+    /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per block)
+    /// kept in memory; the rest is paged from its file on demand (see
+    /// [`crate::reverse`]). 0 keeps all of it. Default 16 MiB (about
+    /// 500 000 blocks, 2 GiB of distinct data).
+    pub reverse_index_cache_bytes: u64,
     /// Bytes of CAFTL's pre-hash CRC table (see [`crate::caftl`]): only
     /// blocks whose CRC-32C was seen before are fingerprinted inline.
     /// Default 0 (off).
@@ -128,6 +133,7 @@ impl Default for EngineConfig {
             sequence_threshold_blocks: 1,
             prehash_bytes: 0,
             sampling: false,
+            reverse_index_cache_bytes: 16 << 20,
             read_cache_bytes: 4 << 20,
             selectivity: crate::selectivity::SelectivityConfig::default(),
             observer: crate::observe::Observer::default(),
@@ -168,6 +174,9 @@ struct CheckpointBuffer {
     ops: Vec<Op>,
     position: HashMap<(MetaFile, u64), usize>,
     bytes: u64,
+    /// Commit generation of the last batch added (see
+    /// [`crate::meta::Meta::commit_generation`]).
+    generation: u64,
 }
 
 impl CheckpointBuffer {
@@ -319,7 +328,10 @@ impl Engine {
             next_volume_id: state.next_volume_id,
             counters: state.counters.clone(),
             refcounts: load(MetaFile::Refcounts, &mut damage)?,
-            fingerprints: load(MetaFile::Fingerprints, &mut damage)?,
+            fingerprints: crate::reverse::ReverseIndex::new(load(
+                MetaFile::Fingerprints,
+                &mut damage,
+            )?),
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             ..Meta::empty(index)
         };
@@ -407,6 +419,21 @@ impl Engine {
                 }
                 other => return Err(other),
             }
+        }
+        // the reverse index pages from its file from now on; pages the
+        // journal replayed are not in place yet and stay until a checkpoint
+        // (created empty on a new store: its first checkpoint fills it)
+        if let Ok(file) = dir.open_file("fingerprints", true) {
+            let replayed = checkpoint.ops.iter().filter_map(|op| match op {
+                Op::Write {
+                    file: MetaFile::Fingerprints,
+                    offset,
+                    ..
+                } => Some(offset / crate::paged::PAGE_SIZE as u64),
+                _ => None,
+            });
+            meta.fingerprints
+                .page_from(file, config.reverse_index_cache_bytes, replayed);
         }
         let journal =
             Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
@@ -1101,7 +1128,7 @@ impl Engine {
         // (after the sequence threshold has had its say); misses get a
         // reserved PBA
         let mut placement: Vec<Placement> = Vec::with_capacity(n);
-        let mut inserts_seen: u64;
+        let inserts_seen: u64;
         let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
         {
             let mut m = lock(&self.meta);
@@ -1255,8 +1282,7 @@ impl Engine {
                     final_pba[i] = Some(*pba);
                     continue;
                 }
-                // a miss in phase 1 still holds if nobody indexed anything
-                // since but this request
+                // a miss in phase 1 still holds if nothing was indexed since
                 let raced = if m.index_inserts == inserts_seen {
                     None
                 } else {
@@ -1275,9 +1301,9 @@ impl Engine {
                         existing
                     }
                     None => {
-                        let result = m.index_new(*pba, *fp);
-                        inserts_seen += 1;
-                        if let Err(e) = result {
+                        // (this request's own inserts count too: two of
+                        // its blocks may carry the same new content)
+                        if let Err(e) = m.index_new(*pba, *fp) {
                             // the block is stored and mapped below; only the
                             // index missed it (out-of-line dedup or fsck finds it)
                             m.counters.index_errors += 1;
@@ -1369,6 +1395,7 @@ impl Engine {
         }
         if c.journal.is_some() {
             c.checkpoint.add(batch.ops);
+            c.checkpoint.generation = batch.generation;
             let used = c.journal.as_ref().map_or(0, |j| j.used_bytes());
             if used >= self.config.journal_size_bytes {
                 // a failed checkpoint loses nothing: the journal keeps the changes
@@ -1395,6 +1422,11 @@ impl Engine {
         // covers all of them; later changes stay in the journal
         self.save_skipped();
         dir.apply(&c.checkpoint.ops)?;
+        // every page of those commits is in place: the reverse index may
+        // drop them from memory
+        lock(&self.meta)
+            .fingerprints
+            .unpin_through(c.checkpoint.generation);
         c.checkpoint = CheckpointBuffer::default();
         if let Some(j) = c.journal.as_mut() {
             j.reset();
@@ -1447,6 +1479,7 @@ impl Engine {
                 blocks_fingerprinted_inline: self.fingerprinted_inline.load(Ordering::Relaxed),
                 caftl: lock(&self.caftl).stats(),
                 out_of_line: self.out_of_line_stats(),
+                reverse_index: m.fingerprints.stats(),
                 skipped_save_errors: c.skipped_save_errors,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,

@@ -23,6 +23,7 @@ pub mod meta;
 pub mod observe;
 pub mod outofline;
 pub mod paged;
+pub mod reverse;
 pub mod selectivity;
 pub mod sequence;
 pub mod skipped;

@@ -59,11 +59,14 @@ pub struct Meta {
     /// u32 reference count per PBA.
     pub refcounts: PagedArray,
     /// Fingerprint per PBA (reverse index); stale (meaningless) for free PBAs.
-    pub fingerprints: PagedArray,
+    pub fingerprints: crate::reverse::ReverseIndex,
     /// The two-level fingerprint store (fingerprint → PBA).
     pub index: FingerprintIndex,
     /// Blocks written without an inline match, for out-of-line dedup.
     pub skipped: crate::skipped::SkippedBuffer,
+    /// Commit batches taken so far ([`Meta::take_commit`]); the reverse
+    /// index pins the pages of a batch until a checkpoint covers it.
+    pub commit_generation: u64,
     /// Fingerprints indexed by [`Meta::index_new`] so far: a writer that
     /// saw none added since its lookup knows its miss still holds.
     pub index_inserts: u64,
@@ -106,6 +109,8 @@ pub struct CommitBatch {
     pub frees: Vec<u64>,
     /// [`Meta::change_count`] at the snapshot.
     pub change_count: u64,
+    /// [`Meta::commit_generation`] of this batch.
+    pub generation: u64,
 }
 
 impl Meta {
@@ -114,7 +119,9 @@ impl Meta {
         Meta {
             index,
             refcounts: PagedArray::new(MetaFile::Refcounts.page_tag()),
-            fingerprints: PagedArray::new(MetaFile::Fingerprints.page_tag()),
+            fingerprints: crate::reverse::ReverseIndex::new(PagedArray::new(
+                MetaFile::Fingerprints.page_tag(),
+            )),
             ..Meta::default()
         }
     }
@@ -164,7 +171,7 @@ impl Meta {
 
     /// The fingerprint recorded for a PBA.
     pub fn fingerprint_of(&self, pba: Pba) -> Fingerprint {
-        Fingerprint(self.fingerprints.get_array(pba.0 * FINGERPRINT_SIZE as u64))
+        self.fingerprints.get(pba.0)
     }
 
     /// Takes a free PBA for new data (lowest free, else the high-water mark).
@@ -318,7 +325,8 @@ impl Meta {
                 data: img.to_vec(),
             });
         }
-        for (p, img) in self.fingerprints.take_dirty() {
+        self.commit_generation += 1;
+        for (p, img) in self.fingerprints.take_dirty(self.commit_generation) {
             ops.push(Op::Write {
                 file: MetaFile::Fingerprints,
                 offset: p * page,
@@ -343,6 +351,7 @@ impl Meta {
             ops,
             frees: std::mem::take(&mut self.pending_free),
             change_count: self.change_count,
+            generation: self.commit_generation,
         }
     }
 
@@ -465,10 +474,15 @@ impl Meta {
 }
 
 /// True if PBA `p` is referenced and its recorded fingerprint starts with `key`.
-fn live(refcounts: &PagedArray, fingerprints: &PagedArray, key: u64, p: Pba) -> bool {
+fn live(
+    refcounts: &PagedArray,
+    fingerprints: &crate::reverse::ReverseIndex,
+    key: u64,
+    p: Pba,
+) -> bool {
     if refcounts.get_u32(p.0) == 0 {
         return false;
     }
     // the index key is the fingerprint's first 8 bytes (big-endian)
-    u64::from_be_bytes(fingerprints.get_array(p.0 * FINGERPRINT_SIZE as u64)) == key
+    fingerprints.key(p.0) == key
 }

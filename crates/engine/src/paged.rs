@@ -233,6 +233,29 @@ impl PagedArray {
         self.set_array(i * 4, v.to_le_bytes());
     }
 
+    /// The file tag the array's pages carry.
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+
+    /// Puts a page read back from disk at `page` (not dirty).
+    pub fn put_page(&mut self, page: u64, payload: Box<[u8; PAYLOAD_SIZE]>) {
+        self.ensure_pages(page + 1);
+        self.pages[page as usize] = Some(payload);
+    }
+
+    /// Drops page `page` from memory (the caller keeps its image elsewhere).
+    pub fn drop_page(&mut self, page: u64) {
+        if let Some(slot) = self.pages.get_mut(page as usize) {
+            *slot = None;
+        }
+    }
+
+    /// True if `page` changed since the last [`PagedArray::take_dirty`].
+    pub fn is_dirty(&self, page: u64) -> bool {
+        self.dirty_flag.get(page as usize).copied().unwrap_or(false)
+    }
+
     /// True if page `page` holds no non-zero entry (not allocated).
     pub fn page_is_hole(&self, page: u64) -> bool {
         self.pages.get(page as usize).is_none_or(|p| p.is_none())

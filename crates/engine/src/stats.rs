@@ -50,6 +50,9 @@ pub struct Stats {
     /// Out-of-line passes since the engine started: blocks examined,
     /// remapped, merges, and their CPU cost per block.
     pub out_of_line: crate::outofline::OutOfLineStats,
+    /// The reverse index's page cache: budget, resident bytes, pages loaded
+    /// back and evicted.
+    pub reverse_index: crate::reverse::ReverseIndexStats,
     /// Checkpoints at which the skipped buffer could not be saved (its
     /// records since the previous save are lost on a crash; a full pass
     /// finds those duplicates).

@@ -35,6 +35,13 @@ fn config(which: u8) -> EngineConfig {
         sequence_threshold_blocks: if which == 7 { 3 } else { 1 },
         // CAFTL's filters leave blocks unhashed for the out-of-line pass
         prehash_bytes: if which == 8 { 4096 } else { 0 },
+        // the tiny-budget configurations also page the reverse index
+        // through a one-page cache
+        reverse_index_cache_bytes: if (1..=6).contains(&which) {
+            4064
+        } else {
+            16 << 20
+        },
         sampling: which == 8,
         ..EngineConfig::default()
     }
@@ -711,5 +718,95 @@ fn out_of_line_worker_keeps_a_minimum_share_under_load() {
         after < before,
         "the worker made no progress under load: {before} -> {after} blocks pending"
     );
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
+/// The reverse index under a two-page cache: pages leave memory once a
+/// checkpoint put them in place and come back on demand; dedup, overwrites,
+/// out-of-line passes, restarts and crash recovery see the same content.
+#[test]
+fn reverse_index_pages_from_disk_under_a_tiny_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let cfg = EngineConfig {
+        reverse_index_cache_bytes: 2 * 4064,
+        journal_size_bytes: 1 << 20,
+        ..EngineConfig::default()
+    };
+    let blk = |k: u64| {
+        let mut b = vec![6u8; BLOCK_SIZE];
+        b[..8].copy_from_slice(&(k + 1).to_le_bytes());
+        b
+    };
+    let n = 3000u64;
+    let e = Engine::create(&path, HashAlgorithm::Sha256, cfg.clone()).unwrap();
+    let a = e.create_volume("a", 64 << 20).unwrap();
+    let b = e.create_volume("b", 64 << 20).unwrap();
+    for k in 0..n {
+        e.write(a, k * 4096, &blk(k), false).unwrap();
+    }
+    e.flush().unwrap();
+    e.checkpoint().unwrap();
+    let s = e.stats().reverse_index;
+    assert!(s.pages_evicted > 0, "{s:?}");
+    assert!(s.resident_bytes <= s.cache_bytes, "{s:?}");
+    // duplicates of every block: each hit is checked against an evicted page
+    for k in 0..n {
+        e.write(b, k * 4096, &blk(k), false).unwrap();
+    }
+    assert_eq!(e.stats().physical_blocks_stored, n);
+    // overwrites release blocks: their fingerprints come back to be removed
+    for k in 0..n / 2 {
+        e.write(a, k * 4096, &blk(n + k), false).unwrap();
+    }
+    e.flush().unwrap();
+    assert!(e.stats().reverse_index.pages_loaded > 0);
+    assert_eq!(e.stats().reverse_index.load_errors, 0);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    // a crash now: recovery replays what the journal holds
+    let copy = dir.path().join("crash");
+    crash_copy(&path, &copy);
+    let mut live = Some(e);
+    for store in [&copy, &path] {
+        if store == &path {
+            let e = live.take().expect("open");
+            e.close().unwrap();
+            drop(e);
+        }
+        let r = Engine::open(store, cfg.clone()).unwrap();
+        let (ra, _) = r.volume("a").unwrap();
+        let (rb, _) = r.volume("b").unwrap();
+        let mut got = vec![0u8; BLOCK_SIZE];
+        for k in (0..n).step_by(97) {
+            r.read(rb, k * 4096, &mut got).unwrap();
+            assert_eq!(got, blk(k));
+            r.read(ra, k * 4096, &mut got).unwrap();
+            assert_eq!(got, if k < n / 2 { blk(n + k) } else { blk(k) });
+        }
+        // a third copy still dedups against the paged reverse index
+        let c = r.create_volume("c", 64 << 20).unwrap();
+        for k in 0..n {
+            r.write(c, k * 4096, &blk(k), false).unwrap();
+        }
+        assert_eq!(r.stats().physical_blocks_stored, n + n / 2);
+        assert!(r.check().is_empty(), "{:?}", r.check());
+        drop(r);
+    }
+}
+
+/// An overwrite that releases the only copy of content the same request
+/// writes twice more: both copies must end up sharing one new block (the
+/// request's own index insert is seen by its later blocks).
+#[test]
+fn request_rewriting_released_content_twice_stores_it_once() {
+    let cfg = config(4); // 4 KiB budget, LFU, disk lookups: every duplicate found
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::create(&dir.path().join("s"), HashAlgorithm::Sha256, cfg).unwrap();
+    let v = e.create_volume("v", VOLUME_BLOCKS * 4096).unwrap();
+    let data = |pats: &[u8]| pats.iter().flat_map(|&p| pattern(p)).collect::<Vec<u8>>();
+    e.write(v, 19 * 4096, &data(&[5, 2]), false).unwrap();
+    // LBA 20 held the only copy of pattern 2; LBAs 21 and 22 write it again
+    e.write(v, 20 * 4096, &data(&[5, 2, 2]), false).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 2);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
