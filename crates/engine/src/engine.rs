@@ -297,7 +297,7 @@ impl Engine {
             images.apply(op)?;
         }
         let state_path = dir.path(MetaFile::State);
-        let state: State = decode_checked(images.get(MetaFile::State)?, &state_path)?;
+        let state: State = decode_checked(&images.get(MetaFile::State)?.to_bytes(), &state_path)?;
         let next_seq = state.journal_seq.max(chain.last().map_or(0, |t| t.seq)) + 1;
         let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
         // the on-disk fingerprint store is derived data, rebuilt at every open
@@ -315,7 +315,7 @@ impl Engine {
         let mut damage: Vec<Damage> = Vec::new();
         let mut damage_notes: Vec<String> = Vec::new();
         let mut load = |file: MetaFile, damage: &mut Vec<Damage>| -> Result<PagedArray> {
-            let (array, pages) = PagedArray::from_disk(images.get(file)?, file.page_tag());
+            let (array, pages) = PagedArray::from_image(images.get(file)?, file.page_tag());
             if !pages.is_empty() {
                 damage.push(Damage {
                     file: dir.path(file),
@@ -547,9 +547,7 @@ impl Engine {
         m.volumes
             .values()
             .map(|v| {
-                let mapped = (0..v.size_blocks())
-                    .filter(|&l| v.map.get_u64(l) != 0)
-                    .count() as u64;
+                let mapped = v.map.nonzero_u64(0..v.size_blocks()).len() as u64;
                 VolumeInfo {
                     id: v.record.id,
                     name: v.record.name.clone(),
@@ -622,8 +620,8 @@ impl Engine {
         {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
-            let blocks = m.volumes[&id].size_blocks();
-            for lba in 0..blocks {
+            let v = &m.volumes[&id];
+            for (lba, _) in v.map.nonzero_u64(0..v.size_blocks()) {
                 m.remap(id, Lba(lba), None);
             }
             m.volumes.remove(&id);
@@ -647,7 +645,7 @@ impl Engine {
             let id = volume_id(&m, name)?;
             let old_blocks = m.volumes[&id].size_blocks();
             let new_blocks = size_bytes / BLOCK_SIZE_U64;
-            for lba in new_blocks..old_blocks {
+            for (lba, _) in m.volumes[&id].map.nonzero_u64(new_blocks..old_blocks) {
                 m.remap(id, Lba(lba), None);
             }
             m.sequences.forget(id);

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::block::{Lba, Pba, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::block::{Pba, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::engine::{lock, Engine, EngineConfig};
 use crate::error::Result;
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
@@ -135,13 +135,12 @@ impl Engine {
                 );
                 r.data_lost.push(lost);
             }
-            for lba in 0..v.size_blocks() {
-                if let Some(p) = v.get(Lba(lba)) {
-                    r.mapped_blocks += 1;
-                    match counts.get_mut(p.0 as usize) {
-                        Some(c) => *c += 1,
-                        None => outside.push((*id, lba)),
-                    }
+            for (lba, raw) in v.map.nonzero_u64(0..v.size_blocks()) {
+                let p = Pba(raw - 1);
+                r.mapped_blocks += 1;
+                match counts.get_mut(p.0 as usize) {
+                    Some(c) => *c += 1,
+                    None => outside.push((*id, lba)),
                 }
             }
         }

@@ -153,11 +153,7 @@ impl Meta {
             .collect();
         self.mapped_blocks = 0;
         for v in self.volumes.values() {
-            for lba in 0..v.size_blocks() {
-                if v.map.get_u64(lba) != 0 {
-                    self.mapped_blocks += 1;
-                }
-            }
+            self.mapped_blocks += v.map.nonzero_u64(0..v.size_blocks()).len() as u64;
         }
         Ok(())
     }
@@ -426,15 +422,14 @@ impl Meta {
         let mut errs = Vec::new();
         let mut counts: HashMap<u64, u32> = HashMap::new();
         for v in self.volumes.values() {
-            for lba in 0..v.size_blocks() {
-                if let Some(p) = v.get(Lba(lba)) {
-                    *counts.entry(p.0).or_default() += 1;
-                    if p.0 >= self.high_water_blocks {
-                        errs.push(format!(
-                            "volume {} LBA {lba} maps to PBA {} past the high-water mark",
-                            v.record.name, p.0
-                        ));
-                    }
+            for (lba, raw) in v.map.nonzero_u64(0..v.size_blocks()) {
+                let p = Pba(raw - 1);
+                *counts.entry(p.0).or_default() += 1;
+                if p.0 >= self.high_water_blocks {
+                    errs.push(format!(
+                        "volume {} LBA {lba} maps to PBA {} past the high-water mark",
+                        v.record.name, p.0
+                    ));
                 }
             }
         }

@@ -99,6 +99,22 @@ impl PagedArray {
         (a, damaged)
     }
 
+    /// Builds an array from a file image read sparsely: as
+    /// [`PagedArray::from_disk`], visiting only the pages that hold data.
+    pub fn from_image(img: &crate::store::SparseImage, tag: u32) -> (Self, Vec<u64>) {
+        let mut a = PagedArray::new(tag);
+        a.ensure_pages(img.len_bytes.div_ceil(PAGE_SIZE as u64));
+        let mut damaged = Vec::new();
+        for (&i, page) in &img.pages {
+            a.ensure_pages(i + 1);
+            match decode_page(&page[..], tag, i) {
+                Ok(p) => a.pages[i as usize] = p,
+                Err(()) => damaged.push(i),
+            }
+        }
+        (a, damaged)
+    }
+
     /// Number of pages (allocated or not) the array spans.
     pub fn page_count(&self) -> u64 {
         self.pages.len() as u64
@@ -256,6 +272,34 @@ impl PagedArray {
         self.dirty_flag.get(page as usize).copied().unwrap_or(false)
     }
 
+    /// The non-zero `u64` entries with index in `range`, as (index, value),
+    /// in order; pages not allocated are skipped whole, so a sparse array
+    /// costs in proportion to what is set, not to its length.
+    pub fn nonzero_u64(&self, range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
+        const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+        let mut out = Vec::new();
+        if range.start >= range.end {
+            return out;
+        }
+        let first_page = range.start / PER_PAGE;
+        let last_page = ((range.end - 1) / PER_PAGE).min(self.page_count().saturating_sub(1));
+        for page in first_page..=last_page {
+            let Some(Some(p)) = self.pages.get(page as usize) else {
+                continue;
+            };
+            let lo = (page * PER_PAGE).max(range.start);
+            let hi = ((page + 1) * PER_PAGE).min(range.end);
+            for i in lo..hi {
+                let at = ((i - page * PER_PAGE) * 8) as usize;
+                let v = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+                if v != 0 {
+                    out.push((i, v));
+                }
+            }
+        }
+        out
+    }
+
     /// True if page `page` holds no non-zero entry (not allocated).
     pub fn page_is_hole(&self, page: u64) -> bool {
         self.pages.get(page as usize).is_none_or(|p| p.is_none())
@@ -317,6 +361,24 @@ mod tests {
             bytes[p as usize * PAGE_SIZE..(p as usize + 1) * PAGE_SIZE].copy_from_slice(&img[..]);
         }
         bytes
+    }
+
+    #[test]
+    fn nonzero_u64_matches_a_full_scan() {
+        let mut a = PagedArray::new(1);
+        for i in [0u64, 1, 507, 508, 509, 5000, 5001, 100_000] {
+            a.set_u64(i, i + 1);
+        }
+        a.set_u64(1, 0); // set then cleared: its page stays allocated
+        for range in [0..10, 0..100_001, 500..5001, 508..509, 6000..7000, 9..9] {
+            let full: Vec<(u64, u64)> = range
+                .clone()
+                .filter(|&i| a.get_u64(i) != 0)
+                .map(|i| (i, a.get_u64(i)))
+                .collect();
+            assert_eq!(a.nonzero_u64(range.clone()), full, "{range:?}");
+        }
+        assert!(a.nonzero_u64(200_000..300_000).is_empty());
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -283,16 +283,12 @@ impl StoreDir {
     }
 
     /// The whole content of a metadata file; empty if it does not exist.
-    pub fn read_meta(&self, file: MetaFile) -> Result<Vec<u8>> {
+    pub fn read_meta(&self, file: MetaFile) -> Result<SparseImage> {
         let p = self.path(file);
         match File::open(&p) {
-            Ok(mut f) => {
-                let mut v = Vec::new();
-                f.read_to_end(&mut v)
-                    .map_err(|e| EngineError::io(format!("reading {}", p.display()), e))?;
-                Ok(v)
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Ok(f) => SparseImage::read(&f)
+                .map_err(|e| EngineError::io(format!("reading {}", p.display()), e)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(SparseImage::default()),
             Err(e) => Err(EngineError::io(format!("reading {}", p.display()), e)),
         }
     }
@@ -412,7 +408,136 @@ impl StoreDir {
 #[derive(Debug)]
 pub struct MetaImages<'a> {
     dir: &'a StoreDir,
-    files: HashMap<MetaFile, Vec<u8>>,
+    files: HashMap<MetaFile, SparseImage>,
+}
+
+/// The content of a file as its length and its 4 KiB pages that hold data;
+/// the rest reads as zeros. A thin volume's map file is mostly holes, so
+/// its image costs memory in proportion to what is mapped.
+#[derive(Debug, Clone, Default)]
+pub struct SparseImage {
+    /// Length of the file in bytes.
+    pub len_bytes: u64,
+    /// Pages that may hold non-zero bytes, by page number.
+    pub pages: std::collections::BTreeMap<u64, Box<[u8; crate::paged::PAGE_SIZE]>>,
+}
+
+const IMAGE_PAGE: u64 = crate::paged::PAGE_SIZE as u64;
+
+impl SparseImage {
+    /// Reads `f`, skipping the holes the file system reports
+    /// (`SEEK_DATA`/`SEEK_HOLE`; without them the whole file is read).
+    pub fn read(f: &File) -> io::Result<SparseImage> {
+        use std::os::unix::io::AsRawFd;
+        let len_bytes = f.metadata()?.len();
+        let mut img = SparseImage {
+            len_bytes,
+            ..SparseImage::default()
+        };
+        let mut pos = 0u64;
+        while pos < len_bytes {
+            // SAFETY: lseek on a descriptor we own; it changes only the
+            // file offset, which reads below do not use (read_at).
+            let data = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
+            if data < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::ENXIO) => break, // only a hole is left
+                    Some(libc::EINVAL) => {
+                        // no SEEK_DATA here: read everything
+                        img.read_range(f, pos, len_bytes)?;
+                        break;
+                    }
+                    _ => return Err(e),
+                }
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(f.as_raw_fd(), data, libc::SEEK_HOLE) };
+            let end = if hole < 0 {
+                len_bytes
+            } else {
+                (hole as u64).min(len_bytes)
+            };
+            img.read_range(f, data as u64, end)?;
+            pos = end.max(data as u64 + 1);
+        }
+        Ok(img)
+    }
+
+    /// Reads bytes `start..end` of `f` into whole pages.
+    fn read_range(&mut self, f: &File, start: u64, end: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut page = start / IMAGE_PAGE;
+        while page * IMAGE_PAGE < end {
+            let mut buf = Box::new([0u8; crate::paged::PAGE_SIZE]);
+            let off = page * IMAGE_PAGE;
+            let want = (self.len_bytes - off).min(IMAGE_PAGE) as usize;
+            let mut done = 0;
+            while done < want {
+                match f.read_at(&mut buf[done..want], off + done as u64) {
+                    Ok(0) => break,
+                    Ok(n) => done += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if buf.iter().any(|&b| b != 0) {
+                self.pages.insert(page, buf);
+            }
+            page += 1;
+        }
+        Ok(())
+    }
+
+    /// An image holding `bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> SparseImage {
+        let mut img = SparseImage::default();
+        img.write(0, bytes);
+        img
+    }
+
+    /// The whole content (for small files).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.len_bytes as usize];
+        for (&p, page) in &self.pages {
+            let off = (p * IMAGE_PAGE) as usize;
+            let n = (out.len() - off).min(page.len());
+            out[off..off + n].copy_from_slice(&page[..n]);
+        }
+        out
+    }
+
+    /// Writes `data` at byte `offset`, growing the file as needed.
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        let end = offset + data.len() as u64;
+        self.len_bytes = self.len_bytes.max(end);
+        let mut pos = offset;
+        while pos < end {
+            let page = pos / IMAGE_PAGE;
+            let in_page = (pos % IMAGE_PAGE) as usize;
+            let n = ((IMAGE_PAGE - in_page as u64).min(end - pos)) as usize;
+            let src = &data[(pos - offset) as usize..(pos - offset) as usize + n];
+            let slot = self
+                .pages
+                .entry(page)
+                .or_insert_with(|| Box::new([0u8; crate::paged::PAGE_SIZE]));
+            slot[in_page..in_page + n].copy_from_slice(src);
+            pos += n as u64;
+        }
+    }
+
+    /// Sets the length to `len_bytes`, dropping what lies past it.
+    pub fn set_len(&mut self, len_bytes: u64) {
+        self.len_bytes = len_bytes;
+        let keep = len_bytes.div_ceil(IMAGE_PAGE);
+        self.pages.retain(|&p, _| p < keep);
+        let tail = (len_bytes % IMAGE_PAGE) as usize;
+        if tail != 0 {
+            if let Some(last) = self.pages.get_mut(&(keep - 1)) {
+                last[tail..].fill(0);
+            }
+        }
+    }
 }
 
 impl<'a> MetaImages<'a> {
@@ -425,12 +550,12 @@ impl<'a> MetaImages<'a> {
     }
 
     /// The current content of `file` (empty if it does not exist).
-    pub fn get(&mut self, file: MetaFile) -> Result<&Vec<u8>> {
+    pub fn get(&mut self, file: MetaFile) -> Result<&SparseImage> {
         self.load(file)?;
         Ok(&self.files[&file])
     }
 
-    fn load(&mut self, file: MetaFile) -> Result<&mut Vec<u8>> {
+    fn load(&mut self, file: MetaFile) -> Result<&mut SparseImage> {
         if !self.files.contains_key(&file) {
             let bytes = self.dir.read_meta(file)?;
             self.files.insert(file, bytes);
@@ -441,20 +566,13 @@ impl<'a> MetaImages<'a> {
     /// Applies one journal operation to the in-memory content.
     pub fn apply(&mut self, op: &Op) -> Result<()> {
         match op {
-            Op::Write { file, offset, data } => {
-                let f = self.load(*file)?;
-                let end = *offset as usize + data.len();
-                if f.len() < end {
-                    f.resize(end, 0);
-                }
-                f[*offset as usize..end].copy_from_slice(data);
-            }
+            Op::Write { file, offset, data } => self.load(*file)?.write(*offset, data),
             Op::Replace { file, data } => {
-                self.files.insert(*file, data.clone());
+                self.files.insert(*file, SparseImage::from_bytes(data));
             }
-            Op::SetLen { file, len_bytes } => self.load(*file)?.resize(*len_bytes as usize, 0),
+            Op::SetLen { file, len_bytes } => self.load(*file)?.set_len(*len_bytes),
             Op::Remove { file } => {
-                self.files.insert(*file, Vec::new());
+                self.files.insert(*file, SparseImage::default());
             }
         }
         Ok(())
@@ -537,5 +655,42 @@ mod tests {
         drop(dir);
         let (_d, sb) = StoreDir::open(&s).unwrap();
         assert_eq!(sb.hash, HashAlgorithm::Blake3);
+    }
+
+    #[test]
+    fn sparse_image_reads_data_and_skips_holes() {
+        use std::os::unix::fs::FileExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        let f = File::create(&p).unwrap();
+        // 1 GiB long, data in three places, a short tail
+        f.write_at(b"head", 0).unwrap();
+        f.write_at(&[7u8; 5000], 512 << 20).unwrap();
+        f.set_len((1 << 30) + 10).unwrap();
+        f.write_at(b"tail", 1 << 30).unwrap();
+        let img = SparseImage::read(&File::open(&p).unwrap()).unwrap();
+        assert_eq!(img.len_bytes, (1 << 30) + 10);
+        // only the pages with data were read
+        let want: Vec<u64> = vec![
+            0,
+            (512 << 20) / 4096,
+            (512 << 20) / 4096 + 1,
+            (1 << 30) / 4096,
+        ];
+        assert_eq!(img.pages.keys().copied().collect::<Vec<_>>(), want);
+        let mut expect = SparseImage::default();
+        expect.write(0, b"head");
+        expect.write(512 << 20, &[7u8; 5000]);
+        expect.write(1 << 30, b"tail");
+        expect.set_len((1 << 30) + 10);
+        assert_eq!(img.pages.len(), expect.pages.len());
+        for (k, v) in &img.pages {
+            assert_eq!(&v[..], &expect.pages[k][..], "page {k}");
+        }
+        // writes grow, set_len cuts and zeroes the tail of the last page
+        let mut small = SparseImage::from_bytes(b"abcdef");
+        small.set_len(3);
+        small.write(5, b"z");
+        assert_eq!(small.to_bytes(), b"abc\0\0z");
     }
 }
