@@ -130,18 +130,22 @@ impl ReverseIndex {
     /// Writes `data` at logical byte offset `off` (whole fingerprints).
     pub fn write(&mut self, off: u64, data: &[u8]) {
         let i = self.inner.get_mut();
-        let first = off / PAYLOAD_SIZE as u64;
-        let last = (off + data.len().max(1) as u64 - 1) / PAYLOAD_SIZE as u64;
-        for p in first..=last {
+        let end = off + data.len() as u64;
+        let mut pos = off;
+        // page by page: a fingerprint never spans two pages, so this is
+        // one step, with no allocation on the write path
+        while pos < end {
+            let p = pos / PAYLOAD_SIZE as u64;
+            let upto = ((p + 1) * PAYLOAD_SIZE as u64).min(end);
             i.load(p);
-        }
-        let was_hole: Vec<bool> = (first..=last).map(|p| i.array.page_is_hole(p)).collect();
-        i.array.write(off, data);
-        for (k, p) in (first..=last).enumerate() {
-            if was_hole[k] && !i.array.page_is_hole(p) {
+            let was_hole = i.array.page_is_hole(p);
+            i.array
+                .write(pos, &data[(pos - off) as usize..(upto - off) as usize]);
+            if was_hole && !i.array.page_is_hole(p) {
                 i.resident_pages += 1;
                 i.fifo.push_back(p);
             }
+            pos = upto;
         }
         i.enforce_budget(None);
     }
