@@ -18,15 +18,8 @@ pub struct ReplayArgs {
     /// are interleaved by time stamp.
     #[arg(required = true)]
     traces: Vec<PathBuf>,
-    /// Trace format: fiu, mobile, native or auto (detect per file).
-    #[arg(long, default_value = "auto")]
-    format: String,
-    /// What makes a stream (one volume each): file, process or pid.
-    #[arg(long, default_value = "file")]
-    stream_by: StreamBy,
-    /// Count and skip malformed lines instead of stopping at the first.
-    #[arg(long)]
-    skip_bad: bool,
+    #[command(flatten)]
+    input: TraceInputArgs,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -55,6 +48,34 @@ pub struct ReplayArgs {
     out_of_line: dedupd_sim::replay::OutOfLine,
 }
 
+/// How traces are read, shared by `dedupd replay` and `dedupd sweep`.
+#[derive(clap::Args, Debug)]
+pub struct TraceInputArgs {
+    /// Trace format: fiu, mobile, native or auto (detect per file).
+    #[arg(long, default_value = "auto")]
+    format: String,
+    /// What makes a stream (one volume each): file, process or pid.
+    #[arg(long, default_value = "file")]
+    stream_by: StreamBy,
+    /// Count and skip malformed lines instead of stopping at the first.
+    #[arg(long)]
+    skip_bad: bool,
+}
+
+impl TraceInputArgs {
+    /// `base` with these input settings.
+    ///
+    /// Errors: an unknown format name.
+    pub fn apply(&self, base: ReplayConfig) -> anyhow::Result<ReplayConfig> {
+        Ok(ReplayConfig {
+            format: parse_format(&self.format)?,
+            stream_by: self.stream_by,
+            skip_bad: self.skip_bad,
+            ..base
+        })
+    }
+}
+
 /// Parses `auto` (None) or a format name.
 pub fn parse_format(s: &str) -> anyhow::Result<Option<Format>> {
     if s == "auto" {
@@ -70,15 +91,13 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         Some(s) => Some(parse_size(s).map_err(anyhow::Error::msg)?),
         None => None,
     };
-    let cfg = ReplayConfig {
-        format: parse_format(&args.format)?,
-        stream_by: args.stream_by,
-        skip_bad: args.skip_bad,
+    let cfg = args.input.apply(ReplayConfig {
         policy: args.policy.clone(),
         index_memory_bytes,
         prefix_bits: args.index_prefix_bits,
         out_of_line: args.out_of_line,
-    };
+        ..ReplayConfig::default()
+    })?;
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     if args.quiet || !std::io::stderr().is_terminal() {
         bar.set_draw_target(ProgressDrawTarget::hidden());

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use dedupd_sim::{ReplayConfig, StreamBy, SweepConfig, SweepRow};
+use dedupd_sim::{ReplayConfig, SweepConfig, SweepRow};
 
-use crate::replay::parse_format;
+use crate::replay::TraceInputArgs;
 use crate::size::{human, parse_size};
 
 /// Arguments of `dedupd sweep`.
@@ -32,15 +32,8 @@ pub struct SweepArgs {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
-    /// Trace format: fiu, mobile, native or auto.
-    #[arg(long, default_value = "auto")]
-    format: String,
-    /// What makes a stream: file, process or pid.
-    #[arg(long, default_value = "file")]
-    stream_by: StreamBy,
-    /// Count and skip malformed lines.
-    #[arg(long)]
-    skip_bad: bool,
+    #[command(flatten)]
+    input: TraceInputArgs,
     /// No per-point progress lines.
     #[arg(long, short)]
     quiet: bool,
@@ -63,13 +56,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         policies: args.policies.clone(),
         budgets,
         jobs,
-        base: ReplayConfig {
-            format: parse_format(&args.format)?,
-            stream_by: args.stream_by,
-            skip_bad: args.skip_bad,
+        base: args.input.apply(ReplayConfig {
             prefix_bits: args.index_prefix_bits,
             ..ReplayConfig::default()
-        },
+        })?,
     };
     let started = Instant::now();
     let quiet = args.quiet;
