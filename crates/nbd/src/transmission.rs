@@ -380,7 +380,14 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         loop {
             let next = {
                 let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-                self.next(&mut **reader, &mut buf)
+                let next = self.next(&mut **reader, &mut buf);
+                if matches!(next, Next::Stop) {
+                    // before the reader is released: the next worker to
+                    // take it must see the stop, not block reading a
+                    // socket the client keeps open after DISC
+                    self.done.store(true, Ordering::SeqCst);
+                }
+                next
             };
             match next {
                 Next::Job(job) => {
