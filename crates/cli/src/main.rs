@@ -439,6 +439,19 @@ fn print_stats(v: &Value) {
         ri["pages_evicted"].as_u64().unwrap_or(0),
         ri["load_errors"].as_u64().unwrap_or(0)
     );
+    let mc = &v["map_cache"];
+    println!(
+        "maps + refcounts in memory   {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors)",
+        human(mc["resident_bytes"].as_u64().unwrap_or(0)),
+        match mc["cache_bytes"].as_u64().unwrap_or(0) {
+            0 => "unbounded".to_string(),
+            b => human(b),
+        },
+        mc["pinned_pages"].as_u64().unwrap_or(0),
+        mc["pages_loaded"].as_u64().unwrap_or(0),
+        mc["pages_evicted"].as_u64().unwrap_or(0),
+        mc["load_errors"].as_u64().unwrap_or(0)
+    );
     let ol = &v["out_of_line"];
     println!(
         "out-of-line passes           {} ({} blocks examined, {} hashed, {} LBAs remapped, {} merges; {:.2} µs CPU per block)",

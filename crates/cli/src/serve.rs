@@ -96,6 +96,11 @@ pub struct ServeArgs {
     /// all of it).
     #[arg(long, default_value = "16M")]
     pub reverse_index_cache: String,
+    /// Bytes of volume-map and reference-count pages (8 bytes per LBA, 4
+    /// per stored block) kept in memory, for all volumes together; the rest
+    /// is read from disk on demand (0: keep all of them).
+    #[arg(long, default_value = "16M")]
+    pub map_cache: String,
     /// Bytes of CAFTL's pre-hash CRC table: only blocks whose CRC-32C was
     /// seen before are fingerprinted inline (0: off).
     #[arg(long, default_value = "0")]
@@ -185,6 +190,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         prehash_bytes: parse_size(&args.prehash).map_err(anyhow::Error::msg)?,
         reverse_index_cache_bytes: parse_size(&args.reverse_index_cache)
             .map_err(anyhow::Error::msg)?,
+        map_cache_bytes: parse_size(&args.map_cache).map_err(anyhow::Error::msg)?,
         sampling: args.sampling,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,

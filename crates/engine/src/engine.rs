@@ -31,6 +31,7 @@ use crate::fingerprint::{Fingerprint, HashAlgorithm};
 use crate::index::{FileGroupStore, FingerprintIndex, MemoryGroupStore};
 use crate::journal::{self, Journal, MetaFile, Op};
 use crate::meta::{Meta, Volume};
+use crate::pagecache::{CacheGroup, CachedArray, OnLoadError};
 use crate::paged::PagedArray;
 use crate::sequence::Candidate;
 use crate::stats::{proc_status_bytes, Stats};
@@ -108,6 +109,12 @@ pub struct EngineConfig {
     /// [`crate::reverse`]). 0 keeps all of it. Default 16 MiB (about
     /// 500 000 blocks, 2 GiB of distinct data).
     pub reverse_index_cache_bytes: u64,
+    /// Bytes of volume-map and reference-count pages (8 bytes per LBA, 4
+    /// per block) kept in memory; the rest is paged from their files on
+    /// demand (see [`crate::pagecache`]). 0 keeps all of them. Default
+    /// 16 MiB (the maps of about 2 million LBAs, 8 GiB, with their
+    /// reference counts).
+    pub map_cache_bytes: u64,
     /// Bytes of CAFTL's pre-hash CRC table (see [`crate::caftl`]): only
     /// blocks whose CRC-32C was seen before are fingerprinted inline.
     /// Default 0 (off).
@@ -134,6 +141,7 @@ impl Default for EngineConfig {
             prehash_bytes: 0,
             sampling: false,
             reverse_index_cache_bytes: 16 << 20,
+            map_cache_bytes: 16 << 20,
             read_cache_bytes: 4 << 20,
             selectivity: crate::selectivity::SelectivityConfig::default(),
             observer: crate::observe::Observer::default(),
@@ -327,7 +335,7 @@ impl Engine {
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
             counters: state.counters.clone(),
-            refcounts: load(MetaFile::Refcounts, &mut damage)?,
+            refcounts: CachedArray::new(load(MetaFile::Refcounts, &mut damage)?),
             fingerprints: crate::reverse::ReverseIndex::new(load(
                 MetaFile::Fingerprints,
                 &mut damage,
@@ -345,7 +353,7 @@ impl Engine {
                 rec.id,
                 Volume {
                     record: rec.clone(),
-                    map,
+                    map: CachedArray::new(map),
                     damaged_pages,
                 },
             );
@@ -423,17 +431,40 @@ impl Engine {
         // the reverse index pages from its file from now on; pages the
         // journal replayed are not in place yet and stay until a checkpoint
         // (created empty on a new store: its first checkpoint fills it)
-        if let Ok(file) = dir.open_file("fingerprints", true) {
-            let replayed = checkpoint.ops.iter().filter_map(|op| match op {
-                Op::Write {
-                    file: MetaFile::Fingerprints,
-                    offset,
-                    ..
-                } => Some(offset / crate::paged::PAGE_SIZE as u64),
+        let replayed = |which: MetaFile| {
+            checkpoint.ops.iter().filter_map(move |op| match op {
+                Op::Write { file, offset, .. } if *file == which => {
+                    Some(offset / crate::paged::PAGE_SIZE as u64)
+                }
                 _ => None,
-            });
-            meta.fingerprints
-                .page_from(file, config.reverse_index_cache_bytes, replayed);
+            })
+        };
+        if let Ok(file) = dir.open_file("fingerprints", true) {
+            meta.fingerprints.page_from(
+                file,
+                config.reverse_index_cache_bytes,
+                replayed(MetaFile::Fingerprints),
+            );
+        }
+        // so do the volume maps and reference counts, under one budget
+        meta.map_cache = CacheGroup::new(config.map_cache_bytes, OnLoadError::Fault);
+        if let Ok(file) = dir.open_file(&MetaFile::Refcounts.relative_path(), true) {
+            meta.refcounts.page_from(
+                file,
+                &dir.path(MetaFile::Refcounts).display().to_string(),
+                &meta.map_cache,
+                replayed(MetaFile::Refcounts),
+            );
+        }
+        for (id, v) in &meta.volumes {
+            if let Ok(file) = dir.open_file(&MetaFile::Map(*id).relative_path(), true) {
+                v.map.page_from(
+                    file,
+                    &dir.path(MetaFile::Map(*id)).display().to_string(),
+                    &meta.map_cache,
+                    replayed(MetaFile::Map(*id)),
+                );
+            }
         }
         let journal =
             Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
@@ -599,7 +630,7 @@ impl Engine {
                         size_bytes,
                         sequence_threshold_blocks: None,
                     },
-                    map: PagedArray::new(MetaFile::Map(id).page_tag()),
+                    map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
                     damaged_pages: Vec::new(),
                 },
             );
@@ -763,7 +794,7 @@ impl Engine {
         if v.read_only() {
             return Err(EngineError::ReadOnly(v.record.name.clone()));
         }
-        Ok(())
+        fault_check(&m)
     }
 
     fn check_range(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
@@ -807,11 +838,17 @@ impl Engine {
         let _guard = self.reuse.read().unwrap_or_else(|e| e.into_inner());
         let pbas: Vec<Option<Pba>> = {
             let m = lock(&self.meta);
+            let faults = m.paging_faults();
             let v = m
                 .volumes
                 .get(&vol)
                 .ok_or_else(|| EngineError::NoSuchVolume(format!("#{}", vol.0)))?;
-            (0..n as u64).map(|i| v.get(Lba(first + i))).collect()
+            let pbas = (0..n as u64).map(|i| v.get(Lba(first + i))).collect();
+            if m.paging_faults() != faults {
+                // a map page of this request could not be read back
+                fault_check(&m)?;
+            }
+            pbas
         };
         let mut i = 0;
         while i < n {
@@ -1362,7 +1399,12 @@ impl Engine {
                 .map_err(|e| EngineError::io("syncing the data file", e));
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
-        let batch = lock(&self.meta).take_commit(seq);
+        let batch = {
+            let mut m = lock(&self.meta);
+            // never commit metadata derived from a page that could not be read
+            fault_check(&m)?;
+            m.take_commit(seq)
+        };
         let mut result = self
             .backend
             .sync()
@@ -1420,11 +1462,21 @@ impl Engine {
         // covers all of them; later changes stay in the journal
         self.save_skipped();
         dir.apply(&c.checkpoint.ops)?;
-        // every page of those commits is in place: the reverse index may
-        // drop them from memory
-        lock(&self.meta)
-            .fingerprints
-            .unpin_through(c.checkpoint.generation);
+        // every page of those commits is in place: the paged arrays may
+        // drop them from memory, and the maps of volumes created since the
+        // last checkpoint now have files to page from
+        let mut m = lock(&self.meta);
+        m.unpin_through(c.checkpoint.generation);
+        let group = m.map_cache.clone();
+        for (id, v) in &m.volumes {
+            if !v.map.has_source() {
+                if let Ok(file) = dir.open_file(&MetaFile::Map(*id).relative_path(), false) {
+                    let name = dir.path(MetaFile::Map(*id)).display().to_string();
+                    v.map.page_from(file, &name, &group, []);
+                }
+            }
+        }
+        drop(m);
         c.checkpoint = CheckpointBuffer::default();
         if let Some(j) = c.journal.as_mut() {
             j.reset();
@@ -1478,6 +1530,7 @@ impl Engine {
                 caftl: lock(&self.caftl).stats(),
                 out_of_line: self.out_of_line_stats(),
                 reverse_index: m.fingerprints.stats(),
+                map_cache: m.map_cache.stats(),
                 skipped_save_errors: c.skipped_save_errors,
                 skipped: m.skipped.stats(),
                 pending_merges: m.pending_merges.len() as u64,
@@ -1561,6 +1614,19 @@ impl Drop for Engine {
 /// The id of the volume named `name`.
 ///
 /// Errors: [`EngineError::NoSuchVolume`].
+/// [`EngineError::MetadataUnreadable`] once a volume-map or reference-count
+/// page could not be read back while running.
+pub(crate) fn fault_check(m: &Meta) -> Result<()> {
+    if m.paging_faults() == 0 {
+        return Ok(());
+    }
+    Err(EngineError::MetadataUnreadable(
+        m.map_cache
+            .first_error()
+            .unwrap_or_else(|| "a metadata page could not be read back".into()),
+    ))
+}
+
 fn volume_id(m: &Meta, name: &str) -> Result<VolumeId> {
     m.volumes
         .values()

@@ -63,6 +63,15 @@ pub enum EngineError {
     /// until `dedupd fsck --repair`.
     #[error("volume {0:?} is read-only: its metadata is damaged (run `dedupd fsck --repair`)")]
     ReadOnly(String),
+    /// A volume-map or reference-count page could not be read back from its
+    /// file while serving (I/O error or checksum mismatch). The store stops
+    /// writing and committing until restarted (reads of other pages keep
+    /// working); what was committed before stays intact, and the next start
+    /// checks every page and names the damaged file.
+    #[error(
+        "metadata unreadable: {0}; the store is read-only until restarted (then run `dedupd fsck`)"
+    )]
+    MetadataUnreadable(String),
     /// An argument is not acceptable (bad name, size not a multiple of 4 KiB, ...).
     #[error("{0}")]
     InvalidArgument(String),

@@ -22,6 +22,7 @@ pub mod journal;
 pub mod meta;
 pub mod observe;
 pub mod outofline;
+pub mod pagecache;
 pub mod paged;
 pub mod reverse;
 pub mod selectivity;

@@ -13,6 +13,7 @@ use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE_U64};
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
 use crate::index::FingerprintIndex;
 use crate::journal::{MetaFile, Op};
+use crate::pagecache::{CacheGroup, CachedArray};
 use crate::paged::PagedArray;
 use crate::store::{encode_checked, PersistentCounters, State, VolumeRecord};
 
@@ -24,8 +25,9 @@ pub const MAX_PENDING_MERGES: usize = 65536;
 pub struct Volume {
     /// Name, size and id.
     pub record: VolumeRecord,
-    /// u64 per LBA: 0 unmapped, else PBA + 1.
-    pub map: PagedArray,
+    /// u64 per LBA: 0 unmapped, else PBA + 1; paged from the volume's map
+    /// file under [`Meta::map_cache`].
+    pub map: CachedArray,
     /// Map pages that failed their checksum at open (their LBAs read as
     /// unmapped); a volume with any is served read-only until repaired.
     pub damaged_pages: Vec<u64>,
@@ -56,8 +58,13 @@ pub struct Meta {
     pub volumes: BTreeMap<VolumeId, Volume>,
     /// Id the next created volume gets.
     pub next_volume_id: u32,
-    /// u32 reference count per PBA.
-    pub refcounts: PagedArray,
+    /// u32 reference count per PBA; paged from `refcounts` under
+    /// [`Meta::map_cache`].
+    pub refcounts: CachedArray,
+    /// The page cache budget the volume maps and reference counts share
+    /// (`--map-cache`); a page of theirs that cannot be read back is a
+    /// fault ([`Meta::paging_faults`]).
+    pub map_cache: std::sync::Arc<CacheGroup>,
     /// Fingerprint per PBA (reverse index); stale (meaningless) for free PBAs.
     pub fingerprints: crate::reverse::ReverseIndex,
     /// The two-level fingerprint store (fingerprint → PBA).
@@ -118,7 +125,7 @@ impl Meta {
     pub fn empty(index: FingerprintIndex) -> Meta {
         Meta {
             index,
-            refcounts: PagedArray::new(MetaFile::Refcounts.page_tag()),
+            refcounts: CachedArray::new(PagedArray::new(MetaFile::Refcounts.page_tag())),
             fingerprints: crate::reverse::ReverseIndex::new(PagedArray::new(
                 MetaFile::Fingerprints.page_tag(),
             )),
@@ -286,7 +293,11 @@ impl Meta {
 
     fn release(&mut self, p: Pba) {
         let rc = self.refcounts.get_u32(p.0);
-        debug_assert!(rc > 0, "releasing PBA {} with reference count 0", p.0);
+        debug_assert!(
+            rc > 0 || self.paging_faults() > 0,
+            "releasing PBA {} with reference count 0",
+            p.0
+        );
         let rc = rc.saturating_sub(1);
         self.refcounts.set_u32(p.0, rc);
         if rc == 0 {
@@ -314,15 +325,16 @@ impl Meta {
     pub fn take_commit(&mut self, journal_seq: u64) -> CommitBatch {
         let mut ops = std::mem::take(&mut self.structural_ops);
         let page = crate::paged::PAGE_SIZE as u64;
-        for (p, img) in self.refcounts.take_dirty() {
+        self.commit_generation += 1;
+        let generation = self.commit_generation;
+        for (p, img) in self.refcounts.take_dirty(generation) {
             ops.push(Op::Write {
                 file: MetaFile::Refcounts,
                 offset: p * page,
                 data: img.to_vec(),
             });
         }
-        self.commit_generation += 1;
-        for (p, img) in self.fingerprints.take_dirty(self.commit_generation) {
+        for (p, img) in self.fingerprints.take_dirty(generation) {
             ops.push(Op::Write {
                 file: MetaFile::Fingerprints,
                 offset: p * page,
@@ -330,7 +342,7 @@ impl Meta {
             });
         }
         for (id, v) in self.volumes.iter_mut() {
-            for (p, img) in v.map.take_dirty() {
+            for (p, img) in v.map.take_dirty(generation) {
                 ops.push(Op::Write {
                     file: MetaFile::Map(*id),
                     offset: p * page,
@@ -347,8 +359,28 @@ impl Meta {
             ops,
             frees: std::mem::take(&mut self.pending_free),
             change_count: self.change_count,
-            generation: self.commit_generation,
+            generation,
         }
+    }
+
+    /// Releases the pages of every paged array pinned by commits up to
+    /// `generation` (now written in place by a checkpoint), so they may
+    /// leave memory.
+    pub fn unpin_through(&mut self, generation: u64) {
+        self.refcounts.unpin_through(generation);
+        self.fingerprints.unpin_through(generation);
+        for v in self.volumes.values_mut() {
+            v.map.unpin_through(generation);
+        }
+    }
+
+    /// Pages of the volume maps or reference counts that could not be read
+    /// back from their files while running. Any makes the in-memory
+    /// metadata untrustworthy: the engine then refuses writes and commits
+    /// (read-only until restart; the journal holds the last consistent
+    /// state).
+    pub fn paging_faults(&self) -> u64 {
+        self.map_cache.load_errors()
     }
 
     /// Puts a batch back after its commit failed, so the next commit carries it.
@@ -470,7 +502,7 @@ impl Meta {
 
 /// True if PBA `p` is referenced and its recorded fingerprint starts with `key`.
 fn live(
-    refcounts: &PagedArray,
+    refcounts: &CachedArray,
     fingerprints: &crate::reverse::ReverseIndex,
     key: u64,
     p: Pba,

@@ -130,6 +130,8 @@ impl Engine {
         max_blocks: usize,
         should_yield: &dyn Fn() -> bool,
     ) -> Result<PassReport> {
+        // nothing to do on a store that stopped committing
+        crate::engine::fault_check(&lock(&self.meta))?;
         let cpu_before = thread_cpu_seconds();
         let r = self.pass(max_blocks, should_yield)?;
         let cpu = (thread_cpu_seconds() - cpu_before).max(0.0);

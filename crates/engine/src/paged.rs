@@ -62,13 +62,48 @@ pub fn decode_page(bytes: &[u8], tag: u32, page_no: u64) -> Result<Option<Page>,
     }
 }
 
+/// Pages per chunk of the page table.
+const CHUNK_PAGES: usize = 256;
+
+/// One chunk of the page table: up to [`CHUNK_PAGES`] pages and their
+/// dirty bits. Allocated while any of its pages is in memory or dirty, so
+/// an array mostly paged out costs 8 bytes per 256 pages.
+#[derive(Debug)]
+struct Chunk {
+    pages: [Option<Page>; CHUNK_PAGES],
+    dirty: [u64; CHUNK_PAGES / 64],
+    /// Pages in memory in this chunk.
+    allocated: u16,
+}
+
+impl Chunk {
+    fn new() -> Box<Chunk> {
+        Box::new(Chunk {
+            pages: std::array::from_fn(|_| None),
+            dirty: [0; CHUNK_PAGES / 64],
+            allocated: 0,
+        })
+    }
+    fn is_dirty(&self, i: usize) -> bool {
+        self.dirty[i / 64] & (1 << (i % 64)) != 0
+    }
+    fn unused(&self) -> bool {
+        self.allocated == 0 && self.dirty.iter().all(|&w| w == 0)
+    }
+}
+
 /// A growable array of bytes split into pages, tracking dirty pages.
+///
+/// The page table has two levels (chunks of 256 pages, allocated on
+/// demand), so its memory follows the pages in memory, not the array's
+/// length: 8 bytes per 256 pages spanned plus about 2 KiB per chunk in use.
 #[derive(Debug, Default)]
 pub struct PagedArray {
     tag: u32,
-    pages: Vec<Option<Page>>,
+    chunks: Vec<Option<Box<Chunk>>>,
+    len_pages: u64,
+    allocated_pages: u64,
     dirty: Vec<u64>,
-    dirty_flag: Vec<bool>,
 }
 
 impl PagedArray {
@@ -92,7 +127,8 @@ impl PagedArray {
             let mut full = [0u8; PAGE_SIZE];
             full[..chunk.len()].copy_from_slice(chunk);
             match decode_page(&full, tag, i as u64) {
-                Ok(p) => a.pages[i] = p,
+                Ok(Some(p)) => a.put_page(i as u64, p),
+                Ok(None) => {}
                 Err(()) => damaged.push(i as u64),
             }
         }
@@ -108,7 +144,8 @@ impl PagedArray {
         for (&i, page) in &img.pages {
             a.ensure_pages(i + 1);
             match decode_page(&page[..], tag, i) {
-                Ok(p) => a.pages[i as usize] = p,
+                Ok(Some(p)) => a.put_page(i, p),
+                Ok(None) => {}
                 Err(()) => damaged.push(i),
             }
         }
@@ -117,7 +154,7 @@ impl PagedArray {
 
     /// Number of pages (allocated or not) the array spans.
     pub fn page_count(&self) -> u64 {
-        self.pages.len() as u64
+        self.len_pages
     }
 
     /// Logical bytes the array spans (page count × payload).
@@ -125,19 +162,58 @@ impl PagedArray {
         self.page_count() * PAYLOAD_SIZE as u64
     }
 
+    /// Pages in memory.
+    pub fn allocated_pages(&self) -> u64 {
+        self.allocated_pages
+    }
+
     /// Bytes of memory held by allocated pages and the page table.
     pub fn resident_bytes(&self) -> u64 {
-        self.pages.iter().filter(|p| p.is_some()).count() as u64 * PAYLOAD_SIZE as u64
-            + self.pages.capacity() as u64 * std::mem::size_of::<Option<Page>>() as u64
-            + self.dirty_flag.capacity() as u64
+        let chunks = self.chunks.iter().filter(|c| c.is_some()).count() as u64;
+        self.allocated_pages * PAYLOAD_SIZE as u64
+            + chunks * std::mem::size_of::<Chunk>() as u64
+            + self.chunks.capacity() as u64 * 8
             + self.dirty.capacity() as u64 * 8
     }
 
     fn ensure_pages(&mut self, n: u64) {
-        let n = n as usize;
-        if self.pages.len() < n {
-            self.pages.resize_with(n, || None);
-            self.dirty_flag.resize(n, false);
+        if self.len_pages < n {
+            self.len_pages = n;
+            let chunks = (n as usize).div_ceil(CHUNK_PAGES);
+            if self.chunks.len() < chunks {
+                self.chunks.resize_with(chunks, || None);
+            }
+        }
+    }
+
+    #[inline]
+    fn page(&self, page: u64) -> Option<&Page> {
+        let page = page as usize;
+        match self.chunks.get(page / CHUNK_PAGES) {
+            Some(Some(c)) => c.pages[page % CHUNK_PAGES].as_ref(),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn page_mut(&mut self, page: u64) -> Option<&mut Page> {
+        let page = page as usize;
+        match self.chunks.get_mut(page / CHUNK_PAGES) {
+            Some(Some(c)) => c.pages[page % CHUNK_PAGES].as_mut(),
+            _ => None,
+        }
+    }
+
+    /// The chunk holding `page` (within the array), allocated if absent.
+    fn chunk_mut(&mut self, page: u64) -> &mut Chunk {
+        self.chunks[page as usize / CHUNK_PAGES].get_or_insert_with(Chunk::new)
+    }
+
+    /// Frees the chunk of `page` if it holds nothing.
+    fn release_chunk(&mut self, page: u64) {
+        let slot = &mut self.chunks[page as usize / CHUNK_PAGES];
+        if slot.as_ref().is_some_and(|c| c.unused()) {
+            *slot = None;
         }
     }
 
@@ -147,10 +223,10 @@ impl PagedArray {
         let mut done = 0;
         while done < out.len() {
             let pos = off + done as u64;
-            let page = (pos / PAYLOAD_SIZE as u64) as usize;
+            let page = pos / PAYLOAD_SIZE as u64;
             let in_page = (pos % PAYLOAD_SIZE as u64) as usize;
             let n = (PAYLOAD_SIZE - in_page).min(out.len() - done);
-            match self.pages.get(page).and_then(|p| p.as_ref()) {
+            match self.page(page) {
                 Some(p) => out[done..done + n].copy_from_slice(&p[in_page..in_page + n]),
                 None => out[done..done + n].fill(0),
             }
@@ -168,15 +244,14 @@ impl PagedArray {
             let in_page = (pos % PAYLOAD_SIZE as u64) as usize;
             let n = (PAYLOAD_SIZE - in_page).min(data.len() - done);
             self.ensure_pages(page + 1);
-            let slot = &mut self.pages[page as usize];
-            if slot.is_none() {
+            if self.page(page).is_none() {
                 if data[done..done + n].iter().all(|&b| b == 0) {
                     done += n;
                     continue;
                 }
-                *slot = Some(Box::new([0u8; PAYLOAD_SIZE]));
+                self.put_page(page, Box::new([0u8; PAYLOAD_SIZE]));
             }
-            if let Some(p) = slot.as_mut() {
+            if let Some(p) = self.page_mut(page) {
                 p[in_page..in_page + n].copy_from_slice(&data[done..done + n]);
             }
             self.mark_dirty(page);
@@ -185,8 +260,10 @@ impl PagedArray {
     }
 
     fn mark_dirty(&mut self, page: u64) {
-        if !self.dirty_flag[page as usize] {
-            self.dirty_flag[page as usize] = true;
+        let i = page as usize % CHUNK_PAGES;
+        let c = self.chunk_mut(page);
+        if !c.is_dirty(i) {
+            c.dirty[i / 64] |= 1 << (i % 64);
             self.dirty.push(page);
         }
     }
@@ -196,16 +273,16 @@ impl PagedArray {
     /// element of a size dividing [`PAYLOAD_SIZE`] does: no `memcpy` call.
     #[inline]
     pub fn get_array<const N: usize>(&self, off: u64) -> [u8; N] {
-        let page = (off / PAYLOAD_SIZE as u64) as usize;
+        let page = off / PAYLOAD_SIZE as u64;
         let in_page = (off % PAYLOAD_SIZE as u64) as usize;
         if in_page + N > PAYLOAD_SIZE {
             let mut b = [0u8; N];
             self.read(off, &mut b);
             return b;
         }
-        match self.pages.get(page) {
-            Some(Some(p)) => p[in_page..in_page + N].try_into().expect("N bytes"),
-            _ => [0u8; N],
+        match self.page(page) {
+            Some(p) => p[in_page..in_page + N].try_into().expect("N bytes"),
+            None => [0u8; N],
         }
     }
 
@@ -213,12 +290,12 @@ impl PagedArray {
     /// does, with a fixed-size copy when they lie in one allocated page.
     #[inline]
     fn set_array<const N: usize>(&mut self, off: u64, data: [u8; N]) {
-        let page = (off / PAYLOAD_SIZE as u64) as usize;
+        let page = off / PAYLOAD_SIZE as u64;
         let in_page = (off % PAYLOAD_SIZE as u64) as usize;
         if in_page + N <= PAYLOAD_SIZE {
-            if let Some(Some(p)) = self.pages.get_mut(page) {
+            if let Some(p) = self.page_mut(page) {
                 p[in_page..in_page + N].copy_from_slice(&data);
-                self.mark_dirty(page as u64);
+                self.mark_dirty(page);
                 return;
             }
         }
@@ -254,22 +331,38 @@ impl PagedArray {
         self.tag
     }
 
-    /// Puts a page read back from disk at `page` (not dirty).
+    /// Puts a page read back from disk at `page` (dirty state unchanged).
     pub fn put_page(&mut self, page: u64, payload: Box<[u8; PAYLOAD_SIZE]>) {
         self.ensure_pages(page + 1);
-        self.pages[page as usize] = Some(payload);
+        let i = page as usize % CHUNK_PAGES;
+        let c = self.chunk_mut(page);
+        let was = c.pages[i].replace(payload);
+        if was.is_none() {
+            c.allocated += 1;
+            self.allocated_pages += 1;
+        }
     }
 
     /// Drops page `page` from memory (the caller keeps its image elsewhere).
     pub fn drop_page(&mut self, page: u64) {
-        if let Some(slot) = self.pages.get_mut(page as usize) {
-            *slot = None;
+        let i = page as usize % CHUNK_PAGES;
+        let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) else {
+            return;
+        };
+        if c.pages[i].take().is_some() {
+            c.allocated -= 1;
+            self.allocated_pages -= 1;
+            self.release_chunk(page);
         }
     }
 
     /// True if `page` changed since the last [`PagedArray::take_dirty`].
     pub fn is_dirty(&self, page: u64) -> bool {
-        self.dirty_flag.get(page as usize).copied().unwrap_or(false)
+        let i = page as usize % CHUNK_PAGES;
+        match self.chunks.get(page as usize / CHUNK_PAGES) {
+            Some(Some(c)) => c.is_dirty(i),
+            _ => false,
+        }
     }
 
     /// The non-zero `u64` entries with index in `range`, as (index, value),
@@ -278,31 +371,42 @@ impl PagedArray {
     pub fn nonzero_u64(&self, range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
         const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
         let mut out = Vec::new();
-        if range.start >= range.end {
+        if range.start >= range.end || self.page_count() == 0 {
             return out;
         }
         let first_page = range.start / PER_PAGE;
-        let last_page = ((range.end - 1) / PER_PAGE).min(self.page_count().saturating_sub(1));
-        for page in first_page..=last_page {
-            let Some(Some(p)) = self.pages.get(page as usize) else {
+        let last_page = ((range.end - 1) / PER_PAGE).min(self.page_count() - 1);
+        let mut page = first_page;
+        while page <= last_page {
+            if self
+                .chunks
+                .get(page as usize / CHUNK_PAGES)
+                .is_none_or(|c| c.is_none())
+            {
+                // a whole chunk without pages
+                page = (page / CHUNK_PAGES as u64 + 1) * CHUNK_PAGES as u64;
                 continue;
-            };
-            let lo = (page * PER_PAGE).max(range.start);
-            let hi = ((page + 1) * PER_PAGE).min(range.end);
-            for i in lo..hi {
-                let at = ((i - page * PER_PAGE) * 8) as usize;
-                let v = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
-                if v != 0 {
-                    out.push((i, v));
+            }
+            if let Some(p) = self.page(page) {
+                let lo = (page * PER_PAGE).max(range.start);
+                let hi = ((page + 1) * PER_PAGE).min(range.end);
+                for i in lo..hi {
+                    let at = ((i - page * PER_PAGE) * 8) as usize;
+                    let v = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+                    if v != 0 {
+                        out.push((i, v));
+                    }
                 }
             }
+            page += 1;
         }
         out
     }
 
-    /// True if page `page` holds no non-zero entry (not allocated).
+    /// True if page `page` is not in memory (holds no non-zero entry, unless
+    /// a caller dropped it).
     pub fn page_is_hole(&self, page: u64) -> bool {
-        self.pages.get(page as usize).is_none_or(|p| p.is_none())
+        self.page(page).is_none()
     }
 
     /// Takes the on-disk images of every page dirtied since the last call,
@@ -310,12 +414,18 @@ impl PagedArray {
     pub fn take_dirty(&mut self) -> Vec<(u64, Box<[u8; PAGE_SIZE]>)> {
         let mut out = Vec::with_capacity(self.dirty.len());
         for page in std::mem::take(&mut self.dirty) {
-            self.dirty_flag[page as usize] = false;
-            let img = match &self.pages[page as usize] {
-                Some(p) => encode_page(p, self.tag, page),
+            let i = page as usize % CHUNK_PAGES;
+            let tag = self.tag;
+            let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) else {
+                continue; // truncated away
+            };
+            c.dirty[i / 64] &= !(1 << (i % 64));
+            let img = match &c.pages[i] {
+                Some(p) => encode_page(p, tag, page),
                 // an emptied page: a hole on disk too
                 None => Box::new([0u8; PAGE_SIZE]),
             };
+            self.release_chunk(page);
             out.push((page, img));
         }
         out
@@ -324,7 +434,7 @@ impl PagedArray {
     /// Marks `page` dirty again (after a failed commit, or to rewrite a
     /// damaged page).
     pub fn redirty(&mut self, page: u64) {
-        if (page as usize) < self.pages.len() {
+        if page < self.len_pages {
             self.mark_dirty(page);
         }
     }
@@ -337,11 +447,27 @@ impl PagedArray {
     /// Drops every page past logical length `len_bytes` and zeroes the tail
     /// of the last kept page.
     pub fn truncate(&mut self, len_bytes: u64) {
-        let keep = len_bytes.div_ceil(PAYLOAD_SIZE as u64) as usize;
-        if self.pages.len() > keep {
-            self.pages.truncate(keep);
-            self.dirty_flag.truncate(keep);
-            self.dirty.retain(|&p| (p as usize) < keep);
+        let keep = len_bytes.div_ceil(PAYLOAD_SIZE as u64);
+        if self.len_pages > keep {
+            for page in keep..self.len_pages {
+                self.drop_page(page);
+            }
+            self.len_pages = keep;
+            let chunks = (keep as usize).div_ceil(CHUNK_PAGES);
+            self.chunks.truncate(chunks);
+            // dirty bits of dropped pages in the last kept chunk
+            let first = keep as usize % CHUNK_PAGES;
+            if first != 0 {
+                if let Some(Some(c)) = self.chunks.get_mut(keep as usize / CHUNK_PAGES) {
+                    for i in first..CHUNK_PAGES {
+                        c.dirty[i / 64] &= !(1 << (i % 64));
+                    }
+                }
+            }
+            self.dirty.retain(|&p| p < keep);
+            if keep > 0 {
+                self.release_chunk(keep - 1);
+            }
         }
         let tail = (len_bytes % PAYLOAD_SIZE as u64) as usize;
         if tail != 0 && keep > 0 {
@@ -433,5 +559,34 @@ mod tests {
         assert_eq!(a.get_u64(10), 0);
         assert_eq!(a.get_u64(2000), 0);
         assert_eq!(a.page_count(), 1);
+    }
+
+    #[test]
+    fn page_table_follows_pages_in_memory() {
+        let mut a = PagedArray::new(1);
+        let per = (PAYLOAD_SIZE / 8) as u64;
+        // pages 0, 300 and 600: three chunks of the page table
+        for p in [0u64, 300, 600] {
+            a.set_u64(p * per, p + 1);
+        }
+        assert_eq!(a.allocated_pages(), 3);
+        let imgs = a.take_dirty();
+        assert_eq!(imgs.len(), 3);
+        let full = a.resident_bytes();
+        a.drop_page(300);
+        a.drop_page(600);
+        assert_eq!(a.allocated_pages(), 1);
+        assert!(a.resident_bytes() + 2 * PAYLOAD_SIZE as u64 + 2000 < full);
+        assert_eq!(a.get_u64(300 * per), 0);
+        assert_eq!(a.nonzero_u64(0..700 * per), vec![(0, 1)]);
+        // truncating across chunks keeps counts and dirty pages right
+        a.set_u64(600 * per, 5);
+        a.set_u64(257 * per, 6);
+        a.truncate(258 * per * 8);
+        assert_eq!(a.page_count(), 258);
+        assert_eq!(a.allocated_pages(), 2);
+        let dirty: Vec<u64> = a.take_dirty().into_iter().map(|(p, _)| p).collect();
+        assert_eq!(dirty, vec![257]);
+        assert_eq!(a.get_u64(257 * per), 6);
     }
 }

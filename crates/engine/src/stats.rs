@@ -53,6 +53,12 @@ pub struct Stats {
     /// The reverse index's page cache: budget, resident bytes, pages loaded
     /// back and evicted.
     pub reverse_index: crate::reverse::ReverseIndexStats,
+    /// The page cache of the volume maps and reference counts (one budget,
+    /// `--map-cache`): budget, resident bytes, pinned pages, pages loaded
+    /// back and evicted, and pages that could not be read back (any makes
+    /// the store read-only until restarted).
+    #[serde(default)]
+    pub map_cache: crate::pagecache::PageCacheStats,
     /// Checkpoints at which the skipped buffer could not be saved (its
     /// records since the previous save are lost on a crash; a full pass
     /// finds those duplicates).

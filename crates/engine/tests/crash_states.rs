@@ -193,6 +193,8 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
         journal_size_bytes: 96 << 10,
         // a one-page reverse-index cache: pages leave and come back
         reverse_index_cache_bytes: 4064,
+        // and one page for the volume maps and reference counts together
+        map_cache_bytes: 4064,
         max_dirty_bytes: 8 << 10,
         max_pending_free_bytes: 16 << 10,
         // a tiny memory-only index: inline dedup misses, out-of-line passes run

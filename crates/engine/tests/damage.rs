@@ -285,3 +285,62 @@ fn verify_refuses_to_share_a_block_whose_bytes_differ() {
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 }
+
+/// A map page that goes bad on disk while the store is open, after it left
+/// memory: the read that needs it fails (never zeros for mapped data),
+/// writes and flushes fail from then on (nothing derived from it is
+/// committed), other pages keep reading, and the next start names the
+/// damage.
+#[test]
+fn map_page_damaged_while_paged_out_fails_the_access_and_stops_commits() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let cfg = EngineConfig {
+        map_cache_bytes: 4064, // one page for every map and the refcounts
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(&path, cfg.clone()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    let mut buf = vec![0u8; 4096];
+    // touch b's map, so a's pages leave memory
+    e.read(b, 0, &mut buf).unwrap();
+    assert_eq!(buf, pattern(0));
+    assert!(e.stats().map_cache.pages_evicted > 0);
+    // acknowledged, not yet flushed
+    e.write(b, 300 * 4096, &pattern(7), false).unwrap();
+    let map = std::fs::read_dir(path.join("maps"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .min()
+        .unwrap();
+    flip(&map, 4096 + 100); // page 1 of volume a: LBAs 508..1016
+    let err = e.read(a, 510 * 4096, &mut buf).unwrap_err();
+    assert!(
+        matches!(err, EngineError::MetadataUnreadable(ref m) if m.contains("page 1 of")),
+        "{err}"
+    );
+    assert_eq!(e.stats().map_cache.load_errors, 1);
+    // page 0 of a still reads
+    e.read(a, 3 * 4096, &mut buf).unwrap();
+    assert_eq!(buf, pattern(3));
+    assert!(matches!(
+        e.write(b, 301 * 4096, &pattern(8), false),
+        Err(EngineError::MetadataUnreadable(_))
+    ));
+    // the pending write cannot be made durable: the flush says so
+    assert!(matches!(e.flush(), Err(EngineError::MetadataUnreadable(_))));
+    drop(e);
+    // the next start checks every page: volume a is read-only, b intact
+    let e = Engine::open(&path, cfg).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    assert!(e.volume_read_only(a));
+    for k in [0u64, 50, 99] {
+        e.read(b, k * 4096, &mut buf).unwrap();
+        assert_eq!(buf, pattern(k));
+    }
+    drop(e);
+    assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 4);
+}

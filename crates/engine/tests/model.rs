@@ -42,6 +42,12 @@ fn config(which: u8) -> EngineConfig {
         } else {
             16 << 20
         },
+        // and the volume maps and reference counts through a one-page cache
+        map_cache_bytes: if (1..=6).contains(&which) {
+            4064
+        } else {
+            16 << 20
+        },
         sampling: which == 8,
         ..EngineConfig::default()
     }
@@ -721,15 +727,17 @@ fn out_of_line_worker_keeps_a_minimum_share_under_load() {
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
 
-/// The reverse index under a two-page cache: pages leave memory once a
-/// checkpoint put them in place and come back on demand; dedup, overwrites,
-/// out-of-line passes, restarts and crash recovery see the same content.
+/// The reverse index, volume maps and reference counts under two-page
+/// caches: pages leave memory once a checkpoint put them in place and come
+/// back on demand; dedup, overwrites, out-of-line passes, restarts and
+/// crash recovery see the same content.
 #[test]
-fn reverse_index_pages_from_disk_under_a_tiny_cache() {
+fn metadata_pages_from_disk_under_tiny_caches() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s");
     let cfg = EngineConfig {
         reverse_index_cache_bytes: 2 * 4064,
+        map_cache_bytes: 2 * 4064,
         journal_size_bytes: 1 << 20,
         ..EngineConfig::default()
     };
@@ -750,6 +758,9 @@ fn reverse_index_pages_from_disk_under_a_tiny_cache() {
     let s = e.stats().reverse_index;
     assert!(s.pages_evicted > 0, "{s:?}");
     assert!(s.resident_bytes <= s.cache_bytes, "{s:?}");
+    let s = e.stats().map_cache;
+    assert!(s.pages_evicted > 0, "{s:?}");
+    assert!(s.resident_bytes <= s.cache_bytes, "{s:?}");
     // duplicates of every block: each hit is checked against an evicted page
     for k in 0..n {
         e.write(b, k * 4096, &blk(k), false).unwrap();
@@ -762,6 +773,8 @@ fn reverse_index_pages_from_disk_under_a_tiny_cache() {
     e.flush().unwrap();
     assert!(e.stats().reverse_index.pages_loaded > 0);
     assert_eq!(e.stats().reverse_index.load_errors, 0);
+    assert!(e.stats().map_cache.pages_loaded > 0);
+    assert_eq!(e.stats().map_cache.load_errors, 0);
     assert!(e.check().is_empty(), "{:?}", e.check());
     // a crash now: recovery replays what the journal holds
     let copy = dir.path().join("crash");

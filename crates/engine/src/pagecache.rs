@@ -1,0 +1,642 @@
+//! Metadata arrays paged from their files on demand, under a memory budget
+//! shared by a group of arrays.
+//!
+//! A [`CachedArray`] is a [`PagedArray`] whose pages may leave memory and
+//! come back from the array's file. The rule that keeps this correct: a
+//! page may leave memory only when its latest image is in place in the
+//! file, that is, it is clean (no change since the last journal commit) and
+//! no commit since the last checkpoint carried it. Pages carried by such a
+//! commit are *pinned* with the commit's generation until the checkpoint
+//! that writes them in place ([`CachedArray::unpin_through`]), which bounds
+//! them by the journal size. Eviction is first-in first-out over the
+//! array's resident pages; a read of an evicted page loads it back (one
+//! `pread` of 4 KiB and its CRC32C check).
+//!
+//! The arrays of one [`CacheGroup`] share its budget: an array that loads
+//! or creates a page while the group is over budget evicts its own oldest
+//! clean, unpinned pages. The budget can be exceeded by pinned and dirty
+//! pages (bounded by `--journal-size` and `--max-dirty`) and by one page per
+//! array being read.
+//!
+//! What a page that cannot be read back (I/O error, checksum mismatch)
+//! reads as is the group's [`OnLoadError`]: zeros, for data that can be
+//! rebuilt (the reverse index), or a *fault* for data that cannot (volume
+//! maps, reference counts): the access reads zeros, a write to that page is
+//! dropped, the page stays out of memory, and the fault is counted in the
+//! group, so the engine fails the operation and stops committing (read-only
+//! until restart) instead of committing anything derived from it.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::paged::{decode_page, PagedArray, PAGE_SIZE, PAYLOAD_SIZE};
+
+/// What a page that cannot be read back from its file reads as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnLoadError {
+    /// Zeros (derived data that a rebuild restores).
+    #[default]
+    ReadAsZeros,
+    /// A fault: see the module docs.
+    Fault,
+}
+
+/// Figures of a group's page cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageCacheStats {
+    /// Bytes of pages allowed in memory (0: unbounded).
+    pub cache_bytes: u64,
+    /// Bytes of pages in memory now (4064 bytes of entries per page).
+    pub resident_bytes: u64,
+    /// Pages that must stay in memory until the next checkpoint.
+    pub pinned_pages: u64,
+    /// Pages read back from their files since the engine started.
+    pub pages_loaded: u64,
+    /// Pages dropped from memory since the engine started.
+    pub pages_evicted: u64,
+    /// Pages that could not be read back or failed their checksum.
+    pub load_errors: u64,
+}
+
+/// The budget and counters a group of [`CachedArray`]s share.
+#[derive(Debug, Default)]
+pub struct CacheGroup {
+    cache_bytes: u64,
+    budget_pages: u64,
+    on_error: OnLoadError,
+    resident_pages: AtomicU64,
+    pinned_pages: AtomicU64,
+    pages_loaded: AtomicU64,
+    pages_evicted: AtomicU64,
+    load_errors: AtomicU64,
+    first_error: std::sync::Mutex<Option<String>>,
+}
+
+impl CacheGroup {
+    /// A group keeping at most `cache_bytes` of pages in memory (0:
+    /// unbounded); `on_error` says what unreadable pages read as.
+    pub fn new(cache_bytes: u64, on_error: OnLoadError) -> Arc<CacheGroup> {
+        Arc::new(CacheGroup {
+            cache_bytes,
+            budget_pages: cache_bytes / PAYLOAD_SIZE as u64,
+            on_error,
+            ..CacheGroup::default()
+        })
+    }
+
+    /// Current figures.
+    pub fn stats(&self) -> PageCacheStats {
+        PageCacheStats {
+            cache_bytes: self.cache_bytes,
+            resident_bytes: self.resident_pages.load(Relaxed) * PAYLOAD_SIZE as u64,
+            pinned_pages: self.pinned_pages.load(Relaxed),
+            pages_loaded: self.pages_loaded.load(Relaxed),
+            pages_evicted: self.pages_evicted.load(Relaxed),
+            load_errors: self.load_errors.load(Relaxed),
+        }
+    }
+
+    /// Pages that could not be read back so far.
+    pub fn load_errors(&self) -> u64 {
+        self.load_errors.load(Relaxed)
+    }
+
+    /// What went wrong with the first page that could not be read back
+    /// (file, page and cause), if any.
+    pub fn first_error(&self) -> Option<String> {
+        self.first_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn note_error(&self, what: String) {
+        self.load_errors.fetch_add(1, Relaxed);
+        let mut first = self.first_error.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            *first = Some(what);
+        }
+    }
+
+    fn over_budget(&self) -> bool {
+        self.budget_pages > 0 && self.resident_pages.load(Relaxed) > self.budget_pages
+    }
+}
+
+/// A bit per page: evicted (out of memory, image in place in the file).
+#[derive(Debug, Default)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn get(&self, i: u64) -> bool {
+        self.0
+            .get((i / 64) as usize)
+            .is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+    fn set(&mut self, i: u64, v: bool) {
+        let w = (i / 64) as usize;
+        if self.0.len() <= w {
+            if !v {
+                return;
+            }
+            self.0.resize(w + 1, 0);
+        }
+        if v {
+            self.0[w] |= 1 << (i % 64);
+        } else {
+            self.0[w] &= !(1 << (i % 64));
+        }
+    }
+    fn truncate(&mut self, n: u64) {
+        self.0.truncate(n.div_ceil(64) as usize);
+        if n % 64 != 0 {
+            if let Some(w) = self.0.last_mut() {
+                *w &= (1 << (n % 64)) - 1;
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    array: PagedArray,
+    evicted: Bits,
+    /// Pages carried by a commit not yet checkpointed, with the commit's
+    /// generation.
+    pinned: HashMap<u64, u64>,
+    /// Resident pages in load order (may hold pages evicted since).
+    fifo: VecDeque<u64>,
+    source: Option<File>,
+    /// The file's name in messages.
+    name: String,
+    group: Arc<CacheGroup>,
+}
+
+/// A metadata array paged from its file; see the module docs. Interior
+/// mutability: reads may load pages. Callers hold the engine's metadata lock.
+#[derive(Debug)]
+pub struct CachedArray {
+    inner: RefCell<Inner>,
+}
+
+impl Default for CachedArray {
+    fn default() -> Self {
+        CachedArray::new(PagedArray::default())
+    }
+}
+
+impl CachedArray {
+    /// An array over `array`, all resident, in a group of its own without
+    /// a budget (no file to page from yet).
+    pub fn new(array: PagedArray) -> Self {
+        let group = CacheGroup::new(0, OnLoadError::ReadAsZeros);
+        group.resident_pages.store(array.allocated_pages(), Relaxed);
+        CachedArray {
+            inner: RefCell::new(Inner {
+                array,
+                evicted: Bits::default(),
+                pinned: HashMap::new(),
+                fifo: VecDeque::new(),
+                source: None,
+                name: String::new(),
+                group,
+            }),
+        }
+    }
+
+    /// Pages from `file` (the array's metadata file, called `name` in
+    /// messages) from now on, under `group`'s budget. `pinned` lists pages
+    /// whose latest image is not in place yet (replayed from the journal);
+    /// they stay until [`CachedArray::unpin_through`]`(0)`.
+    pub fn page_from(
+        &self,
+        file: File,
+        name: &str,
+        group: &Arc<CacheGroup>,
+        pinned: impl IntoIterator<Item = u64>,
+    ) {
+        let mut i = self.inner.borrow_mut();
+        i.name = name.to_string();
+        let resident = i.array.allocated_pages();
+        i.group.resident_pages.fetch_sub(resident, Relaxed);
+        i.group
+            .pinned_pages
+            .fetch_sub(i.pinned.len() as u64, Relaxed);
+        i.group = group.clone();
+        group.resident_pages.fetch_add(resident, Relaxed);
+        group.pinned_pages.fetch_add(i.pinned.len() as u64, Relaxed);
+        i.source = Some(file);
+        for p in pinned {
+            if i.pinned.insert(p, 0).is_none() {
+                i.group.pinned_pages.fetch_add(1, Relaxed);
+            }
+        }
+        i.fifo.clear();
+        let pages: Vec<u64> = (0..i.array.page_count())
+            .filter(|&p| !i.array.page_is_hole(p))
+            .collect();
+        i.fifo.extend(pages);
+        i.enforce_budget(None);
+    }
+
+    /// True once the array pages from a file.
+    pub fn has_source(&self) -> bool {
+        self.inner.borrow().source.is_some()
+    }
+
+    /// Reads `N` bytes at logical byte offset `off` (one element; it never
+    /// spans two pages). Zeros for holes, and for an unreadable page.
+    #[inline]
+    pub fn get_array<const N: usize>(&self, off: u64) -> [u8; N] {
+        let mut i = self.inner.borrow_mut();
+        i.load(off / PAYLOAD_SIZE as u64);
+        i.array.get_array(off)
+    }
+
+    /// Reads the little-endian `u64` at element index `idx`.
+    #[inline]
+    pub fn get_u64(&self, idx: u64) -> u64 {
+        u64::from_le_bytes(self.get_array(idx * 8))
+    }
+
+    /// Reads the little-endian `u32` at element index `idx`.
+    #[inline]
+    pub fn get_u32(&self, idx: u64) -> u32 {
+        u32::from_le_bytes(self.get_array(idx * 4))
+    }
+
+    /// Sets the little-endian `u64` at element index `idx`.
+    #[inline]
+    pub fn set_u64(&mut self, idx: u64, v: u64) {
+        self.write(idx * 8, &v.to_le_bytes());
+    }
+
+    /// Sets the little-endian `u32` at element index `idx`.
+    #[inline]
+    pub fn set_u32(&mut self, idx: u64, v: u32) {
+        self.write(idx * 4, &v.to_le_bytes());
+    }
+
+    /// Writes `data` at logical byte offset `off` (whole elements), page by
+    /// page, with no allocation on the write path. A page that cannot be
+    /// loaded in a group that faults is left untouched.
+    pub fn write(&mut self, off: u64, data: &[u8]) {
+        let i = self.inner.get_mut();
+        let end = off + data.len() as u64;
+        let mut pos = off;
+        while pos < end {
+            let p = pos / PAYLOAD_SIZE as u64;
+            let upto = ((p + 1) * PAYLOAD_SIZE as u64).min(end);
+            if i.load(p) {
+                let before = i.array.allocated_pages();
+                i.array
+                    .write(pos, &data[(pos - off) as usize..(upto - off) as usize]);
+                if i.array.allocated_pages() > before {
+                    i.group.resident_pages.fetch_add(1, Relaxed);
+                    i.fifo.push_back(p);
+                }
+            }
+            pos = upto;
+        }
+        i.enforce_budget(None);
+    }
+
+    /// Number of pages (in memory or not) the array spans.
+    pub fn page_count(&self) -> u64 {
+        self.inner.borrow().array.page_count()
+    }
+
+    /// Logical bytes the array spans.
+    pub fn logical_len(&self) -> u64 {
+        self.inner.borrow().array.logical_len()
+    }
+
+    /// True if page `page` holds no entry (never written; not merely out
+    /// of memory).
+    pub fn page_is_hole(&self, page: u64) -> bool {
+        let i = self.inner.borrow();
+        !i.evicted.get(page) && i.array.page_is_hole(page)
+    }
+
+    /// The non-zero `u64` entries with index in `range`, as (index, value),
+    /// in order; loads the pages it visits, one at a time, and skips holes.
+    pub fn nonzero_u64(&self, range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
+        const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+        let mut out = Vec::new();
+        let mut start = range.start;
+        let end = range.end.min(self.page_count() * PER_PAGE);
+        while start < end {
+            let page = start / PER_PAGE;
+            let upto = ((page + 1) * PER_PAGE).min(end);
+            {
+                let mut i = self.inner.borrow_mut();
+                if i.evicted.get(page) {
+                    i.load(page);
+                }
+                out.extend(i.array.nonzero_u64(start..upto));
+            }
+            start = upto;
+        }
+        out
+    }
+
+    /// Takes the images of the pages changed since the last call (see
+    /// [`PagedArray::take_dirty`]); they stay pinned in memory until the
+    /// checkpoint that covers commit generation `generation`.
+    pub fn take_dirty(&mut self, generation: u64) -> Vec<(u64, Box<[u8; PAGE_SIZE]>)> {
+        let i = self.inner.get_mut();
+        let out = i.array.take_dirty();
+        for (p, _) in &out {
+            if i.pinned.insert(*p, generation).is_none() {
+                i.group.pinned_pages.fetch_add(1, Relaxed);
+            }
+        }
+        out
+    }
+
+    /// Releases the pages pinned by commits up to `generation`, now in
+    /// place in the file, and evicts down to the budget.
+    pub fn unpin_through(&mut self, generation: u64) {
+        let i = self.inner.get_mut();
+        let before = i.pinned.len();
+        i.pinned.retain(|_, g| *g > generation);
+        i.group
+            .pinned_pages
+            .fetch_sub((before - i.pinned.len()) as u64, Relaxed);
+        i.enforce_budget(None);
+    }
+
+    /// Marks `page` dirty again (after a failed commit, or to rewrite it).
+    pub fn redirty(&mut self, page: u64) {
+        let i = self.inner.get_mut();
+        if i.load(page) {
+            i.array.redirty(page);
+        }
+    }
+
+    /// Number of dirty pages.
+    pub fn dirty_count(&self) -> usize {
+        self.inner.borrow().array.dirty_count()
+    }
+
+    /// Drops every entry past logical length `len_bytes`.
+    pub fn truncate(&mut self, len_bytes: u64) {
+        let i = self.inner.get_mut();
+        let keep = len_bytes.div_ceil(PAYLOAD_SIZE as u64);
+        if len_bytes % PAYLOAD_SIZE as u64 != 0 {
+            // its tail is zeroed in memory: bring it back first
+            i.load(keep - 1);
+        }
+        let before = i.array.allocated_pages();
+        i.array.truncate(len_bytes);
+        let after = i.array.allocated_pages();
+        i.group
+            .resident_pages
+            .fetch_sub(before.saturating_sub(after), Relaxed);
+        i.group
+            .resident_pages
+            .fetch_add(after.saturating_sub(before), Relaxed);
+        i.evicted.truncate(keep);
+        let dropped = i.pinned.len();
+        i.pinned.retain(|&p, _| p < keep);
+        i.group
+            .pinned_pages
+            .fetch_sub((dropped - i.pinned.len()) as u64, Relaxed);
+    }
+
+    /// Bytes of memory held (resident pages and tables).
+    pub fn resident_bytes(&self) -> u64 {
+        let i = self.inner.borrow();
+        i.array.resident_bytes()
+            + i.evicted.0.capacity() as u64 * 8
+            + i.fifo.capacity() as u64 * 8
+            + i.pinned.capacity() as u64 * 24
+    }
+
+    /// Figures of the array's group.
+    pub fn group_stats(&self) -> PageCacheStats {
+        self.inner.borrow().group.stats()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.group
+            .resident_pages
+            .fetch_sub(self.array.allocated_pages(), Relaxed);
+        self.group
+            .pinned_pages
+            .fetch_sub(self.pinned.len() as u64, Relaxed);
+    }
+}
+
+impl Inner {
+    /// Brings `page` back into memory if it was evicted. False if it could
+    /// not be and the group faults on that (the caller must not use it).
+    fn load(&mut self, page: u64) -> bool {
+        if !self.evicted.get(page) {
+            return true;
+        }
+        let mut buf = [0u8; PAGE_SIZE];
+        let read = match &self.source {
+            Some(f) => read_page(f, page, &mut buf),
+            None => Ok(()),
+        };
+        self.group.pages_loaded.fetch_add(1, Relaxed);
+        let payload = match read.map(|()| decode_page(&buf, self.array.tag(), page)) {
+            Ok(Ok(p)) => p,
+            failed => {
+                let why = match failed {
+                    Err(e) => e.to_string(),
+                    _ => "checksum mismatch".to_string(),
+                };
+                self.group
+                    .note_error(format!("page {page} of {}: {why}", self.name));
+                if self.group.on_error == OnLoadError::Fault {
+                    // stays out of memory: a later access tries again
+                    return false;
+                }
+                None
+            }
+        };
+        self.evicted.set(page, false);
+        if let Some(p) = payload {
+            self.array.put_page(page, p);
+            self.group.resident_pages.fetch_add(1, Relaxed);
+            self.fifo.push_back(page);
+            // never the page being read
+            self.enforce_budget(Some(page));
+        }
+        true
+    }
+
+    /// Evicts clean, unpinned pages other than `keep`, oldest first, while
+    /// the group is over its budget.
+    fn enforce_budget(&mut self, keep: Option<u64>) {
+        if self.source.is_none() {
+            return;
+        }
+        let mut tries = self.fifo.len();
+        while self.group.over_budget() && tries > 0 {
+            tries -= 1;
+            let Some(p) = self.fifo.pop_front() else {
+                break;
+            };
+            if self.array.page_is_hole(p) {
+                continue; // evicted, truncated or emptied since it was queued
+            }
+            if self.array.is_dirty(p) || self.pinned.contains_key(&p) || keep == Some(p) {
+                self.fifo.push_back(p);
+                continue;
+            }
+            self.array.drop_page(p);
+            self.evicted.set(p, true);
+            self.group.resident_pages.fetch_sub(1, Relaxed);
+            self.group.pages_evicted.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+/// Reads page `page` of `f` into `buf`; past the end of the file: zeros.
+fn read_page(f: &File, page: u64, buf: &mut [u8; PAGE_SIZE]) -> std::io::Result<()> {
+    let off = page * PAGE_SIZE as u64;
+    let mut done = 0;
+    while done < PAGE_SIZE {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+
+    /// An array of `pages` pages (entry `i` = `i + 1`), committed and
+    /// checkpointed to a temporary file, paging under `group`.
+    fn paged(pages: u64, group: &Arc<CacheGroup>) -> (CachedArray, tempfile::NamedTempFile) {
+        let mut a = CachedArray::new(PagedArray::new(9));
+        for i in 0..pages * PER_PAGE {
+            a.set_u64(i, i + 1);
+        }
+        let f = tempfile::NamedTempFile::new().unwrap();
+        for (p, img) in a.take_dirty(1) {
+            f.as_file()
+                .write_all_at(&img[..], p * PAGE_SIZE as u64)
+                .unwrap();
+        }
+        a.page_from(f.reopen().unwrap(), "test", group, []);
+        (a, f)
+    }
+
+    #[test]
+    fn pages_leave_after_checkpoint_and_come_back_intact() {
+        let group = CacheGroup::new(2 * PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let (mut a, _f) = paged(8, &group);
+        // pinned by the commit until the checkpoint
+        assert_eq!(group.stats().pinned_pages, 8);
+        assert_eq!(group.stats().pages_evicted, 0);
+        a.unpin_through(1);
+        let s = group.stats();
+        assert_eq!(
+            (s.pinned_pages, s.resident_bytes),
+            (0, 2 * PAYLOAD_SIZE as u64)
+        );
+        assert_eq!(s.pages_evicted, 6);
+        for i in (0..8 * PER_PAGE).step_by(37) {
+            assert_eq!(a.get_u64(i), i + 1);
+        }
+        assert!(group.stats().pages_loaded >= 6);
+        assert!(group.stats().resident_bytes <= 2 * PAYLOAD_SIZE as u64);
+        assert!(!a.page_is_hole(0), "an evicted page is not a hole");
+        let all = a.nonzero_u64(0..8 * PER_PAGE);
+        assert_eq!(all.len() as u64, 8 * PER_PAGE);
+        assert!(all.iter().all(|&(i, v)| v == i + 1));
+        // a dirty page stays until its commit is checkpointed
+        a.set_u64(5, 99);
+        for i in (0..8 * PER_PAGE).step_by(PER_PAGE as usize) {
+            a.get_u64(i);
+        }
+        assert_eq!(a.get_u64(5), 99);
+        assert_eq!(group.load_errors(), 0);
+    }
+
+    #[test]
+    fn an_unreadable_page_faults_and_is_never_written() {
+        let group = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let (mut a, f) = paged(3, &group);
+        a.unpin_through(1);
+        // page 1 goes bad on disk while out of memory
+        f.as_file()
+            .write_all_at(&[0xff; 8], PAGE_SIZE as u64 + 40)
+            .unwrap();
+        a.get_u64(0);
+        assert_eq!(a.get_u64(PER_PAGE + 1), 0);
+        assert_eq!(group.load_errors(), 1);
+        assert!(group.first_error().unwrap().contains("page 1 of test"));
+        a.set_u64(PER_PAGE + 2, 7);
+        assert_eq!(a.dirty_count(), 0, "a write to a faulted page is dropped");
+        assert!(!a.page_is_hole(1));
+        assert_eq!(a.get_u64(2 * PER_PAGE), 2 * PER_PAGE + 1);
+        // with zeros as the policy the page reads as zeros and is writable
+        let zeros = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::ReadAsZeros);
+        let (mut z, f) = paged(3, &zeros);
+        z.unpin_through(1);
+        f.as_file()
+            .write_all_at(&[0xff; 8], PAGE_SIZE as u64 + 40)
+            .unwrap();
+        z.get_u64(0);
+        assert_eq!(z.get_u64(PER_PAGE + 1), 0);
+        z.set_u64(PER_PAGE + 2, 7);
+        assert_eq!(z.get_u64(PER_PAGE + 2), 7);
+        assert_eq!(zeros.load_errors(), 1);
+    }
+
+    #[test]
+    fn a_group_shares_one_budget_and_forgets_dropped_arrays() {
+        let group = CacheGroup::new(3 * PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let (mut a, _fa) = paged(6, &group);
+        let (mut b, _fb) = paged(6, &group);
+        a.unpin_through(1);
+        b.unpin_through(1);
+        for round in 0..3 {
+            for i in (0..6 * PER_PAGE).step_by(PER_PAGE as usize) {
+                assert_eq!(a.get_u64(i + round), i + round + 1);
+                assert_eq!(b.get_u64(i + round), i + round + 1);
+                // one page per array may be over while it is read
+                assert!(group.stats().resident_bytes <= 5 * PAYLOAD_SIZE as u64);
+            }
+        }
+        drop(a);
+        drop(b);
+        assert_eq!(group.stats().resident_bytes, 0);
+        assert_eq!(group.stats().pinned_pages, 0);
+    }
+
+    #[test]
+    fn truncating_an_evicted_tail_page_zeroes_it() {
+        let group = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let (mut a, _f) = paged(4, &group);
+        a.unpin_through(1);
+        a.get_u64(0); // pages 1..4 out of memory
+        a.truncate((2 * PER_PAGE + 10) * 8);
+        assert_eq!(a.page_count(), 3);
+        assert_eq!(a.get_u64(2 * PER_PAGE + 9), 2 * PER_PAGE + 10);
+        assert_eq!(a.get_u64(2 * PER_PAGE + 10), 0);
+        assert_eq!(a.get_u64(3 * PER_PAGE + 1), 0);
+        assert_eq!(a.get_u64(PER_PAGE), PER_PAGE + 1);
+        assert_eq!(group.load_errors(), 0);
+    }
+}
