@@ -155,7 +155,7 @@ impl Bits {
     }
     fn truncate(&mut self, n: u64) {
         self.0.truncate(n.div_ceil(64) as usize);
-        if n % 64 != 0 {
+        if !n.is_multiple_of(64) {
             if let Some(w) = self.0.last_mut() {
                 *w &= (1 << (n % 64)) - 1;
             }
@@ -389,7 +389,7 @@ impl CachedArray {
     pub fn truncate(&mut self, len_bytes: u64) {
         let i = self.inner.get_mut();
         let keep = len_bytes.div_ceil(PAYLOAD_SIZE as u64);
-        if len_bytes % PAYLOAD_SIZE as u64 != 0 {
+        if !len_bytes.is_multiple_of(PAYLOAD_SIZE as u64) {
             // its tail is zeroed in memory: bring it back first
             i.load(keep - 1);
         }
