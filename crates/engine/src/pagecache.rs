@@ -170,8 +170,13 @@ struct Inner {
     /// Pages carried by a commit not yet checkpointed, with the commit's
     /// generation.
     pinned: HashMap<u64, u64>,
-    /// Resident pages in load order (may hold pages evicted since).
+    /// Eviction candidates in the order they became clean and unpinned
+    /// (loaded, or released by a checkpoint); each page at most once
+    /// ([`Inner::queued`]). A candidate found dirty or pinned when its turn
+    /// comes leaves the queue: the checkpoint that releases it queues it
+    /// again. So eviction never rescans pages it cannot evict.
     fifo: VecDeque<u64>,
+    queued: Bits,
     source: Option<File>,
     /// The file's name in messages.
     name: String,
@@ -201,6 +206,7 @@ impl CachedArray {
             inner: RefCell::new(Inner {
                 array,
                 evicted: Bits::default(),
+                queued: Bits::default(),
                 pinned: HashMap::new(),
                 fifo: VecDeque::new(),
                 source: None,
@@ -237,11 +243,12 @@ impl CachedArray {
                 i.group.pinned_pages.fetch_add(1, Relaxed);
             }
         }
-        i.fifo.clear();
         let pages: Vec<u64> = (0..i.array.page_count())
             .filter(|&p| !i.array.page_is_hole(p))
             .collect();
-        i.fifo.extend(pages);
+        for p in pages {
+            i.enqueue(p);
+        }
         i.enforce_budget(None);
     }
 
@@ -298,8 +305,11 @@ impl CachedArray {
                 i.array
                     .write(pos, &data[(pos - off) as usize..(upto - off) as usize]);
                 if i.array.allocated_pages() > before {
+                    // a new page: dirty, queued once a checkpoint releases it
                     i.group.resident_pages.fetch_add(1, Relaxed);
-                    i.fifo.push_back(p);
+                    if i.source.is_none() {
+                        i.enqueue(p);
+                    }
                 }
             }
             pos = upto;
@@ -364,11 +374,20 @@ impl CachedArray {
     /// place in the file, and evicts down to the budget.
     pub fn unpin_through(&mut self, generation: u64) {
         let i = self.inner.get_mut();
-        let before = i.pinned.len();
-        i.pinned.retain(|_, g| *g > generation);
+        let mut released = Vec::new();
+        i.pinned.retain(|&p, g| {
+            let keep = *g > generation;
+            if !keep {
+                released.push(p);
+            }
+            keep
+        });
         i.group
             .pinned_pages
-            .fetch_sub((before - i.pinned.len()) as u64, Relaxed);
+            .fetch_sub(released.len() as u64, Relaxed);
+        for p in released {
+            i.enqueue(p);
+        }
         i.enforce_budget(None);
     }
 
@@ -403,6 +422,8 @@ impl CachedArray {
             .resident_pages
             .fetch_add(after.saturating_sub(before), Relaxed);
         i.evicted.truncate(keep);
+        i.queued.truncate(keep);
+        i.fifo.retain(|&p| p < keep);
         let dropped = i.pinned.len();
         i.pinned.retain(|&p, _| p < keep);
         i.group
@@ -469,11 +490,19 @@ impl Inner {
         if let Some(p) = payload {
             self.array.put_page(page, p);
             self.group.resident_pages.fetch_add(1, Relaxed);
-            self.fifo.push_back(page);
+            self.enqueue(page);
             // never the page being read
             self.enforce_budget(Some(page));
         }
         true
+    }
+
+    /// Queues `page` as an eviction candidate unless it is queued already.
+    fn enqueue(&mut self, page: u64) {
+        if !self.queued.get(page) {
+            self.queued.set(page, true);
+            self.fifo.push_back(page);
+        }
     }
 
     /// Evicts clean, unpinned pages other than `keep`, oldest first, while
@@ -482,18 +511,21 @@ impl Inner {
         if self.source.is_none() {
             return;
         }
-        let mut tries = self.fifo.len();
-        while self.group.over_budget() && tries > 0 {
-            tries -= 1;
+        while self.group.over_budget() {
             let Some(p) = self.fifo.pop_front() else {
                 break;
             };
-            if self.array.page_is_hole(p) {
-                continue; // evicted, truncated or emptied since it was queued
+            if keep == Some(p) {
+                // only the page being read is left
+                self.fifo.push_front(p);
+                break;
             }
-            if self.array.is_dirty(p) || self.pinned.contains_key(&p) || keep == Some(p) {
-                self.fifo.push_back(p);
-                continue;
+            self.queued.set(p, false);
+            if self.array.page_is_hole(p) {
+                continue; // emptied or truncated since it was queued
+            }
+            if self.array.is_dirty(p) || self.pinned.contains_key(&p) {
+                continue; // queued again when a checkpoint releases it
             }
             self.array.drop_page(p);
             self.evicted.set(p, true);
