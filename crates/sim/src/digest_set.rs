@@ -14,6 +14,13 @@
 //!
 //! The all-zero digest marks an empty slot; when it occurs as a digest it
 //! is remembered by a flag instead.
+//!
+//! The table is an anonymous memory mapping advised to use transparent
+//! huge pages: probes are random over tens of MiB, and with 4 KiB pages
+//! nearly every one also missed the TLB (a page walk, which a prefetch
+//! waits for too).
+
+use std::ptr::NonNull;
 
 use crate::request::Digest;
 
@@ -28,11 +35,76 @@ const EMPTY: Digest = [0; 16];
 #[repr(align(64))]
 struct Bucket([Digest; BUCKET_SLOTS]);
 
+/// Zero-filled buckets in an anonymous mapping of their own (see the
+/// module docs).
+struct Table {
+    ptr: NonNull<Bucket>,
+    len: usize,
+}
+
+impl Table {
+    /// `len` empty buckets. Aborts like a failed allocation if the mapping
+    /// fails.
+    fn new(len: usize) -> Table {
+        let bytes = len * std::mem::size_of::<Bucket>();
+        // SAFETY: a fresh private anonymous mapping; no existing memory is
+        // touched. The kernel zero-fills it, and all-zero bytes are valid
+        // (empty) buckets.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(
+                std::alloc::Layout::array::<Bucket>(len).expect("table size"),
+            );
+        }
+        #[cfg(target_os = "linux")]
+        // SAFETY: advice on the mapping just made; failure (no THP support)
+        // leaves ordinary pages, which is fine.
+        unsafe {
+            libc::madvise(p, bytes, libc::MADV_HUGEPAGE);
+        }
+        Table {
+            ptr: NonNull::new(p.cast()).expect("mmap returns a non-null address"),
+            len,
+        }
+    }
+
+    fn buckets(&self) -> &[Bucket] {
+        // SAFETY: `len` initialized (zero-filled) buckets, owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn buckets_mut(&mut self) -> &mut [Bucket] {
+        // SAFETY: as in `buckets`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `Table::new`, unmapped once.
+        unsafe {
+            libc::munmap(
+                self.ptr.as_ptr().cast(),
+                self.len * std::mem::size_of::<Bucket>(),
+            );
+        }
+    }
+}
+
 /// A set of distinct digests, probed by their [`digest_hash`] (see the
 /// module docs).
 pub struct DigestSet {
     /// Power-of-two table of buckets.
-    buckets: Vec<Bucket>,
+    table: Table,
     /// Occupied slots.
     len: usize,
     /// The all-zero digest is in the set.
@@ -42,7 +114,7 @@ pub struct DigestSet {
 impl Default for DigestSet {
     fn default() -> Self {
         DigestSet {
-            buckets: vec![Bucket([EMPTY; BUCKET_SLOTS]); INITIAL_BUCKETS],
+            table: Table::new(INITIAL_BUCKETS),
             len: 0,
             has_zero: false,
         }
@@ -57,7 +129,7 @@ impl DigestSet {
 
     fn bucket_of(&self, hash: u64) -> usize {
         // the top bits (the low ones may be weaker in some mixes)
-        let bits = self.buckets.len().trailing_zeros();
+        let bits = self.table.len.trailing_zeros();
         (hash >> (64 - bits)) as usize
     }
 
@@ -65,10 +137,10 @@ impl DigestSet {
     /// probed soon.
     #[inline]
     pub fn prefetch(&self, hash: u64) {
-        let p: *const Bucket = &self.buckets[self.bucket_of(hash)];
+        let p: *const Bucket = &self.table.buckets()[self.bucket_of(hash)];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a prefetch is a hint; it cannot fault nor change memory,
-        // and `p` points into `self.buckets` anyway.
+        // and `p` points into the table anyway.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
         };
@@ -84,17 +156,17 @@ impl DigestSet {
         if *d == EMPTY {
             return !std::mem::replace(&mut self.has_zero, true);
         }
-        let mask = self.buckets.len() - 1;
+        let mask = self.table.len - 1;
         let mut b = self.bucket_of(hash);
         loop {
-            for s in &mut self.buckets[b].0 {
+            for s in &mut self.table.buckets_mut()[b].0 {
                 if *s == *d {
                     return false;
                 }
                 if *s == EMPTY {
                     *s = *d;
                     self.len += 1;
-                    if self.len * 8 > self.buckets.len() * BUCKET_SLOTS * 7 {
+                    if self.len * 8 > self.table.len * BUCKET_SLOTS * 7 {
                         self.grow();
                     }
                     return true;
@@ -106,13 +178,20 @@ impl DigestSet {
 
     /// Doubles the table (hashes are not stored: they are recomputed).
     fn grow(&mut self) {
-        let doubled = vec![Bucket([EMPTY; BUCKET_SLOTS]); self.buckets.len() * 2];
-        let old = std::mem::replace(&mut self.buckets, doubled);
-        let mask = self.buckets.len() - 1;
-        for d in old.iter().flat_map(|b| b.0.iter()).filter(|d| **d != EMPTY) {
+        let doubled = Table::new(self.table.len * 2);
+        let old = std::mem::replace(&mut self.table, doubled);
+        let mask = self.table.len - 1;
+        for d in old.buckets().iter().flat_map(|b| b.0.iter()) {
+            if *d == EMPTY {
+                continue;
+            }
             let mut b = self.bucket_of(digest_hash(d));
             loop {
-                if let Some(s) = self.buckets[b].0.iter_mut().find(|s| **s == EMPTY) {
+                if let Some(s) = self.table.buckets_mut()[b]
+                    .0
+                    .iter_mut()
+                    .find(|s| **s == EMPTY)
+                {
                     *s = *d;
                     break;
                 }
@@ -168,7 +247,7 @@ mod tests {
     #[test]
     fn a_crowded_bucket_spills_over_and_wraps() {
         let mut set = DigestSet::default();
-        let bits = set.buckets.len().trailing_zeros();
+        let bits = set.table.len.trailing_zeros();
         // hashes in the last bucket: probes wrap to bucket 0
         let last = u64::MAX >> (64 - bits) << (64 - bits);
         let mut found = Vec::new();
