@@ -17,6 +17,7 @@
 #![deny(missing_docs)]
 
 pub mod convert;
+mod digest_set;
 pub mod error;
 pub mod gen;
 pub mod input;

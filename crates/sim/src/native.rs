@@ -304,6 +304,7 @@ impl NativeReader {
         Ok(true)
     }
 
+    #[inline]
     fn byte(&mut self) -> Result<u8, NativeError> {
         let b = *self
             .chunk
@@ -313,7 +314,25 @@ impl NativeReader {
         Ok(b)
     }
 
+    #[inline]
     fn varint(&mut self) -> Result<u64, NativeError> {
+        // with 10 bytes left in the chunk no byte needs a bounds check
+        if let Some(bytes) = self.chunk.get(self.pos..self.pos + 10) {
+            let mut v: u64 = 0;
+            for (n, &b) in bytes.iter().enumerate() {
+                v |= ((b & 0x7f) as u64) << (7 * n);
+                if b & 0x80 == 0 {
+                    self.pos += n + 1;
+                    return Ok(v);
+                }
+            }
+        }
+        self.varint_checked()
+    }
+
+    /// [`NativeReader::varint`] byte by byte with bounds checks: near the
+    /// end of a chunk, or for a malformed (over-long) varint.
+    fn varint_checked(&mut self) -> Result<u64, NativeError> {
         let mut v: u64 = 0;
         for shift in (0..64).step_by(7) {
             let b = self.byte()?;

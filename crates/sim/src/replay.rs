@@ -21,18 +21,20 @@
 //! The engine is flushed every [`FLUSH_EVERY_REQUESTS`] requests so freed
 //! blocks are recycled, and the index memory is sampled then for its peak.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use dedupd_engine::fingerprint::FINGERPRINT_SIZE;
 use dedupd_engine::index::EvictionPolicy;
 use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
 use dedupd_engine::{
     Engine, EngineConfig, Fingerprint, HashAlgorithm, Lba, Stats, VolumeId, BLOCK_SIZE,
 };
 
+use crate::digest_set::{digest_hash, DigestSet};
 use crate::error::{Result, TraceError};
 use crate::reader::{Format, TraceReader};
 use crate::request::{Digest, Op, Request, SECTOR_SIZE};
@@ -443,38 +445,6 @@ pub struct Report {
     pub engine: Stats,
 }
 
-/// Hashes a trace digest for the exact-duplicate set: one splitmix64 step
-/// per 8 bytes (SipHash, the default, costs more than the rest of the set).
-/// Digests are not chosen by an adversary of this process.
-#[derive(Default)]
-struct DigestHasher(u64);
-
-impl std::hash::Hasher for DigestHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut w = [0u8; 8];
-            w[..chunk.len()].copy_from_slice(chunk);
-            self.0 = splitmix64(self.0 ^ u64::from_le_bytes(w));
-        }
-    }
-    fn write_usize(&mut self, _len: usize) {
-        // the length prefix of a fixed-size digest carries nothing
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-/// The set of distinct digests seen (exact dedup, computed alongside).
-type DigestSet = HashSet<Digest, std::hash::BuildHasherDefault<DigestHasher>>;
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// The engine fingerprint of a 16-byte trace digest: a 64-bit mix of the
 /// whole digest, then the digest itself (then zeros). The engine's index
 /// keys on the first 64 bits and its prefix tree on the first P bits, which
@@ -482,12 +452,16 @@ fn splitmix64(mut z: u64) -> u64 {
 /// structured digests (fixtures, counters) need not be. The digest is kept
 /// whole, so distinct digests stay distinct fingerprints.
 pub fn fingerprint_of(d: &Digest) -> Fingerprint {
-    let lo = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
-    let hi = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
-    let mut b = [0u8; 24];
-    b[..8].copy_from_slice(&splitmix64(lo ^ splitmix64(hi)).to_le_bytes());
-    b[8..].copy_from_slice(d);
-    Fingerprint::from_digest(&b)
+    fingerprint_with(d, digest_hash(d))
+}
+
+/// [`fingerprint_of`] given the digest's [`digest_hash`] (its 64-bit mix).
+#[inline]
+fn fingerprint_with(d: &Digest, hash: u64) -> Fingerprint {
+    let mut b = [0u8; FINGERPRINT_SIZE];
+    b[..8].copy_from_slice(&hash.to_le_bytes());
+    b[8..24].copy_from_slice(d);
+    Fingerprint(b)
 }
 
 fn pct(part: u64, whole: u64) -> f64 {
@@ -577,6 +551,7 @@ pub fn replay(
         ..Report::default()
     };
     let mut fps: Vec<Option<Fingerprint>> = Vec::new();
+    let mut hashes: Vec<u64> = Vec::new();
     let max_blocks = VOLUME_BYTES / BLOCK_SIZE as u64;
     let mut last_ts_ns: Option<u64> = None;
     loop {
@@ -662,14 +637,17 @@ pub fn replay(
                     stream.report.writes += 1;
                     stream.report.blocks_written += n;
                     r.blocks_written += n;
+                    // the exact set's slots are fetched while the engine
+                    // writes, and filled after it (the two are independent)
                     fps.clear();
+                    hashes.clear();
                     for b in &req.blocks {
                         match b {
                             Some(d) => {
-                                if !exact.insert(*d) {
-                                    r.exact_duplicate_blocks += 1;
-                                }
-                                fps.push(Some(fingerprint_of(d)));
+                                let h = digest_hash(d);
+                                exact.prefetch(h);
+                                hashes.push(h);
+                                fps.push(Some(fingerprint_with(d, h)));
                             }
                             None => fps.push(None),
                         }
@@ -680,6 +658,11 @@ pub fn replay(
                             location: inp.reader.location(),
                             msg: e.to_string(),
                         })?;
+                    for (d, &h) in req.blocks.iter().flatten().zip(&hashes) {
+                        if !exact.insert(d, h) {
+                            r.exact_duplicate_blocks += 1;
+                        }
+                    }
                 }
                 Some(Op::Trim) => {
                     r.trims += 1;

@@ -1,0 +1,271 @@
+//! The set of distinct trace digests a replay has seen (the exact,
+//! unbounded dedup computed alongside the engine's).
+//!
+//! An open-addressing table of 16-byte digests in buckets of four (one
+//! 64-byte cache line each), probed linearly bucket by bucket, at most 7/8
+//! full (as full as the standard library's hash set, without its control
+//! bytes). The caller supplies each digest's 64-bit hash, which must be
+//! [`digest_hash`] of it (the replay computes that once per digest for its
+//! fingerprint too), so an insert is
+//! one probe into one cache line in the common case, and the slot can be
+//! prefetched before the insert ([`DigestSet::prefetch`]) while other work
+//! runs. A general hash set costs two dependent cache misses per insert
+//! (control bytes, then the bucket).
+//!
+//! The all-zero digest marks an empty slot; when it occurs as a digest it
+//! is remembered by a flag instead.
+//!
+//! The table is an anonymous memory mapping advised to use transparent
+//! huge pages: probes are random over tens of MiB, and with 4 KiB pages
+//! nearly every one also missed the TLB (a page walk, which a prefetch
+//! waits for too).
+
+use std::ptr::NonNull;
+
+use crate::request::Digest;
+
+/// Buckets of a new table (grows by doubling).
+const INITIAL_BUCKETS: usize = 1 << 10;
+/// Digests per bucket: 4 × 16 bytes, one cache line.
+const BUCKET_SLOTS: usize = 4;
+const EMPTY: Digest = [0; 16];
+
+/// One cache line of slots; [`EMPTY`] slots are free and come last.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct Bucket([Digest; BUCKET_SLOTS]);
+
+/// Zero-filled buckets in an anonymous mapping of their own (see the
+/// module docs).
+struct Table {
+    ptr: NonNull<Bucket>,
+    len: usize,
+}
+
+impl Table {
+    /// `len` empty buckets. Aborts like a failed allocation if the mapping
+    /// fails.
+    fn new(len: usize) -> Table {
+        let bytes = len * std::mem::size_of::<Bucket>();
+        // SAFETY: a fresh private anonymous mapping; no existing memory is
+        // touched. The kernel zero-fills it, and all-zero bytes are valid
+        // (empty) buckets.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(
+                std::alloc::Layout::array::<Bucket>(len).expect("table size"),
+            );
+        }
+        #[cfg(target_os = "linux")]
+        // SAFETY: advice on the mapping just made; failure (no THP support)
+        // leaves ordinary pages, which is fine.
+        unsafe {
+            libc::madvise(p, bytes, libc::MADV_HUGEPAGE);
+        }
+        Table {
+            ptr: NonNull::new(p.cast()).expect("mmap returns a non-null address"),
+            len,
+        }
+    }
+
+    fn buckets(&self) -> &[Bucket] {
+        // SAFETY: `len` initialized (zero-filled) buckets, owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn buckets_mut(&mut self) -> &mut [Bucket] {
+        // SAFETY: as in `buckets`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `Table::new`, unmapped once.
+        unsafe {
+            libc::munmap(
+                self.ptr.as_ptr().cast(),
+                self.len * std::mem::size_of::<Bucket>(),
+            );
+        }
+    }
+}
+
+/// A set of distinct digests, probed by their [`digest_hash`] (see the
+/// module docs).
+pub struct DigestSet {
+    /// Power-of-two table of buckets.
+    table: Table,
+    /// Occupied slots.
+    len: usize,
+    /// The all-zero digest is in the set.
+    has_zero: bool,
+}
+
+impl Default for DigestSet {
+    fn default() -> Self {
+        DigestSet {
+            table: Table::new(INITIAL_BUCKETS),
+            len: 0,
+            has_zero: false,
+        }
+    }
+}
+
+impl DigestSet {
+    /// Number of distinct digests inserted.
+    pub fn len(&self) -> usize {
+        self.len + usize::from(self.has_zero)
+    }
+
+    fn bucket_of(&self, hash: u64) -> usize {
+        // the top bits (the low ones may be weaker in some mixes)
+        let bits = self.table.len.trailing_zeros();
+        (hash >> (64 - bits)) as usize
+    }
+
+    /// Hints that the bucket of the digest hashing to `hash` will be
+    /// probed soon.
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        let p: *const Bucket = &self.table.buckets()[self.bucket_of(hash)];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint; it cannot fault nor change memory,
+        // and `p` points into the table anyway.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
+
+    /// Inserts `d`, whose [`digest_hash`] is `hash`; true if it was not in
+    /// the set.
+    #[inline]
+    pub fn insert(&mut self, d: &Digest, hash: u64) -> bool {
+        debug_assert_eq!(hash, digest_hash(d));
+        if *d == EMPTY {
+            return !std::mem::replace(&mut self.has_zero, true);
+        }
+        let mask = self.table.len - 1;
+        let mut b = self.bucket_of(hash);
+        loop {
+            for s in &mut self.table.buckets_mut()[b].0 {
+                if *s == *d {
+                    return false;
+                }
+                if *s == EMPTY {
+                    *s = *d;
+                    self.len += 1;
+                    if self.len * 8 > self.table.len * BUCKET_SLOTS * 7 {
+                        self.grow();
+                    }
+                    return true;
+                }
+            }
+            b = (b + 1) & mask;
+        }
+    }
+
+    /// Doubles the table (hashes are not stored: they are recomputed).
+    fn grow(&mut self) {
+        let doubled = Table::new(self.table.len * 2);
+        let old = std::mem::replace(&mut self.table, doubled);
+        let mask = self.table.len - 1;
+        for d in old.buckets().iter().flat_map(|b| b.0.iter()) {
+            if *d == EMPTY {
+                continue;
+            }
+            let mut b = self.bucket_of(digest_hash(d));
+            loop {
+                if let Some(s) = self.table.buckets_mut()[b]
+                    .0
+                    .iter_mut()
+                    .find(|s| **s == EMPTY)
+                {
+                    *s = *d;
+                    break;
+                }
+                b = (b + 1) & mask;
+            }
+        }
+    }
+}
+
+/// The 64-bit hash of a digest the set expects: one splitmix64 step over
+/// each half (also the first word of the replay's engine fingerprint).
+pub fn digest_hash(d: &Digest) -> u64 {
+    let lo = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
+    let hi = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
+    splitmix64(lo ^ splitmix64(hi))
+}
+
+/// One step of splitmix64 (Steele, Lea & Flood), a 64-bit bijective mix.
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn counts_distinct_digests_like_a_hash_set() {
+        let mut set = DigestSet::default();
+        let mut reference = HashSet::new();
+        let mut state = 7u64;
+        for i in 0..200_000u64 {
+            state = splitmix64(state);
+            // about a third repeat an earlier digest; some are all zero
+            let v = if i % 3 == 0 { state % 1000 } else { state };
+            let mut d = [0u8; 16];
+            if i % 97 != 0 {
+                d[..8].copy_from_slice(&v.to_le_bytes());
+                d[8..].copy_from_slice(&(v >> 3).to_be_bytes());
+            }
+            set.prefetch(digest_hash(&d));
+            assert_eq!(set.insert(&d, digest_hash(&d)), reference.insert(d));
+        }
+        assert_eq!(set.len(), reference.len());
+    }
+
+    /// Digests whose hashes all land in the first bucket still probe to
+    /// each other: long runs across buckets, the wrap-around, and growth.
+    #[test]
+    fn a_crowded_bucket_spills_over_and_wraps() {
+        let mut set = DigestSet::default();
+        let bits = set.table.len.trailing_zeros();
+        // hashes in the last bucket: probes wrap to bucket 0
+        let last = u64::MAX >> (64 - bits) << (64 - bits);
+        let mut found = Vec::new();
+        let mut x = 1u64;
+        while found.len() < 40 {
+            x += 1;
+            let mut d = [1u8; 16];
+            d[..8].copy_from_slice(&x.to_le_bytes());
+            if digest_hash(&d) >= last {
+                found.push(d);
+            }
+        }
+        for d in &found {
+            assert!(set.insert(d, digest_hash(d)));
+        }
+        for d in &found {
+            assert!(!set.insert(d, digest_hash(d)));
+        }
+        assert_eq!(set.len(), found.len());
+    }
+}
