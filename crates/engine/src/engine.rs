@@ -1130,11 +1130,7 @@ impl Engine {
         first: Lba,
         fps: &[Option<Fingerprint>],
     ) -> Result<()> {
-        self.check_range(
-            vol,
-            first.0.saturating_mul(BLOCK_SIZE_U64),
-            fps.len() as u64 * BLOCK_SIZE_U64,
-        )?;
+        // (place_blocks checks the range under its metadata lock)
         // CAFTL's filters see the fingerprint's CRC instead of the data's
         let mut inline: Vec<bool> = fps
             .iter()
@@ -1170,13 +1166,27 @@ impl Engine {
             let Some(volume) = m.volumes.get(&vol) else {
                 return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
             };
+            let size_blocks = volume.size_blocks();
+            if first
+                .checked_add(n as u64)
+                .is_none_or(|end| end > size_blocks)
+            {
+                return Err(EngineError::OutOfRange {
+                    offset: first.saturating_mul(BLOCK_SIZE_U64),
+                    len: n as u64 * BLOCK_SIZE_U64,
+                    size_bytes: volume.record.size_bytes,
+                });
+            }
             let threshold = volume
                 .record
                 .sequence_threshold_blocks
                 .unwrap_or(self.config.sequence_threshold_blocks)
                 .max(1);
             let block = |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
-            let mut first_of: HashMap<Fingerprint, usize> = HashMap::new();
+            // first block of the request with each new content; a
+            // one-block request needs no map
+            let mut first_of: crate::fingerprint::FingerprintMap<usize> = Default::default();
+            let mut only_block_is_new = false;
             let mut cands = Vec::with_capacity(n);
             m.counters.blocks_written += n as u64;
             for (i, fp) in fps.iter().enumerate() {
@@ -1198,7 +1208,11 @@ impl Engine {
                             Candidate::InRequest(j)
                         } else {
                             if hit.is_none() && same_request.is_none() {
-                                first_of.insert(*fp, i);
+                                if n == 1 {
+                                    only_block_is_new = true;
+                                } else {
+                                    first_of.insert(*fp, i);
+                                }
                             }
                             Candidate::Other
                         }
@@ -1209,10 +1223,18 @@ impl Engine {
                 }
                 cands.push(cand);
             }
-            let keep = if threshold > 1 {
-                m.sequences.filter(vol, first, threshold, &cands)
-            } else {
-                cands.iter().map(|c| *c != Candidate::Other).collect()
+            let filtered_keep =
+                (threshold > 1).then(|| m.sequences.filter(vol, first, threshold, &cands));
+            let keep = |i: usize| match &filtered_keep {
+                Some(k) => k[i],
+                None => cands[i] != Candidate::Other,
+            };
+            let is_first = |fp: &Fingerprint, i: usize| {
+                if n == 1 {
+                    only_block_is_new
+                } else {
+                    first_of.get(fp) == Some(&i)
+                }
             };
             for (i, fp) in fps.iter().enumerate() {
                 let lba = Lba(first + i as u64);
@@ -1225,7 +1247,7 @@ impl Engine {
                 // an earlier block of this request may have released the
                 // stored copy (overwriting its last reference): then store anew
                 let live = |m: &Meta, p: u64| m.refcounts.get_u32(p) > 0;
-                match (cands[i], keep[i]) {
+                match (cands[i], keep(i)) {
                     (Candidate::Stored(p), true) if live(&m, p) => {
                         m.remap(vol, lba, Some(Pba(p)));
                         m.counters.duplicate_blocks += 1;
@@ -1245,7 +1267,7 @@ impl Engine {
                             // not indexed (their content is, elsewhere);
                             // a released copy's content is indexed anew
                             indexed: *fp != UNHASHED
-                                && (first_of.get(fp) == Some(&i)
+                                && (is_first(fp, i)
                                     || matches!(cand, Candidate::Stored(_)) && keep),
                             filtered,
                         });
@@ -1260,8 +1282,10 @@ impl Engine {
             .fetch_add(selected_blocks, Ordering::Relaxed);
 
         // phase 2: write new data, coalescing runs of consecutive PBAs
+        // (nothing to write without data: replay of fingerprints)
         let new: Vec<(usize, Pba)> = placement
             .iter()
+            .filter(|_| data.is_some())
             .enumerate()
             .filter_map(|(i, p)| {
                 if let Placement::New { pba, .. } = p {
@@ -1299,7 +1323,14 @@ impl Engine {
 
         // phase 3: index and map the new blocks (another writer may have
         // stored the same content meanwhile: then share its copy)
-        let mut final_pba: Vec<Option<Pba>> = vec![None; n];
+        // where each new block ended up, for the copies of it in this
+        // request (only kept if there are any)
+        let has_copies = placement.iter().any(|p| matches!(p, Placement::SameAs(_)));
+        let mut final_pba: Vec<Option<Pba>> = if has_copies {
+            vec![None; n]
+        } else {
+            Vec::new()
+        };
         for (i, p) in placement.iter().enumerate() {
             if let Placement::New {
                 pba,
@@ -1314,7 +1345,9 @@ impl Engine {
                 if !indexed {
                     m.record_unindexed(*pba, *fp);
                     m.remap(vol, Lba(first + i as u64), Some(*pba));
-                    final_pba[i] = Some(*pba);
+                    if has_copies {
+                        final_pba[i] = Some(*pba);
+                    }
                     continue;
                 }
                 // a miss in phase 1 still holds if nothing was indexed since
@@ -1348,7 +1381,9 @@ impl Engine {
                     }
                 };
                 m.remap(vol, Lba(first + i as u64), Some(target));
-                final_pba[i] = Some(target);
+                if has_copies {
+                    final_pba[i] = Some(target);
+                }
             }
         }
         for (i, p) in placement.iter().enumerate() {

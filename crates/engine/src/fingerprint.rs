@@ -90,3 +90,27 @@ mod tests {
         );
     }
 }
+
+/// A [`std::hash::Hasher`] for maps keyed by [`Fingerprint`]: a fingerprint
+/// is already the output of a cryptographic hash, so its first 8 bytes
+/// (mixed with the slice length the derived `Hash` writes first) serve as
+/// the hash, without a SipHash pass over 32 bytes. For short-lived maps of
+/// one request; not for maps an adversary can grow without bound.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FingerprintHasher(u64);
+
+impl std::hash::Hasher for FingerprintHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut word = [0u8; 8];
+        let n = bytes.len().min(8);
+        word[..n].copy_from_slice(&bytes[..n]);
+        self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(word);
+    }
+}
+
+/// A hash map keyed by fingerprint with [`FingerprintHasher`].
+pub type FingerprintMap<V> =
+    std::collections::HashMap<Fingerprint, V, std::hash::BuildHasherDefault<FingerprintHasher>>;
