@@ -87,7 +87,8 @@ fn qemu_img_convert_in_and_out_is_byte_identical() {
 }
 
 /// The hashing filters (CAFTL pre-hashing and sampling, the sequence
-/// threshold) and a reverse index paged through an 8 KiB cache, end to end:
+/// threshold), and the reverse index, volume maps and reference counts
+/// paged through 8 KiB caches, end to end:
 /// real clients read back what they wrote across a restart, the filters and
 /// the page cache did their work, an offline pass and fsck find the store
 /// consistent.
@@ -103,6 +104,8 @@ fn hashing_filters_and_a_paged_reverse_index_lose_nothing() {
         "--default-volume-size",
         "64M",
         "--reverse-index-cache",
+        "8K",
+        "--map-cache",
         "8K",
         "--journal-size",
         "256K",
@@ -133,6 +136,7 @@ fn hashing_filters_and_a_paged_reverse_index_lose_nothing() {
         s["reverse_index"]["pages_evicted"].as_u64().unwrap() > 0,
         "{s}"
     );
+    assert!(s["map_cache"]["pages_evicted"].as_u64().unwrap() > 0, "{s}");
     server.stop();
     let server = Server::start(&store, &opts);
     for name in ["img", "img2"] {
@@ -142,6 +146,10 @@ fn hashing_filters_and_a_paged_reverse_index_lose_nothing() {
             .arg(server.uri(name)));
         assert!(String::from_utf8_lossy(&out.stdout).contains("identical"));
     }
+    // the maps were read back page by page through the 8 KiB cache
+    let s = stats(&store);
+    assert!(s["map_cache"]["pages_loaded"].as_u64().unwrap() > 0, "{s}");
+    assert_eq!(s["map_cache"]["load_errors"].as_u64().unwrap(), 0, "{s}");
     server.stop();
     // a full pass merges what the filters left apart; fsck is clean
     let before = stats(&store)["physical_blocks_stored"].as_u64().unwrap();
