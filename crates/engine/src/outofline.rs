@@ -373,6 +373,19 @@ impl Engine {
                     Duration::from_secs_f64(batch as f64 / rate_blocks_per_s.max(1) as f64);
                 let mut last_foreground = engine.foreground_ops();
                 let mut last_pass = Instant::now();
+                // a lasting error (full disk, a metadata fault) is reported
+                // once, not at every period
+                let mut last_error = String::new();
+                let mut report = |r: Result<PassReport>| match r {
+                    Ok(_) => last_error.clear(),
+                    Err(e) => {
+                        let msg = e.to_string();
+                        if msg != last_error {
+                            eprintln!("dedupd: out-of-line dedup: {msg}");
+                            last_error = msg;
+                        }
+                    }
+                };
                 while !flag.load(Ordering::Relaxed) {
                     let started = Instant::now();
                     let now_foreground = engine.foreground_ops();
@@ -381,16 +394,12 @@ impl Engine {
                     if busy && last_pass.elapsed() >= period * 10 && engine.dedup_pressure() {
                         // the minimum share: one batch, not yielding
                         last_pass = Instant::now();
-                        if let Err(e) = engine.dedup_pass(batch as usize) {
-                            eprintln!("dedupd: out-of-line dedup: {e}");
-                        }
+                        report(engine.dedup_pass(batch as usize));
                     } else if !busy && engine.dedup_pending() {
                         last_pass = Instant::now();
                         let seen = engine.foreground_ops();
                         let yield_now = || engine.foreground_ops() != seen;
-                        if let Err(e) = engine.dedup_pass_yielding(batch as usize, &yield_now) {
-                            eprintln!("dedupd: out-of-line dedup: {e}");
-                        }
+                        report(engine.dedup_pass_yielding(batch as usize, &yield_now));
                     }
                     let wait = if busy {
                         period.max(Duration::from_millis(20))
