@@ -116,13 +116,20 @@ fn fsck_clean_with(store: &Path, after: &str, opts: &[&str]) {
 }
 
 /// Server options varied from restart to restart, so kills land in
-/// commits, checkpoints and background commits of every size.
+/// commits, checkpoints and background commits of every size, with the
+/// metadata paged through tiny caches or held in memory.
 fn random_server_args(rng: &mut Rng) -> Vec<String> {
     let interval = *rng.pick(&["0", "10", "100", "5000"]);
     let journal = *rng.pick(&["128K", "1M", "32M"]);
     let dirty = *rng.pick(&["64K", "1M", "16M"]);
     let workers = *rng.pick(&["1", "4"]);
+    // tiny caches page the maps, reference counts and reverse index
+    let cache = *rng.pick(&["8K", "16M"]);
     vec![
+        "--map-cache".into(),
+        cache.into(),
+        "--reverse-index-cache".into(),
+        cache.into(),
         "--commit-interval-ms".into(),
         interval.into(),
         "--journal-size".into(),
