@@ -426,32 +426,8 @@ fn print_stats(v: &Value) {
         "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
         u("sequence_filtered_blocks")
     );
-    let ri = &v["reverse_index"];
-    println!(
-        "reverse index in memory      {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors)",
-        human(ri["resident_bytes"].as_u64().unwrap_or(0)),
-        match ri["cache_bytes"].as_u64().unwrap_or(0) {
-            0 => "unbounded".to_string(),
-            b => human(b),
-        },
-        ri["pinned_pages"].as_u64().unwrap_or(0),
-        ri["pages_loaded"].as_u64().unwrap_or(0),
-        ri["pages_evicted"].as_u64().unwrap_or(0),
-        ri["load_errors"].as_u64().unwrap_or(0)
-    );
-    let mc = &v["map_cache"];
-    println!(
-        "maps + refcounts in memory   {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors)",
-        human(mc["resident_bytes"].as_u64().unwrap_or(0)),
-        match mc["cache_bytes"].as_u64().unwrap_or(0) {
-            0 => "unbounded".to_string(),
-            b => human(b),
-        },
-        mc["pinned_pages"].as_u64().unwrap_or(0),
-        mc["pages_loaded"].as_u64().unwrap_or(0),
-        mc["pages_evicted"].as_u64().unwrap_or(0),
-        mc["load_errors"].as_u64().unwrap_or(0)
-    );
+    print_page_cache("reverse index in memory     ", &v["reverse_index"]);
+    print_page_cache("maps + refcounts in memory  ", &v["map_cache"]);
     let ol = &v["out_of_line"];
     println!(
         "out-of-line passes           {} ({} blocks examined, {} hashed, {} LBAs remapped, {} merges; {:.2} µs CPU per block)",
@@ -540,4 +516,22 @@ fn print_stats(v: &Value) {
             u("connections_total")
         );
     }
+}
+
+/// One line of `dedupd stats` for a metadata page cache (`label` padded to
+/// the column).
+fn print_page_cache(label: &str, c: &serde_json::Value) {
+    let n = |k: &str| c[k].as_u64().unwrap_or(0);
+    println!(
+        "{label} {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors)",
+        human(n("resident_bytes")),
+        match n("cache_bytes") {
+            0 => "unbounded".to_string(),
+            b => human(b),
+        },
+        n("pinned_pages"),
+        n("pages_loaded"),
+        n("pages_evicted"),
+        n("load_errors")
+    );
 }

@@ -22,7 +22,7 @@ pub enum EngineError {
         context: String,
     },
     /// The directory does not exist.
-    #[error("store {0} does not exist (create it with `dedupd serve` or `dedupd volume create`)")]
+    #[error("store {0} does not exist (create it with `dedupd init` or `dedupd serve`)")]
     NoStore(PathBuf),
     /// The directory exists but is not a dedupd store (no or foreign superblock).
     #[error("{path} is not a dedupd store: {detail}")]

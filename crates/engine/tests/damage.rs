@@ -28,6 +28,16 @@ fn build(dir: &Path) -> PathBuf {
     path
 }
 
+/// The map file of the volume created first (volume `a` of [`build`]).
+fn first_map_file(store: &Path) -> PathBuf {
+    std::fs::read_dir(store.join("maps"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .min()
+        .unwrap()
+}
+
 fn flip(file: &Path, offset: u64) {
     let mut bytes = std::fs::read(file).unwrap();
     bytes[offset as usize] ^= 0x20;
@@ -125,12 +135,7 @@ fn flipped_reverse_index_page_is_rehashed() {
 fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
-    let map = std::fs::read_dir(path.join("maps"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .min()
-        .unwrap();
+    let map = first_map_file(&path);
     flip(&map, 4096 + 100); // page 1 of volume a: LBAs 508..1016
     {
         let e = Engine::open(&path, EngineConfig::default()).unwrap();
@@ -309,12 +314,7 @@ fn map_page_damaged_while_paged_out_fails_the_access_and_stops_commits() {
     assert!(e.stats().map_cache.pages_evicted > 0);
     // acknowledged, not yet flushed
     e.write(b, 300 * 4096, &pattern(7), false).unwrap();
-    let map = std::fs::read_dir(path.join("maps"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .min()
-        .unwrap();
+    let map = first_map_file(&path);
     flip(&map, 4096 + 100); // page 1 of volume a: LBAs 508..1016
     let err = e.read(a, 510 * 4096, &mut buf).unwrap_err();
     assert!(
