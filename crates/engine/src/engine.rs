@@ -255,6 +255,9 @@ pub struct Engine {
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
     commit_wanted: AtomicBool,
+    /// The page cache group of the maps and reference counts (shared with
+    /// [`Meta::map_cache`]): its fault count is read without the lock.
+    map_cache: std::sync::Arc<CacheGroup>,
     /// Read cache keyed by PBA.
     cache: crate::cache::ReadCache,
     /// Which blocks inline dedup fingerprints.
@@ -490,6 +493,7 @@ impl Engine {
         journal: Option<Journal>,
         config: EngineConfig,
     ) -> Engine {
+        let meta_map_cache = meta.map_cache.clone();
         Engine {
             dir: None,
             damage: Vec::new(),
@@ -505,6 +509,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            map_cache: meta_map_cache,
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
@@ -914,6 +919,11 @@ impl Engine {
     }
 
     fn after_write(&self, fua: bool) -> Result<()> {
+        // a write whose metadata update met an unreadable page fails (its
+        // changes are never committed); one atomic load, no lock
+        if self.map_cache.load_errors() > 0 {
+            return fault_check(&lock(&self.meta));
+        }
         if fua {
             return self.flush();
         }

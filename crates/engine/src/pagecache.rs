@@ -14,8 +14,10 @@
 //!
 //! The arrays of one [`CacheGroup`] share its budget: an array that loads
 //! or creates a page while the group is over budget evicts its own oldest
-//! clean, unpinned pages. The budget can be exceeded by pinned and dirty
-//! pages (bounded by `--journal-size` and `--max-dirty`) and by one page per
+//! clean, unpinned pages, and so does every array at each checkpoint
+//! ([`CachedArray::unpin_through`]), so an array no longer accessed sheds
+//! its pages too. The budget can be exceeded by pinned and dirty pages
+//! (bounded by `--journal-size` and `--max-dirty`) and by one page per
 //! array being read.
 //!
 //! What a page that cannot be read back (I/O error, checksum mismatch)

@@ -344,3 +344,43 @@ fn map_page_damaged_while_paged_out_fails_the_access_and_stops_commits() {
     drop(e);
     assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 4);
 }
+
+/// A reference-count page that goes bad on disk while paged out: the write
+/// that releases or shares a block on it fails, nothing is committed from
+/// then on, and the next start refuses the store and names the file until
+/// fsck rebuilds it.
+#[test]
+fn refcount_page_damaged_while_paged_out_stops_writes_until_repaired() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let cfg = EngineConfig {
+        map_cache_bytes: 4064,
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(&path, cfg.clone()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    let mut buf = vec![0u8; 4096];
+    // map pages of a and b in turn, then a checkpoint: every array of the
+    // group sheds pages down to the budget, the reference counts too
+    e.read(a, 550 * 4096, &mut buf).unwrap();
+    e.read(b, 0, &mut buf).unwrap();
+    e.checkpoint().unwrap();
+    assert!(e.stats().map_cache.pages_evicted > 0);
+    flip(&path.join("refcounts"), 10);
+    // overwriting LBA 1 of b releases its block: its count is on the bad page
+    let err = e.write(b, 4096, &pattern(900), false).unwrap_err();
+    assert!(matches!(err, EngineError::MetadataUnreadable(_)), "{err}");
+    assert!(matches!(e.flush(), Err(EngineError::MetadataUnreadable(_))));
+    // reads that need only the maps keep working
+    e.read(a, 7 * 4096, &mut buf).unwrap();
+    assert_eq!(buf, pattern(7));
+    drop(e);
+    match Engine::open(&path, cfg.clone()) {
+        Err(EngineError::Corrupt { file, .. }) => assert!(file.ends_with("refcounts")),
+        Err(other) => panic!("unexpected error: {other}"),
+        Ok(_) => panic!("opened a store with a damaged reference-count page"),
+    }
+    assert_eq!(repair(&path), 1);
+    assert_intact(&path, &[("a", 600), ("b", 100)]);
+}
