@@ -111,9 +111,9 @@ pub struct EngineConfig {
     pub reverse_index_cache_bytes: u64,
     /// Bytes of volume-map and reference-count pages (8 bytes per LBA, 4
     /// per block) kept in memory; the rest is paged from their files on
-    /// demand (see [`crate::pagecache`]). 0 keeps all of them. Default
-    /// 16 MiB (the maps of about 2 million LBAs, 8 GiB, with their
-    /// reference counts).
+    /// demand (see [`crate::pagecache`]), all volumes together. 0 keeps all
+    /// of them. Default 16 MiB (the map entries and reference counts of
+    /// about 1.4 million blocks, 5.6 GiB written once).
     pub map_cache_bytes: u64,
     /// Bytes of CAFTL's pre-hash CRC table (see [`crate::caftl`]): only
     /// blocks whose CRC-32C was seen before are fingerprinted inline.
@@ -493,7 +493,7 @@ impl Engine {
         journal: Option<Journal>,
         config: EngineConfig,
     ) -> Engine {
-        let meta_map_cache = meta.map_cache.clone();
+        let map_cache = meta.map_cache.clone();
         Engine {
             dir: None,
             damage: Vec::new(),
@@ -509,7 +509,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
-            map_cache: meta_map_cache,
+            map_cache,
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
