@@ -307,11 +307,9 @@ impl CachedArray {
                 i.array
                     .write(pos, &data[(pos - off) as usize..(upto - off) as usize]);
                 if i.array.allocated_pages() > before {
-                    // a new page: dirty, queued once a checkpoint releases it
+                    // a new page: dirty, queued once a checkpoint releases
+                    // it (or by `page_from`, before paging starts)
                     i.group.resident_pages.fetch_add(1, Relaxed);
-                    if i.source.is_none() {
-                        i.enqueue(p);
-                    }
                 }
             }
             pos = upto;
@@ -414,15 +412,12 @@ impl CachedArray {
             // its tail is zeroed in memory: bring it back first
             i.load(keep - 1);
         }
+        // truncating only drops pages (zeroing the tail allocates none)
         let before = i.array.allocated_pages();
         i.array.truncate(len_bytes);
-        let after = i.array.allocated_pages();
         i.group
             .resident_pages
-            .fetch_sub(before.saturating_sub(after), Relaxed);
-        i.group
-            .resident_pages
-            .fetch_add(after.saturating_sub(before), Relaxed);
+            .fetch_sub(before - i.array.allocated_pages(), Relaxed);
         i.evicted.truncate(keep);
         i.queued.truncate(keep);
         i.fifo.retain(|&p| p < keep);
