@@ -38,11 +38,22 @@ pub struct FileBackend {
     /// Set while one writer runs `fallocate`; the others do not queue
     /// behind it on the inode lock.
     preallocating: std::sync::atomic::AtomicBool,
+    /// Held around each write of [`LARGE_WRITE_BYTES`] or more: writers of
+    /// one file serialize on its inode lock anyway, and the kernel's
+    /// waiters spin on that lock (burning a core for the whole copy),
+    /// while waiters on this mutex sleep.
+    large_writes: std::sync::Mutex<()>,
     observer: crate::observe::Observer,
 }
 
 /// Bytes preallocated ahead of the data file's end.
 const PREALLOCATE_BYTES: u64 = 64 << 20;
+
+/// Writes at least this long take [`FileBackend::large_writes`] (measured
+/// on ext4 with four concurrent 1 MiB writers: 5–25 % more throughput, the
+/// spinning on the inode lock gone from the profile). Small writes hold the
+/// inode lock too briefly for sleeping to pay.
+const LARGE_WRITE_BYTES: usize = 64 << 10;
 
 impl FileBackend {
     /// Uses `file`, opened for reading and writing.
@@ -51,6 +62,7 @@ impl FileBackend {
             file,
             preallocated_end: std::sync::atomic::AtomicU64::new(0),
             preallocating: std::sync::atomic::AtomicBool::new(false),
+            large_writes: std::sync::Mutex::new(()),
             observer: crate::observe::Observer::default(),
         }
     }
@@ -110,7 +122,12 @@ impl BlockBackend for FileBackend {
     fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
         let off = pba.0 * BLOCK_SIZE_U64;
         self.preallocate(off + data.len() as u64);
-        self.file.write_all_at(data, off)?;
+        if data.len() >= LARGE_WRITE_BYTES {
+            let _one = self.large_writes.lock().unwrap_or_else(|e| e.into_inner());
+            self.file.write_all_at(data, off)?;
+        } else {
+            self.file.write_all_at(data, off)?;
+        }
         self.observer.emit(crate::observe::IoEvent::Write {
             file: "data",
             offset: off,
