@@ -299,18 +299,23 @@ impl Engine {
         let jfile = dir.open_file("journal", true)?;
         let chain =
             journal::read_chain(&jfile).map_err(|e| EngineError::io("reading the journal", e))?;
+        let last_seq = chain.last().map_or(0, |t| t.seq);
+        let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
         // Replay into memory, not onto the files: opening never writes, so a
         // store on a full file system still opens. The replayed changes go to
-        // the next checkpoint.
-        let mut images = MetaImages::new(&dir);
+        // the next checkpoint. The large files are not read into memory:
+        // their pages are checked once and then paged on demand, the
+        // journal's newer pages pinned over them (crate::metaopen).
         let chain_ops: Vec<Op> = chain.iter().flat_map(|t| t.ops.iter().cloned()).collect();
-        for op in &chain_ops {
+        drop(chain);
+        let mut images = MetaImages::new(&dir);
+        for op in chain_ops.iter().filter(|op| op.file() == MetaFile::State) {
             images.apply(op)?;
         }
         let state_path = dir.path(MetaFile::State);
         let state: State = decode_checked(&images.get(MetaFile::State)?.to_bytes(), &state_path)?;
-        let next_seq = state.journal_seq.max(chain.last().map_or(0, |t| t.seq)) + 1;
-        let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
+        drop(images);
+        let next_seq = state.journal_seq.max(last_seq) + 1;
         // the on-disk fingerprint store is derived data, rebuilt at every open
         let groups = dir.open_file("fpgroups", true)?;
         groups
@@ -323,40 +328,61 @@ impl Engine {
             },
             Box::new(FileGroupStore(groups)),
         );
+        // the reverse index pages under its own budget; the volume maps and
+        // reference counts share one
+        let reverse_cache =
+            CacheGroup::new(config.reverse_index_cache_bytes, OnLoadError::ReadAsZeros);
+        let map_cache = CacheGroup::new(config.map_cache_bytes, OnLoadError::Fault);
         let mut damage: Vec<Damage> = Vec::new();
         let mut damage_notes: Vec<String> = Vec::new();
-        let mut load = |file: MetaFile, damage: &mut Vec<Damage>| -> Result<PagedArray> {
-            let (array, pages) = PagedArray::from_image(images.get(file)?, file.page_tag());
-            if !pages.is_empty() {
+        let load = |file: MetaFile,
+                    group: &std::sync::Arc<CacheGroup>,
+                    damage: &mut Vec<Damage>|
+         -> Result<CachedArray> {
+            let path = dir.path(file);
+            // created if missing (a new store, or a volume created since the
+            // last checkpoint); a file that cannot be created is replayed
+            // in memory only
+            let f = match dir.open_file(&file.relative_path(), true) {
+                Ok(f) => Some(f),
+                Err(_) if !path.exists() => None,
+                Err(e) => return Err(e),
+            };
+            let name = path.display().to_string();
+            let opened = crate::metaopen::open_paged(f, file, &chain_ops, &name, group)
+                .map_err(|e| EngineError::io(format!("reading {name}"), e))?;
+            if !opened.damaged.is_empty() {
                 damage.push(Damage {
-                    file: dir.path(file),
-                    pages,
+                    file: path,
+                    pages: opened.damaged,
                 });
             }
-            Ok(array)
+            Ok(opened.array)
         };
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
             counters: state.counters.clone(),
-            refcounts: CachedArray::new(load(MetaFile::Refcounts, &mut damage)?),
-            fingerprints: crate::reverse::ReverseIndex::new(load(
+            refcounts: load(MetaFile::Refcounts, &map_cache, &mut damage)?,
+            fingerprints: crate::reverse::ReverseIndex::from_cached(load(
                 MetaFile::Fingerprints,
+                &reverse_cache,
                 &mut damage,
             )?),
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
+            map_cache: map_cache.clone(),
             ..Meta::empty(index)
         };
         let store_level = damage.len();
         for rec in &state.volumes {
             let mut mine = Vec::new();
-            let map = load(MetaFile::Map(rec.id), &mut mine)?;
+            let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine)?;
             let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
             damage.extend(mine);
             meta.volumes.insert(
                 rec.id,
                 Volume {
                     record: rec.clone(),
-                    map: CachedArray::new(map),
+                    map,
                     damaged_pages,
                 },
             );
@@ -374,7 +400,6 @@ impl Engine {
                 ),
             });
         }
-        drop(images);
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);
         // the skipped buffer saved at the last checkpoint, plus the LBAs of
@@ -413,14 +438,14 @@ impl Engine {
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
-        if let Err(e) = meta.rebuild_derived(data_blocks) {
+        if let Err(e) = meta.rebuild_derived(data_blocks, dir.scratch_file()) {
             match EngineError::io("rebuilding the on-disk fingerprint store", e) {
                 // a full file system: keep the on-disk groups in memory for
                 // this run, so the store still opens and serves reads
                 EngineError::NoSpace { .. } => {
                     let cfg = meta.index.config();
                     meta.index = FingerprintIndex::new(cfg, Box::new(MemoryGroupStore::default()));
-                    meta.rebuild_derived(data_blocks).map_err(|e| {
+                    meta.rebuild_derived(data_blocks, None).map_err(|e| {
                         EngineError::io("rebuilding the fingerprint store in memory", e)
                     })?;
                     damage_notes.push(
@@ -431,43 +456,11 @@ impl Engine {
                 other => return Err(other),
             }
         }
-        // the reverse index pages from its file from now on; pages the
-        // journal replayed are not in place yet and stay until a checkpoint
-        // (created empty on a new store: its first checkpoint fills it)
-        let replayed = |which: MetaFile| {
-            checkpoint.ops.iter().filter_map(move |op| match op {
-                Op::Write { file, offset, .. } if *file == which => {
-                    Some(offset / crate::paged::PAGE_SIZE as u64)
-                }
-                _ => None,
-            })
-        };
-        if let Ok(file) = dir.open_file("fingerprints", true) {
-            meta.fingerprints.page_from(
-                file,
-                config.reverse_index_cache_bytes,
-                replayed(MetaFile::Fingerprints),
-            );
-        }
-        // so do the volume maps and reference counts, under one budget
-        meta.map_cache = CacheGroup::new(config.map_cache_bytes, OnLoadError::Fault);
-        if let Ok(file) = dir.open_file(&MetaFile::Refcounts.relative_path(), true) {
-            meta.refcounts.page_from(
-                file,
-                &dir.path(MetaFile::Refcounts).display().to_string(),
-                &meta.map_cache,
-                replayed(MetaFile::Refcounts),
-            );
-        }
-        for (id, v) in &meta.volumes {
-            if let Ok(file) = dir.open_file(&MetaFile::Map(*id).relative_path(), true) {
-                v.map.page_from(
-                    file,
-                    &dir.path(MetaFile::Map(*id)).display().to_string(),
-                    &meta.map_cache,
-                    replayed(MetaFile::Map(*id)),
-                );
-            }
+        // the scans above leave each array's last pages in memory
+        meta.refcounts.trim();
+        meta.fingerprints.trim();
+        for v in meta.volumes.values() {
+            v.map.trim();
         }
         let journal =
             Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
@@ -583,7 +576,7 @@ impl Engine {
         m.volumes
             .values()
             .map(|v| {
-                let mapped = v.map.nonzero_u64(0..v.size_blocks()).len() as u64;
+                let mapped = v.map.count_nonzero_u64(0..v.size_blocks());
                 VolumeInfo {
                     id: v.record.id,
                     name: v.record.name.clone(),

@@ -256,7 +256,8 @@ impl Engine {
                 v.map.redirty(page);
             }
         }
-        m.rebuild_derived(data_blocks)
+        let scratch = self.dir.as_ref().and_then(|d| d.scratch_file());
+        m.rebuild_derived(data_blocks, scratch)
             .map_err(|e| crate::error::EngineError::io("rebuilding the fingerprint store", e))?;
         m.change_count += 1;
         m.state_dirty = true;

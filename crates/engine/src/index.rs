@@ -1332,20 +1332,47 @@ impl FingerprintIndex {
 
     /// Rebuilds the whole index from every stored (fingerprint, PBA): writes
     /// the complete on-disk store, then loads groups into memory (clean, in
-    /// prefix order) up to 90 % of the budget. Called when a store opens.
-    pub fn rebuild(&mut self, mut all: Vec<(Fingerprint, Pba)>) -> io::Result<()> {
+    /// prefix order) up to 90 % of the budget. Sorts in memory; a store
+    /// that opens uses [`FingerprintIndex::begin_rebuild`] and a
+    /// [`crate::keysort::KeySorter`] instead.
+    pub fn rebuild(&mut self, all: Vec<(Fingerprint, Pba)>) -> io::Result<()> {
+        let mut pairs: Vec<(u64, u64)> = all.iter().map(|(fp, p)| (key_of(fp), p.0)).collect();
+        drop(all);
+        pairs.sort_unstable_by_key(|&(k, _)| k);
+        let mut state = self.begin_rebuild();
+        self.rebuild_sorted(&pairs, &mut state)?;
+        self.finish_rebuild()
+    }
+
+    /// Starts a rebuild: empties the index (its on-disk store must be
+    /// empty). Feed every (key, PBA) pair with
+    /// [`FingerprintIndex::rebuild_sorted`], then call
+    /// [`FingerprintIndex::finish_rebuild`].
+    pub fn begin_rebuild(&mut self) -> RebuildState {
         let cfg = self.cfg;
         let store = std::mem::replace(&mut self.store, Box::new(MemoryGroupStore::default()));
         *self = FingerprintIndex::new(cfg, store);
-        all.sort_unstable_by_key(|(fp, _)| key_of(fp));
+        RebuildState { loading: true }
+    }
+
+    /// Adds `pairs` (key = [`key_of`] the fingerprint, PBA), sorted by key,
+    /// holding whole prefixes, and coming after every pair of the previous
+    /// calls: writes their on-disk groups and, while the budget allows,
+    /// loads them into memory.
+    ///
+    /// Errors: writing the on-disk store.
+    pub fn rebuild_sorted(
+        &mut self,
+        all: &[(u64, u64)],
+        state: &mut RebuildState,
+    ) -> io::Result<()> {
         let mut i = 0;
-        let mut loading = true;
         while i < all.len() {
-            let prefix = self.prefix_of(key_of(&all[i].0));
+            let prefix = self.prefix_of(all[i].0);
             let mut j = i;
             let mut entries: Vec<Entry> = Vec::new();
-            while j < all.len() && self.prefix_of(key_of(&all[j].0)) == prefix {
-                let e = (key_of(&all[j].0), all[j].1 .0);
+            while j < all.len() && self.prefix_of(all[j].0) == prefix {
+                let e = all[j];
                 match entries.last() {
                     // the same fingerprint stored twice: keep the lower PBA
                     // (sorted by key only, so compare), report the other
@@ -1375,7 +1402,7 @@ impl FingerprintIndex {
                 disk_pages: pages,
                 disk_count: entries.len() as u32,
             };
-            if loading {
+            if state.loading {
                 let g = self.new_group(prefix);
                 for e in &entries {
                     let (pos, old) = self.add_entry(g, e.0, e.1, false);
@@ -1383,14 +1410,32 @@ impl FingerprintIndex {
                 }
                 if self.memory_bytes() * 10 > self.cfg.memory_budget_bytes * 9 {
                     self.drop_group(g);
-                    loading = false;
+                    state.loading = false;
                 }
             }
             i = j;
         }
-        // loaded groups are clean: trimming to the budget costs no I/O
+        Ok(())
+    }
+
+    /// Ends a rebuild.
+    ///
+    /// Errors: none in practice (loaded groups are clean, trimming them to
+    /// the budget writes nothing); the signature follows eviction's.
+    pub fn finish_rebuild(&mut self) -> io::Result<()> {
         self.enforce_budget(&|_, _| true, None)
     }
+
+    /// Prefix bits of the tree.
+    pub fn prefix_bits(&self) -> u32 {
+        self.cfg.prefix_bits
+    }
+}
+
+/// Where a rebuild stands (see [`FingerprintIndex::begin_rebuild`]).
+#[derive(Debug)]
+pub struct RebuildState {
+    loading: bool,
 }
 
 /// The (group, position) of the entry record `rec` stands for, if that

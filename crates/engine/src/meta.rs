@@ -133,13 +133,28 @@ impl Meta {
         }
     }
 
-    /// Builds the free list and derived counts after loading the arrays.
-    /// `data_blocks` is the data file's length in blocks.
-    pub fn rebuild_derived(&mut self, data_blocks: u64) -> std::io::Result<()> {
+    /// Builds the free list and derived counts after loading the arrays,
+    /// and rebuilds the fingerprint index from the reverse index.
+    /// `data_blocks` is the data file's length in blocks; the index's
+    /// (key, PBA) pairs are sorted through `scratch` (an empty file; `None`:
+    /// in memory, 16 bytes per stored block) so that memory stays about the
+    /// index budget whatever the store's size.
+    ///
+    /// Errors: writing the on-disk fingerprint store, reading `scratch`.
+    pub fn rebuild_derived(
+        &mut self,
+        data_blocks: u64,
+        scratch: Option<std::fs::File>,
+    ) -> std::io::Result<()> {
         let rc_blocks = self.refcounts.logical_len() / 4;
         let mut top = 0;
         self.stored_blocks = 0;
-        let mut all = Vec::new();
+        let mut sorter = crate::keysort::KeySorter::new(
+            rc_blocks,
+            self.index.config().memory_budget_bytes,
+            self.index.prefix_bits(),
+            scratch,
+        );
         for p in 0..rc_blocks {
             if self.refcounts.get_u32(p) > 0 {
                 top = p + 1;
@@ -148,11 +163,13 @@ impl Meta {
                 // blocks not fingerprinted yet are not indexed (out-of-line
                 // dedup hashes them)
                 if fp != crate::engine::UNHASHED {
-                    all.push((fp, Pba(p)));
+                    sorter.push(crate::index::key_of(&fp), p);
                 }
             }
         }
-        self.index.rebuild(all)?;
+        let mut state = self.index.begin_rebuild();
+        sorter.for_each_sorted(|pairs| self.index.rebuild_sorted(pairs, &mut state))?;
+        self.index.finish_rebuild()?;
         self.high_water_blocks = top.max(data_blocks);
         self.free = (0..self.high_water_blocks)
             .filter(|&p| self.refcounts.get_u32(p) == 0)
@@ -160,7 +177,7 @@ impl Meta {
             .collect();
         self.mapped_blocks = 0;
         for v in self.volumes.values() {
-            self.mapped_blocks += v.map.nonzero_u64(0..v.size_blocks()).len() as u64;
+            self.mapped_blocks += v.map.count_nonzero_u64(0..v.size_blocks());
         }
         Ok(())
     }

@@ -254,6 +254,28 @@ impl CachedArray {
         i.enforce_budget(None);
     }
 
+    /// Marks `pages`, holes in memory, as held by the file (valid images
+    /// there): they are read on first use. For an array opened without
+    /// reading its file ([`crate::metaopen`]).
+    pub fn mark_on_file(&self, pages: impl IntoIterator<Item = u64>) {
+        let mut i = self.inner.borrow_mut();
+        if i.source.is_none() {
+            return;
+        }
+        for p in pages {
+            if p < i.array.page_count() && i.array.page_is_hole(p) {
+                i.evicted.set(p, true);
+            }
+        }
+    }
+
+    /// Evicts this array's clean, unpinned pages while its group is over
+    /// budget. (Each array evicts its own pages as it loads others, so an
+    /// array not used for a while keeps what it last loaded until then.)
+    pub fn trim(&self) {
+        self.inner.borrow_mut().enforce_budget(None);
+    }
+
     /// True once the array pages from a file.
     pub fn has_source(&self) -> bool {
         self.inner.borrow().source.is_some()
@@ -354,6 +376,32 @@ impl CachedArray {
             start = upto;
         }
         out
+    }
+
+    /// Number of non-zero little-endian `u64` entries in index range
+    /// `range`, read a page at a time (evicted pages are loaded in turn).
+    pub fn count_nonzero_u64(&self, range: std::ops::Range<u64>) -> u64 {
+        let mut n = 0;
+        self.for_each_nonzero_u64(range, |_, _| n += 1);
+        n
+    }
+
+    /// Calls `f(index, value)` for each non-zero `u64` entry in `range`,
+    /// a page at a time (the array is borrowed meanwhile: `f` must not
+    /// touch it).
+    pub fn for_each_nonzero_u64(&self, range: std::ops::Range<u64>, mut f: impl FnMut(u64, u64)) {
+        const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+        let mut start = range.start;
+        let end = range.end.min(self.page_count() * PER_PAGE);
+        while start < end {
+            let page = start / PER_PAGE;
+            let upto = ((page + 1) * PER_PAGE).min(end);
+            let found = self.nonzero_u64(start..upto);
+            for (idx, v) in found {
+                f(idx, v);
+            }
+            start = upto;
+        }
     }
 
     /// Takes the images of the pages changed since the last call (see

@@ -28,7 +28,11 @@ pub fn disk_len(logical_bytes: u64) -> u64 {
 }
 
 /// Encodes a page for disk: payload plus trailer.
-fn encode_page(payload: &[u8; PAYLOAD_SIZE], tag: u32, page_no: u64) -> Box<[u8; PAGE_SIZE]> {
+pub(crate) fn encode_page(
+    payload: &[u8; PAYLOAD_SIZE],
+    tag: u32,
+    page_no: u64,
+) -> Box<[u8; PAGE_SIZE]> {
     let mut out = Box::new([0u8; PAGE_SIZE]);
     out[..PAYLOAD_SIZE].copy_from_slice(payload);
     let mut crc = crc32c::crc32c(payload);
@@ -174,6 +178,11 @@ impl PagedArray {
             + chunks * std::mem::size_of::<Chunk>() as u64
             + self.chunks.capacity() as u64 * 8
             + self.dirty.capacity() as u64 * 8
+    }
+
+    /// Makes the array span at least `n` pages (the new ones holes).
+    pub(crate) fn set_len_pages(&mut self, n: u64) {
+        self.ensure_pages(n);
     }
 
     fn ensure_pages(&mut self, n: u64) {

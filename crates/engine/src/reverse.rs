@@ -38,6 +38,17 @@ impl ReverseIndex {
         }
     }
 
+    /// Wraps an array already paging from its file (see
+    /// [`crate::metaopen::open_paged`]).
+    pub fn from_cached(array: CachedArray) -> Self {
+        ReverseIndex { array }
+    }
+
+    /// Evicts pages while over budget (see [`CachedArray::trim`]).
+    pub fn trim(&self) {
+        self.array.trim();
+    }
+
     /// Pages from `file` (the store's `fingerprints`) from now on, keeping
     /// at most `cache_bytes` of pages in memory (0: unbounded). `pinned`
     /// lists pages whose latest image is not in place yet (replayed from

@@ -270,6 +270,22 @@ impl StoreDir {
         self.root.join(file.relative_path())
     }
 
+    /// An anonymous scratch file in the store's directory (created and
+    /// unlinked at once: nothing is left behind after a crash); `None` if
+    /// it cannot be created (read-only or full file system).
+    pub fn scratch_file(&self) -> Option<File> {
+        let p = self.root.join("scratch.tmp");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .ok()?;
+        fs::remove_file(&p).ok()?;
+        Some(f)
+    }
+
     /// Opens a file of the store for reading and writing, creating it if asked.
     pub fn open_file(&self, name: &str, create: bool) -> Result<File> {
         let p = self.root.join(name);

@@ -1,0 +1,183 @@
+//! Sorting (key, PBA) pairs in bounded memory, for rebuilding the
+//! fingerprint index when a store opens.
+//!
+//! Fingerprint keys are uniform, so pairs are spread over `2^bits` buckets
+//! by their top bits; a bucket's pairs wait in a 4 KiB buffer and are
+//! spilled in 4 KiB chunks to a scratch file. Reading back one bucket at a
+//! time and sorting it gives every pair in key order with at most one
+//! bucket and the buffers in memory, whatever the number of pairs. With
+//! one bucket (few pairs) nothing is spilled.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+/// Pairs per spilled chunk (16 bytes each: 4 KiB).
+const CHUNK_PAIRS: usize = 256;
+const PAIR_BYTES: usize = 16;
+/// Most buckets: 2^16.
+const MAX_BITS: u32 = 16;
+
+/// A bucketed external sort of `(key, pba)` pairs by key.
+#[derive(Debug)]
+pub struct KeySorter {
+    bits: u32,
+    buffers: Vec<Vec<(u64, u64)>>,
+    /// Offsets in `scratch` of each bucket's spilled chunks.
+    chunks: Vec<Vec<u64>>,
+    /// Where chunks go; `None`: kept in `buffers` (no scratch file, or it
+    /// could not be written).
+    scratch: Option<File>,
+    scratch_len: u64,
+}
+
+impl KeySorter {
+    /// A sorter for up to about `expected_pairs` pairs that keeps about
+    /// `memory_bytes` in memory at once (one bucket, plus a 4 KiB buffer
+    /// per bucket), spilling to `scratch` (an empty file; `None`: sort in
+    /// memory). `max_bits` bounds the bucket bits (the index's prefix bits,
+    /// so that a bucket holds whole groups).
+    pub fn new(
+        expected_pairs: u64,
+        memory_bytes: u64,
+        max_bits: u32,
+        scratch: Option<File>,
+    ) -> Self {
+        let memory_bytes = memory_bytes.max(64 << 10);
+        let want = (expected_pairs * PAIR_BYTES as u64).div_ceil(memory_bytes);
+        let by_buffers = memory_bytes / (CHUNK_PAIRS * PAIR_BYTES) as u64;
+        let cap = by_buffers.max(1).ilog2().min(max_bits).min(MAX_BITS);
+        let bits = if scratch.is_none() || want <= 1 {
+            0
+        } else {
+            want.next_power_of_two().ilog2().min(cap)
+        };
+        let n = 1usize << bits;
+        KeySorter {
+            bits,
+            buffers: (0..n).map(|_| Vec::new()).collect(),
+            chunks: (0..n).map(|_| Vec::new()).collect(),
+            scratch: if bits == 0 { None } else { scratch },
+            scratch_len: 0,
+        }
+    }
+
+    /// Number of buckets (a power of two).
+    pub fn buckets(&self) -> usize {
+        self.buffers.len()
+    }
+
+    fn bucket(&self, key: u64) -> usize {
+        if self.bits == 0 {
+            0
+        } else {
+            (key >> (64 - self.bits)) as usize
+        }
+    }
+
+    /// Adds a pair. A failed spill keeps the chunk in memory (the sort
+    /// still completes, over its memory bound).
+    pub fn push(&mut self, key: u64, pba: u64) {
+        let b = self.bucket(key);
+        self.buffers[b].push((key, pba));
+        if self.buffers[b].len() == CHUNK_PAIRS && self.scratch.is_some() {
+            self.spill(b);
+        }
+    }
+
+    fn spill(&mut self, b: usize) {
+        let Some(f) = &self.scratch else {
+            return;
+        };
+        let mut bytes = [0u8; CHUNK_PAIRS * PAIR_BYTES];
+        for (i, (k, p)) in self.buffers[b].iter().enumerate() {
+            bytes[i * PAIR_BYTES..i * PAIR_BYTES + 8].copy_from_slice(&k.to_le_bytes());
+            bytes[i * PAIR_BYTES + 8..(i + 1) * PAIR_BYTES].copy_from_slice(&p.to_le_bytes());
+        }
+        if f.write_all_at(&bytes, self.scratch_len).is_err() {
+            // no room for the scratch file: keep everything in memory
+            self.scratch = None;
+            return;
+        }
+        self.chunks[b].push(self.scratch_len);
+        self.scratch_len += bytes.len() as u64;
+        self.buffers[b].clear();
+    }
+
+    /// Calls `f` with the pairs of each bucket in turn, sorted by key:
+    /// together, every pair in key order.
+    ///
+    /// Errors: reading the scratch file back, or `f`'s error.
+    pub fn for_each_sorted<E: From<io::Error>>(
+        mut self,
+        mut f: impl FnMut(&[(u64, u64)]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut bytes = vec![0u8; CHUNK_PAIRS * PAIR_BYTES];
+        for b in 0..self.buffers.len() {
+            let mut pairs = std::mem::take(&mut self.buffers[b]);
+            let chunks = std::mem::take(&mut self.chunks[b]);
+            if let Some(scratch) = self.scratch.as_ref().filter(|_| !chunks.is_empty()) {
+                pairs.reserve(chunks.len() * CHUNK_PAIRS);
+                for off in chunks {
+                    scratch.read_exact_at(&mut bytes, off)?;
+                    pairs.extend(bytes.chunks_exact(PAIR_BYTES).map(|c| {
+                        (
+                            u64::from_le_bytes(c[..8].try_into().expect("8 bytes")),
+                            u64::from_le_bytes(c[8..].try_into().expect("8 bytes")),
+                        )
+                    }));
+                }
+            }
+            pairs.sort_unstable_by_key(|&(k, _)| k);
+            f(&pairs)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sorted(n: u64, memory_bytes: u64, scratch: bool) -> (Vec<(u64, u64)>, usize) {
+        let file = scratch.then(|| tempfile::tempfile().unwrap());
+        let mut s = KeySorter::new(n, memory_bytes, 20, file);
+        let buckets = s.buckets();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            s.push(x, i);
+        }
+        let mut out = Vec::new();
+        s.for_each_sorted::<io::Error>(|pairs| {
+            out.extend_from_slice(pairs);
+            Ok(())
+        })
+        .unwrap();
+        (out, buckets)
+    }
+
+    #[test]
+    fn spilled_buckets_come_back_in_key_order() {
+        let (a, buckets) = sorted(100_000, 64 << 10, true);
+        assert!(buckets > 1, "{buckets}");
+        let (b, one) = sorted(100_000, 64 << 20, true);
+        assert_eq!(one, 1);
+        assert_eq!(a.len(), 100_000);
+        assert!(a.windows(2).all(|w| w[0].0 <= w[1].0));
+        assert_eq!(a, b);
+        let mut pbas: Vec<u64> = a.iter().map(|p| p.1).collect();
+        pbas.sort_unstable();
+        assert!(pbas.iter().copied().eq(0..100_000));
+    }
+
+    #[test]
+    fn without_a_scratch_file_everything_stays_in_memory() {
+        let (a, buckets) = sorted(10_000, 64 << 10, false);
+        assert_eq!(buckets, 1);
+        assert!(a.windows(2).all(|w| w[0].0 <= w[1].0));
+        assert_eq!(a.len(), 10_000);
+    }
+}
