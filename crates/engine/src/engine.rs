@@ -1467,9 +1467,7 @@ impl Engine {
             for &p in &batch.frees {
                 self.cache.invalidate(p);
             }
-            lock(&self.meta)
-                .free
-                .extend(batch.frees.iter().copied().map(std::cmp::Reverse));
+            lock(&self.meta).free.extend(batch.frees.iter().copied());
         }
         if c.journal.is_some() {
             c.checkpoint.add(batch.ops);
@@ -1580,7 +1578,7 @@ impl Engine {
                 metadata_bytes_in_memory: m.array_bytes(),
                 ..Stats::default()
             };
-            (s, m.free.len() as u64)
+            (s, m.free.len())
         };
         s.free_blocks = free_blocks;
         s.dedup_ratio = if s.physical_bytes_stored == 0 {

@@ -16,6 +16,7 @@ pub mod caftl;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
+pub mod freespace;
 pub mod fsck;
 pub mod index;
 pub mod journal;

@@ -83,10 +83,10 @@ pub struct Meta {
     /// be remapped to the second (found by out-of-line dedup or dropped by
     /// the index).
     pub pending_merges: std::collections::BTreeMap<u64, u64>,
-    /// Free PBAs below the high-water mark, reusable now; a min-heap, so
-    /// allocation hands out the lowest first and consecutive allocations
-    /// get ascending PBAs that coalesce into one data write.
-    pub free: std::collections::BinaryHeap<std::cmp::Reverse<u64>>,
+    /// Free PBAs below the high-water mark, reusable now; allocation hands
+    /// out the lowest first, so consecutive allocations get ascending PBAs
+    /// that coalesce into one data write.
+    pub free: crate::freespace::FreeSpace,
     /// PBAs whose reference count reached 0 since the last journal commit;
     /// reusable only after the commit that records it (deferred free).
     pub pending_free: Vec<u64>,
@@ -173,7 +173,6 @@ impl Meta {
         self.high_water_blocks = top.max(data_blocks);
         self.free = (0..self.high_water_blocks)
             .filter(|&p| self.refcounts.get_u32(p) == 0)
-            .map(std::cmp::Reverse)
             .collect();
         self.mapped_blocks = 0;
         for v in self.volumes.values() {
@@ -197,8 +196,8 @@ impl Meta {
     /// Takes a free PBA for new data (lowest free, else the high-water mark).
     /// The PBA is reserved: not free, not referenced, not indexed.
     pub fn allocate(&mut self) -> Pba {
-        match self.free.pop() {
-            Some(std::cmp::Reverse(p)) => Pba(p),
+        match self.free.pop_lowest() {
+            Some(p) => Pba(p),
             None => {
                 self.high_water_blocks += 1;
                 Pba(self.high_water_blocks - 1)
@@ -208,7 +207,7 @@ impl Meta {
 
     /// Returns a reserved PBA that was never referenced; reusable at once.
     pub fn unreserve(&mut self, pba: Pba) {
-        self.free.push(std::cmp::Reverse(pba.0));
+        self.free.insert(pba.0);
     }
 
     /// Records that `pba` now stores the block with fingerprint `fp`
@@ -455,7 +454,8 @@ impl Meta {
                 .values()
                 .map(|v| v.map.resident_bytes())
                 .sum::<u64>()
-            + (self.free.capacity() + self.pending_free.capacity()) as u64 * 8
+            + self.free.memory_bytes()
+            + self.pending_free.capacity() as u64 * 8
             + self.skipped.memory_bytes()
             + self.pending_merges.len() as u64 * 48
     }
@@ -483,12 +483,13 @@ impl Meta {
             }
         }
         let mut free_or_pending = vec![false; self.high_water_blocks as usize];
-        for p in self
-            .free
-            .iter()
-            .map(|r| r.0)
-            .chain(self.pending_free.iter().copied())
-        {
+        if self.free.doubled() > 0 {
+            errs.push(format!(
+                "{} PBA(s) were freed while already free",
+                self.free.doubled()
+            ));
+        }
+        for p in self.free.iter().chain(self.pending_free.iter().copied()) {
             if let Some(f) = free_or_pending.get_mut(p as usize) {
                 if *f {
                     errs.push(format!("PBA {p} is on the free lists twice"));
