@@ -1,0 +1,109 @@
+//! Opening a store needs memory for the configured budgets, not for the
+//! store: the heap's peak while `Engine::open` runs, measured by a counting
+//! allocator, stays far below the size of the store's metadata.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use dedupd_engine::block::Lba;
+use dedupd_engine::engine::{Engine, EngineConfig};
+use dedupd_engine::fingerprint::{Fingerprint, HashAlgorithm};
+use dedupd_engine::index::{IndexConfig, LookupMode};
+
+/// The system allocator, counting bytes in use and their peak.
+struct Counting;
+
+static IN_USE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only
+// counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: same contract as the caller's.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = IN_USE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) };
+        IN_USE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn fingerprint(k: u64) -> Fingerprint {
+    let mut b = [0u8; 32];
+    let mut x = k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5555;
+    for c in b.chunks_mut(8) {
+        x ^= x >> 29;
+        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        c.copy_from_slice(&x.to_le_bytes());
+    }
+    Fingerprint(b)
+}
+
+#[test]
+fn opening_a_store_needs_its_budgets_not_its_size() {
+    const BLOCKS: u64 = 1172 * 256;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let cfg = EngineConfig {
+        map_cache_bytes: 256 << 10,
+        reverse_index_cache_bytes: 256 << 10,
+        index: IndexConfig {
+            memory_budget_bytes: 1 << 20,
+            // inline lookups search the on-disk store too: every duplicate
+            // is found, through the groups the open rebuilt
+            lookup: LookupMode::Disk,
+            ..IndexConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, cfg.clone()).unwrap();
+        let v = e.create_volume("v", BLOCKS * 4096).unwrap();
+        // every block distinct; the data file stays sparse (fingerprints only)
+        for first in (0..BLOCKS).step_by(256) {
+            let fps: Vec<Option<Fingerprint>> =
+                (first..first + 256).map(|k| Some(fingerprint(k))).collect();
+            e.write_fingerprinted(v, Lba(first), &fps).unwrap();
+            if first % (64 * 256) == 0 {
+                e.flush().unwrap();
+            }
+        }
+        e.close().unwrap();
+    }
+    // reverse index 32 B, map 8 B and reference count 4 B per block:
+    // reading it whole would hold all of it at least once
+    let metadata_bytes = BLOCKS as usize * (32 + 8 + 4);
+    let before = IN_USE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let e = Engine::open(&path, cfg).unwrap();
+    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let s = e.stats();
+    assert_eq!(s.physical_blocks_stored, BLOCKS);
+    assert_eq!(s.index.entries_on_disk, BLOCKS);
+    eprintln!(
+        "open: heap peak {peak} bytes for {metadata_bytes} bytes of metadata ({:.2} B per stored block)",
+        peak as f64 / BLOCKS as f64
+    );
+    assert!(
+        peak < metadata_bytes / 3,
+        "opening held {peak} bytes at its peak for {metadata_bytes} bytes of metadata"
+    );
+    // the rebuilt index finds old blocks: rewrite 64 of them elsewhere
+    let (v, _) = e.volume("v").unwrap();
+    let before = e.stats().duplicate_writes_eliminated;
+    let fps: Vec<Option<Fingerprint>> = (0..64)
+        .map(|i| Some(fingerprint(i * (BLOCKS / 64) + 7)))
+        .collect();
+    e.write_fingerprinted(v, Lba(BLOCKS - 64), &fps).unwrap();
+    assert_eq!(e.stats().duplicate_writes_eliminated - before, 64);
+}
