@@ -181,6 +181,9 @@ pub struct Damage {
 struct CheckpointBuffer {
     ops: Vec<Op>,
     position: HashMap<(MetaFile, u64), usize>,
+    /// Page images (indexes into `ops`) patched since added: their
+    /// trailers are recomputed before they are written.
+    stale: std::collections::HashSet<usize>,
     bytes: u64,
     /// Commit generation of the last batch added (see
     /// [`crate::meta::Meta::commit_generation`]).
@@ -188,8 +191,30 @@ struct CheckpointBuffer {
 }
 
 impl CheckpointBuffer {
+    /// Adds committed operations: a page image replaces the previous one
+    /// of the same page, a patch is folded into the page's image.
     fn add(&mut self, ops: Vec<Op>) {
         for op in ops {
+            if let Op::Patch { file, offset, data } = &op {
+                let payload = crate::paged::PAYLOAD_SIZE as u64;
+                let key = (*file, offset / payload * crate::paged::PAGE_SIZE as u64);
+                let in_page = (offset % payload) as usize;
+                if let Some(&i) = self.position.get(&key) {
+                    if let Op::Write { data: img, .. } = &mut self.ops[i] {
+                        if img.len() == crate::paged::PAGE_SIZE
+                            && in_page + data.len() <= crate::paged::PAYLOAD_SIZE
+                        {
+                            img[in_page..in_page + data.len()].copy_from_slice(data);
+                            self.stale.insert(i);
+                            continue;
+                        }
+                    }
+                }
+                // no image here (the file was cut since): patched in place
+                self.bytes += data.len() as u64;
+                self.ops.push(op);
+                continue;
+            }
             let key = match &op {
                 Op::Write { file, offset, .. } => Some((*file, *offset)),
                 Op::Replace { file, .. } => Some((*file, u64::MAX)),
@@ -198,13 +223,17 @@ impl CheckpointBuffer {
                     self.position.retain(|(g, _), _| *g != f);
                     None
                 }
+                Op::Patch { .. } => unreachable!("handled above"),
             };
             let len = match &op {
                 Op::Write { data, .. } | Op::Replace { data, .. } => data.len() as u64,
                 _ => 0,
             };
             match key.and_then(|k| self.position.get(&k).copied()) {
-                Some(i) => self.ops[i] = op,
+                Some(i) => {
+                    self.ops[i] = op;
+                    self.stale.remove(&i);
+                }
                 None => {
                     if let Some(k) = key {
                         self.position.insert(k, self.ops.len());
@@ -214,6 +243,17 @@ impl CheckpointBuffer {
                 }
             }
         }
+    }
+
+    /// The operations to write in place, patched images re-encoded.
+    fn finished_ops(&mut self) -> &[Op] {
+        for i in std::mem::take(&mut self.stale) {
+            if let Op::Write { file, offset, data } = &mut self.ops[i] {
+                let page = *offset / crate::paged::PAGE_SIZE as u64;
+                crate::paged::reencode_page(data, file.page_tag(), page);
+            }
+        }
+        &self.ops
     }
 }
 
@@ -421,16 +461,21 @@ impl Engine {
         }
         let lbas_per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
         for op in &checkpoint.ops {
-            if let Op::Write {
-                file: MetaFile::Map(id),
-                offset,
-                ..
-            } = op
-            {
-                let page = offset / crate::paged::PAGE_SIZE as u64;
-                meta.skipped
-                    .record_range(*id, page * lbas_per_page, (page + 1) * lbas_per_page);
-            }
+            let (id, page) = match op {
+                Op::Write {
+                    file: MetaFile::Map(id),
+                    offset,
+                    ..
+                } => (*id, offset / crate::paged::PAGE_SIZE as u64),
+                Op::Patch {
+                    file: MetaFile::Map(id),
+                    offset,
+                    ..
+                } => (*id, offset / crate::paged::PAYLOAD_SIZE as u64),
+                _ => continue,
+            };
+            meta.skipped
+                .record_range(id, page * lbas_per_page, (page + 1) * lbas_per_page);
         }
         let data =
             FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
@@ -1437,7 +1482,7 @@ impl Engine {
                 .map_err(|e| EngineError::io("syncing the data file", e));
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
-        let batch = {
+        let mut batch = {
             let mut m = lock(&self.meta);
             // never commit metadata derived from a page that could not be read
             fault_check(&m)?;
@@ -1452,10 +1497,22 @@ impl Engine {
             && c.journal.as_ref().is_some_and(|j| j.used_bytes() > 0)
         {
             // the journal cannot grow: put what it holds in place, then
-            // write this transaction at its start, inside the reserve
-            result = self
-                .checkpoint_locked(&mut c)
-                .and_then(|()| self.commit_ops(&mut c, &batch.ops));
+            // write this transaction at its start, inside the reserve. The
+            // batch may patch pages whose whole images were in the journal
+            // just emptied: take it again, so they are logged whole.
+            result = self.checkpoint_locked(&mut c).and_then(|()| {
+                let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
+                {
+                    let mut m = lock(&self.meta);
+                    m.restore_commit(std::mem::take(&mut batch));
+                    fault_check(&m)?;
+                    batch = m.take_commit(seq);
+                }
+                self.backend
+                    .sync()
+                    .map_err(|e| EngineError::io("syncing the data file", e))?;
+                self.commit_ops(&mut c, &batch.ops)
+            });
         }
         if let Err(e) = result {
             lock(&self.meta).restore_commit(batch);
@@ -1473,7 +1530,16 @@ impl Engine {
             c.checkpoint.add(batch.ops);
             c.checkpoint.generation = batch.generation;
             let used = c.journal.as_ref().map_or(0, |j| j.used_bytes());
-            if used >= self.config.journal_size_bytes {
+            // pages changed since the last checkpoint stay in memory until
+            // it: bound them like the journal (patches make it grow slower)
+            let pinned_bytes = {
+                let m = lock(&self.meta);
+                (m.map_cache.stats().pinned_pages + m.fingerprints.stats().pinned_pages)
+                    * crate::paged::PAGE_SIZE as u64
+            };
+            if used >= self.config.journal_size_bytes
+                || pinned_bytes >= self.config.journal_size_bytes
+            {
                 // a failed checkpoint loses nothing: the journal keeps the changes
                 let _ = self.checkpoint_locked(&mut c);
             }
@@ -1497,7 +1563,7 @@ impl Engine {
         // before now (commits hold `c`), so this copy of the skipped buffer
         // covers all of them; later changes stay in the journal
         self.save_skipped();
-        dir.apply(&c.checkpoint.ops)?;
+        dir.apply(c.checkpoint.finished_ops())?;
         // every page of those commits is in place: the paged arrays may
         // drop them from memory, and the maps of volumes created since the
         // last checkpoint now have files to page from

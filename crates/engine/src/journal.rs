@@ -20,6 +20,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 
 use crate::block::VolumeId;
+use crate::paged::PAYLOAD_SIZE;
 
 const TXN_MAGIC: u64 = u64::from_le_bytes(*b"DDJTXN01");
 const HEADER_BYTES: usize = 8 + 8 + 4 + 8; // magic, seq, record count, body length
@@ -99,6 +100,17 @@ pub enum Op {
     SetLen { file: MetaFile, len_bytes: u64 },
     /// Remove the file.
     Remove { file: MetaFile },
+    /// Change `data.len()` payload bytes of a paged file (reference
+    /// counts, reverse index, a volume map) at logical byte `offset` (page
+    /// `offset / PAYLOAD_SIZE`), within one page, whose trailer is then
+    /// recomputed. Only after an [`Op::Write`] of that page's whole image in
+    /// the same journal: replay never patches the page in place, which a
+    /// crash during a checkpoint may have torn.
+    Patch {
+        file: MetaFile,
+        offset: u64,
+        data: Vec<u8>,
+    },
 }
 
 impl Op {
@@ -108,7 +120,8 @@ impl Op {
             Op::Write { file, .. }
             | Op::Replace { file, .. }
             | Op::SetLen { file, .. }
-            | Op::Remove { file } => *file,
+            | Op::Remove { file }
+            | Op::Patch { file, .. } => *file,
         }
     }
 }
@@ -122,6 +135,7 @@ pub fn encode_txn(seq: u64, ops: &[Op]) -> Vec<u8> {
             Op::Replace { file, data } => (2, *file, 0, data),
             Op::SetLen { file, len_bytes } => (3, *file, *len_bytes, &[]),
             Op::Remove { file } => (4, *file, 0, &[]),
+            Op::Patch { file, offset, data } => (5, *file, *offset, data),
         };
         let (kind, id) = file.encode();
         body.push(tag);
@@ -232,6 +246,17 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
             }
             3 => Op::SetLen { file, len_bytes: a },
             4 => Op::Remove { file },
+            5 if file == MetaFile::State || data.is_empty() => {
+                return Err(DecodeError::Malformed("patch of a file without pages"))
+            }
+            5 if (a % PAYLOAD_SIZE as u64) as usize + data.len() > PAYLOAD_SIZE => {
+                return Err(DecodeError::Malformed("patch across a page"))
+            }
+            5 => Op::Patch {
+                file,
+                offset: a,
+                data,
+            },
             _ => return Err(DecodeError::Malformed("record tag")),
         });
     }
@@ -402,7 +427,36 @@ mod tests {
             Op::Remove {
                 file: MetaFile::Map(VolumeId(1)),
             },
+            Op::Patch {
+                file: MetaFile::Fingerprints,
+                offset: 4064 * 3 + 32,
+                data: vec![5u8; 32],
+            },
         ]
+    }
+
+    #[test]
+    fn patches_that_cannot_be_applied_are_malformed() {
+        for op in [
+            Op::Patch {
+                file: MetaFile::State,
+                offset: 0,
+                data: vec![1],
+            },
+            Op::Patch {
+                file: MetaFile::Refcounts,
+                offset: 4064 - 2,
+                data: vec![1, 2, 3, 4],
+            },
+            Op::Patch {
+                file: MetaFile::Refcounts,
+                offset: 8,
+                data: Vec::new(),
+            },
+        ] {
+            let b = encode_txn(1, &[op]);
+            assert!(matches!(decode_txn(&b), Err(DecodeError::Malformed(_))));
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::index::FingerprintIndex;
 use crate::journal::{MetaFile, Op};
 use crate::pagecache::{CacheGroup, CachedArray};
 use crate::paged::PagedArray;
-use crate::store::{encode_checked, PersistentCounters, State, VolumeRecord};
+use crate::store::{PersistentCounters, State, VolumeRecord};
 
 /// Pending merges kept at most (duplicate copies awaiting a map scan).
 pub const MAX_PENDING_MERGES: usize = 65536;
@@ -340,35 +340,26 @@ impl Meta {
     /// The state blob is always included (it carries the sequence number).
     pub fn take_commit(&mut self, journal_seq: u64) -> CommitBatch {
         let mut ops = std::mem::take(&mut self.structural_ops);
-        let page = crate::paged::PAGE_SIZE as u64;
         self.commit_generation += 1;
         let generation = self.commit_generation;
-        for (p, img) in self.refcounts.take_dirty(generation) {
-            ops.push(Op::Write {
-                file: MetaFile::Refcounts,
-                offset: p * page,
-                data: img.to_vec(),
-            });
-        }
-        for (p, img) in self.fingerprints.take_dirty(generation) {
-            ops.push(Op::Write {
-                file: MetaFile::Fingerprints,
-                offset: p * page,
-                data: img.to_vec(),
-            });
-        }
+        log_pages(
+            &mut self.refcounts,
+            MetaFile::Refcounts,
+            generation,
+            &mut ops,
+        );
+        log_pages(
+            self.fingerprints.cached_mut(),
+            MetaFile::Fingerprints,
+            generation,
+            &mut ops,
+        );
         for (id, v) in self.volumes.iter_mut() {
-            for (p, img) in v.map.take_dirty(generation) {
-                ops.push(Op::Write {
-                    file: MetaFile::Map(*id),
-                    offset: p * page,
-                    data: img.to_vec(),
-                });
-            }
+            log_pages(&mut v.map, MetaFile::Map(*id), generation, &mut ops);
         }
         ops.push(Op::Replace {
             file: MetaFile::State,
-            data: encode_checked(&self.state(journal_seq)),
+            data: crate::store::encode_checked_compact(&self.state(journal_seq)),
         });
         self.state_dirty = false;
         CommitBatch {
@@ -382,11 +373,16 @@ impl Meta {
     /// Releases the pages of every paged array pinned by commits up to
     /// `generation` (now written in place by a checkpoint), so they may
     /// leave memory.
+    /// The journal restarts empty after that checkpoint: every page is
+    /// logged whole again before it is patched.
     pub fn unpin_through(&mut self, generation: u64) {
         self.refcounts.unpin_through(generation);
+        self.refcounts.clear_logged();
         self.fingerprints.unpin_through(generation);
+        self.fingerprints.cached_mut().clear_logged();
         for v in self.volumes.values_mut() {
             v.map.unpin_through(generation);
+            v.map.clear_logged();
         }
     }
 
@@ -401,31 +397,33 @@ impl Meta {
 
     /// Puts a batch back after its commit failed, so the next commit carries it.
     pub fn restore_commit(&mut self, batch: CommitBatch) {
-        let page = crate::paged::PAGE_SIZE as u64;
         let mut structural = Vec::new();
         for op in batch.ops {
-            match op {
-                Op::Write {
-                    file: MetaFile::Refcounts,
-                    offset,
-                    ..
-                } => self.refcounts.redirty(offset / page),
-                Op::Write {
-                    file: MetaFile::Fingerprints,
-                    offset,
-                    ..
-                } => self.fingerprints.redirty(offset / page),
-                Op::Write {
-                    file: MetaFile::Map(id),
-                    offset,
-                    ..
-                } => {
-                    if let Some(v) = self.volumes.get_mut(&id) {
-                        v.map.redirty(offset / page);
-                    }
+            // the page's image (or patch) is not in the journal: mark it
+            // dirty again, to be logged whole
+            let (file, page) = match &op {
+                Op::Write { file, offset, .. } => (*file, offset / crate::paged::PAGE_SIZE as u64),
+                Op::Patch { file, offset, .. } => {
+                    (*file, offset / crate::paged::PAYLOAD_SIZE as u64)
                 }
-                Op::Replace { .. } => self.state_dirty = true,
-                other => structural.push(other),
+                Op::Replace { .. } => {
+                    self.state_dirty = true;
+                    continue;
+                }
+                _ => {
+                    structural.push(op);
+                    continue;
+                }
+            };
+            let array = match file {
+                MetaFile::Refcounts => Some(&mut self.refcounts),
+                MetaFile::Fingerprints => Some(self.fingerprints.cached_mut()),
+                MetaFile::Map(id) => self.volumes.get_mut(&id).map(|v| &mut v.map),
+                MetaFile::State => None,
+            };
+            if let Some(a) = array {
+                a.redirty(page);
+                a.set_logged(page, false);
             }
         }
         structural.append(&mut self.structural_ops);
@@ -530,4 +528,34 @@ fn live(
     }
     // the index key is the fingerprint's first 8 bytes (big-endian)
     fingerprints.key(p.0) == key
+}
+
+/// Largest change logged as a patch; a page with more changed bytes is
+/// logged whole (its image is 4 KiB).
+const PATCH_MAX_BYTES: usize = 1024;
+
+/// Takes `array`'s dirty pages (pinned until the checkpoint of commit
+/// `generation`) into `ops`: a page's first change since the last
+/// checkpoint as its whole image, later ones as patches of the bytes that
+/// changed, so small random updates log tens of bytes instead of 4 KiB.
+fn log_pages(array: &mut CachedArray, file: MetaFile, generation: u64, ops: &mut Vec<Op>) {
+    let page_bytes = crate::paged::PAGE_SIZE as u64;
+    let payload = crate::paged::PAYLOAD_SIZE as u64;
+    for d in array.take_dirty(generation) {
+        let n = d.changed.len();
+        if n > 0 && n <= PATCH_MAX_BYTES && array.is_logged(d.page) {
+            ops.push(Op::Patch {
+                file,
+                offset: d.page * payload + d.changed.start as u64,
+                data: d.image[d.changed].to_vec(),
+            });
+        } else {
+            array.set_logged(d.page, true);
+            ops.push(Op::Write {
+                file,
+                offset: d.page * page_bytes,
+                data: d.image.to_vec(),
+            });
+        }
+    }
 }

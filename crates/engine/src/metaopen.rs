@@ -103,6 +103,20 @@ impl Overlay {
                     o.write(None, 0, data)?;
                 }
                 Op::Remove { .. } => o = Overlay::default(),
+                Op::Patch { offset, data, .. } => {
+                    let payload = crate::paged::PAYLOAD_SIZE as u64;
+                    let page = offset / payload;
+                    let img = o.seed(file, page)?;
+                    // a damaged page stays as it is: reported when decoded
+                    let _ = crate::paged::patch_page(
+                        img,
+                        which.page_tag(),
+                        page,
+                        (offset % payload) as usize,
+                        data,
+                    );
+                    o.len_bytes = o.len_bytes.max((page + 1) * PS);
+                }
             }
         }
         Ok(o)

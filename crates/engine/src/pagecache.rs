@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::paged::{decode_page, PagedArray, PAGE_SIZE, PAYLOAD_SIZE};
+use crate::paged::{decode_page, DirtyPage, PagedArray, PAGE_SIZE, PAYLOAD_SIZE};
 
 /// What a page that cannot be read back from its file reads as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -179,6 +179,9 @@ struct Inner {
     /// again. So eviction never rescans pages it cannot evict.
     fifo: VecDeque<u64>,
     queued: Bits,
+    /// Pages whose whole image a commit carried since the last checkpoint:
+    /// later commits may log only the bytes that changed.
+    logged: Bits,
     source: Option<File>,
     /// The file's name in messages.
     name: String,
@@ -209,6 +212,7 @@ impl CachedArray {
                 array,
                 evicted: Bits::default(),
                 queued: Bits::default(),
+                logged: Bits::default(),
                 pinned: HashMap::new(),
                 fifo: VecDeque::new(),
                 source: None,
@@ -404,18 +408,37 @@ impl CachedArray {
         }
     }
 
-    /// Takes the images of the pages changed since the last call (see
+    /// Takes the pages changed since the last call (see
     /// [`PagedArray::take_dirty`]); they stay pinned in memory until the
     /// checkpoint that covers commit generation `generation`.
-    pub fn take_dirty(&mut self, generation: u64) -> Vec<(u64, Box<[u8; PAGE_SIZE]>)> {
+    pub fn take_dirty(&mut self, generation: u64) -> Vec<DirtyPage> {
         let i = self.inner.get_mut();
         let out = i.array.take_dirty();
-        for (p, _) in &out {
-            if i.pinned.insert(*p, generation).is_none() {
+        for d in &out {
+            if i.pinned.insert(d.page, generation).is_none() {
                 i.group.pinned_pages.fetch_add(1, Relaxed);
             }
         }
         out
+    }
+
+    /// True if a commit since the last checkpoint carried page `page`'s
+    /// whole image (see [`CachedArray::set_logged`]).
+    pub fn is_logged(&self, page: u64) -> bool {
+        self.inner.borrow().logged.get(page)
+    }
+
+    /// Records whether the journal holds page `page`'s whole image since
+    /// the last checkpoint: set when a commit carries it, cleared when that
+    /// commit fails.
+    pub fn set_logged(&mut self, page: u64, logged: bool) {
+        self.inner.get_mut().logged.set(page, logged);
+    }
+
+    /// Forgets every logged image: the journal restarts empty after a
+    /// checkpoint.
+    pub fn clear_logged(&mut self) {
+        self.inner.get_mut().logged = Bits::default();
     }
 
     /// Releases the pages pinned by commits up to `generation`, now in
@@ -468,6 +491,8 @@ impl CachedArray {
             .fetch_sub(before - i.array.allocated_pages(), Relaxed);
         i.evicted.truncate(keep);
         i.queued.truncate(keep);
+        // a page cut and grown again is logged whole again
+        i.logged.truncate(keep.saturating_sub(1));
         i.fifo.retain(|&p| p < keep);
         let dropped = i.pinned.len();
         i.pinned.retain(|&p, _| p < keep);
@@ -481,6 +506,7 @@ impl CachedArray {
         let i = self.inner.borrow();
         i.array.resident_bytes()
             + i.evicted.0.capacity() as u64 * 8
+            + i.logged.0.capacity() as u64 * 8
             + i.fifo.capacity() as u64 * 8
             + i.pinned.capacity() as u64 * 24
     }
@@ -609,9 +635,9 @@ mod tests {
             a.set_u64(i, i + 1);
         }
         let f = tempfile::NamedTempFile::new().unwrap();
-        for (p, img) in a.take_dirty(1) {
+        for d in a.take_dirty(1) {
             f.as_file()
-                .write_all_at(&img[..], p * PAGE_SIZE as u64)
+                .write_all_at(&d.image[..], d.page * PAGE_SIZE as u64)
                 .unwrap();
         }
         a.page_from(f.reopen().unwrap(), "test", group, []);

@@ -66,6 +66,50 @@ pub fn decode_page(bytes: &[u8], tag: u32, page_no: u64) -> Result<Option<Page>,
     }
 }
 
+/// Applies a patch to an encoded page image: payload bytes `data` at
+/// payload offset `in_page` of page `page_no` in a file tagged `tag`, the
+/// trailer recomputed. A hole (all-zero image) is patched as a zero page.
+///
+/// Errors: the image fails its checksum, or the patch passes the payload's
+/// end (nothing is changed).
+pub(crate) fn patch_page(
+    img: &mut [u8; PAGE_SIZE],
+    tag: u32,
+    page_no: u64,
+    in_page: usize,
+    data: &[u8],
+) -> Result<(), ()> {
+    if in_page + data.len() > PAYLOAD_SIZE {
+        return Err(());
+    }
+    let mut payload =
+        decode_page(&img[..], tag, page_no)?.unwrap_or_else(|| Box::new([0u8; PAYLOAD_SIZE]));
+    payload[in_page..in_page + data.len()].copy_from_slice(data);
+    *img = *encode_page(&payload, tag, page_no);
+    Ok(())
+}
+
+/// Recomputes the trailer of a page image (`img`, [`PAGE_SIZE`] bytes)
+/// after its payload was changed in place.
+pub(crate) fn reencode_page(img: &mut [u8], tag: u32, page_no: u64) {
+    let mut payload = [0u8; PAYLOAD_SIZE];
+    payload.copy_from_slice(&img[..PAYLOAD_SIZE]);
+    img.copy_from_slice(&encode_page(&payload, tag, page_no)[..]);
+}
+
+/// A page changed since the last [`PagedArray::take_dirty`].
+#[derive(Debug)]
+pub struct DirtyPage {
+    /// Page number.
+    pub page: u64,
+    /// Its on-disk image (payload and trailer; all zeros for an emptied
+    /// page, a hole on disk too).
+    pub image: Box<[u8; PAGE_SIZE]>,
+    /// The payload bytes changed (a superset: from the first to the last
+    /// byte written).
+    pub changed: std::ops::Range<usize>,
+}
+
 /// Pages per chunk of the page table.
 const CHUNK_PAGES: usize = 256;
 
@@ -76,6 +120,9 @@ const CHUNK_PAGES: usize = 256;
 struct Chunk {
     pages: [Option<Page>; CHUNK_PAGES],
     dirty: [u64; CHUNK_PAGES / 64],
+    /// Payload bytes changed in each dirty page: first and one past the
+    /// last.
+    changed: [(u16, u16); CHUNK_PAGES],
     /// Pages in memory in this chunk.
     allocated: u16,
 }
@@ -85,6 +132,7 @@ impl Chunk {
         Box::new(Chunk {
             pages: std::array::from_fn(|_| None),
             dirty: [0; CHUNK_PAGES / 64],
+            changed: [(0, 0); CHUNK_PAGES],
             allocated: 0,
         })
     }
@@ -263,17 +311,27 @@ impl PagedArray {
             if let Some(p) = self.page_mut(page) {
                 p[in_page..in_page + n].copy_from_slice(&data[done..done + n]);
             }
-            self.mark_dirty(page);
+            self.mark_dirty_range(page, in_page, in_page + n);
             done += n;
         }
     }
 
     fn mark_dirty(&mut self, page: u64) {
+        self.mark_dirty_range(page, 0, PAYLOAD_SIZE);
+    }
+
+    /// Marks payload bytes `lo..hi` of `page` changed.
+    fn mark_dirty_range(&mut self, page: u64, lo: usize, hi: usize) {
         let i = page as usize % CHUNK_PAGES;
         let c = self.chunk_mut(page);
+        let (lo, hi) = (lo as u16, hi as u16);
         if !c.is_dirty(i) {
             c.dirty[i / 64] |= 1 << (i % 64);
+            c.changed[i] = (lo, hi);
             self.dirty.push(page);
+        } else {
+            let (a, b) = c.changed[i];
+            c.changed[i] = (a.min(lo), b.max(hi));
         }
     }
 
@@ -304,7 +362,7 @@ impl PagedArray {
         if in_page + N <= PAYLOAD_SIZE {
             if let Some(p) = self.page_mut(page) {
                 p[in_page..in_page + N].copy_from_slice(&data);
-                self.mark_dirty(page);
+                self.mark_dirty_range(page, in_page, in_page + N);
                 return;
             }
         }
@@ -418,9 +476,9 @@ impl PagedArray {
         self.page(page).is_none()
     }
 
-    /// Takes the on-disk images of every page dirtied since the last call,
-    /// as (page number, 4 KiB page with trailer), and clears the dirty set.
-    pub fn take_dirty(&mut self) -> Vec<(u64, Box<[u8; PAGE_SIZE]>)> {
+    /// Takes every page dirtied since the last call (its on-disk image
+    /// and the bytes changed) and clears the dirty set.
+    pub fn take_dirty(&mut self) -> Vec<DirtyPage> {
         let mut out = Vec::with_capacity(self.dirty.len());
         for page in std::mem::take(&mut self.dirty) {
             let i = page as usize % CHUNK_PAGES;
@@ -429,13 +487,18 @@ impl PagedArray {
                 continue; // truncated away
             };
             c.dirty[i / 64] &= !(1 << (i % 64));
-            let img = match &c.pages[i] {
-                Some(p) => encode_page(p, tag, page),
+            let (lo, hi) = c.changed[i];
+            let (image, changed) = match &c.pages[i] {
+                Some(p) => (encode_page(p, tag, page), lo as usize..hi as usize),
                 // an emptied page: a hole on disk too
-                None => Box::new([0u8; PAGE_SIZE]),
+                None => (Box::new([0u8; PAGE_SIZE]), 0..PAYLOAD_SIZE),
             };
             self.release_chunk(page);
-            out.push((page, img));
+            out.push(DirtyPage {
+                page,
+                image,
+                changed,
+            });
         }
         out
     }
@@ -492,8 +555,9 @@ mod tests {
 
     fn to_disk(a: &mut PagedArray) -> Vec<u8> {
         let mut bytes = vec![0u8; a.page_count() as usize * PAGE_SIZE];
-        for (p, img) in a.take_dirty() {
-            bytes[p as usize * PAGE_SIZE..(p as usize + 1) * PAGE_SIZE].copy_from_slice(&img[..]);
+        for d in a.take_dirty() {
+            let p = d.page as usize;
+            bytes[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].copy_from_slice(&d.image[..]);
         }
         bytes
     }
@@ -594,8 +658,34 @@ mod tests {
         a.truncate(258 * per * 8);
         assert_eq!(a.page_count(), 258);
         assert_eq!(a.allocated_pages(), 2);
-        let dirty: Vec<u64> = a.take_dirty().into_iter().map(|(p, _)| p).collect();
+        let dirty: Vec<u64> = a.take_dirty().into_iter().map(|d| d.page).collect();
         assert_eq!(dirty, vec![257]);
         assert_eq!(a.get_u64(257 * per), 6);
+    }
+
+    #[test]
+    fn dirty_pages_carry_the_bytes_changed_and_patches_rebuild_them() {
+        let mut a = PagedArray::new(7);
+        a.set_u64(10, 1);
+        a.set_u64(12, 2);
+        a.set_u32(PAYLOAD_SIZE as u64 / 4 + 3, 9); // page 1
+        let d = a.take_dirty();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[0].page, 0);
+        assert_eq!(d[0].changed, 80..104);
+        assert_eq!(d[1].changed, 12..16);
+        // a patch of the changed bytes onto the old image gives the new one
+        let mut old = Box::new([0u8; PAGE_SIZE]);
+        patch_page(&mut old, 7, 0, 80, &d[0].image[80..104]).unwrap();
+        assert_eq!(old[..], d[0].image[..]);
+        // a damaged image or a patch past the payload is refused
+        let mut bad = d[1].image.clone();
+        bad[5] ^= 1;
+        assert!(patch_page(&mut bad, 7, 1, 0, &[1]).is_err());
+        let mut img = d[1].image.clone();
+        assert!(patch_page(&mut img, 7, 1, PAYLOAD_SIZE - 1, &[1, 2]).is_err());
+        assert_eq!(img, d[1].image);
+        a.redirty(0);
+        assert_eq!(a.take_dirty()[0].changed, 0..PAYLOAD_SIZE);
     }
 }

@@ -18,7 +18,7 @@ use std::fs::File;
 
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
 use crate::pagecache::{CacheGroup, CachedArray, OnLoadError, PageCacheStats};
-use crate::paged::{PagedArray, PAGE_SIZE};
+use crate::paged::PagedArray;
 
 /// Figures of the reverse index's page cache.
 pub type ReverseIndexStats = PageCacheStats;
@@ -81,8 +81,14 @@ impl ReverseIndex {
     /// Takes the images of the pages changed since the last call; they
     /// stay pinned in memory until the checkpoint that covers commit
     /// generation `generation`.
-    pub fn take_dirty(&mut self, generation: u64) -> Vec<(u64, Box<[u8; PAGE_SIZE]>)> {
+    pub fn take_dirty(&mut self, generation: u64) -> Vec<crate::paged::DirtyPage> {
         self.array.take_dirty(generation)
+    }
+
+    /// The paged array itself (for commits: logging pages whole or as
+    /// patches).
+    pub fn cached_mut(&mut self) -> &mut CachedArray {
+        &mut self.array
     }
 
     /// Releases the pages pinned by commits up to `generation`, now in

@@ -381,6 +381,35 @@ impl StoreDir {
                         len_bytes: *len_bytes,
                     });
                 }
+                Op::Patch { offset, data, .. } => {
+                    // a patch whose page image is not in this batch: read,
+                    // patch and rewrite the page in place
+                    let payload = crate::paged::PAYLOAD_SIZE as u64;
+                    let page = offset / payload;
+                    let at = page * crate::paged::PAGE_SIZE as u64;
+                    let mut img = [0u8; crate::paged::PAGE_SIZE];
+                    read_padded(f, &mut img, at).map_err(|e| EngineError::io(ctx("reading"), e))?;
+                    crate::paged::patch_page(
+                        &mut img,
+                        file.page_tag(),
+                        page,
+                        (offset % payload) as usize,
+                        data,
+                    )
+                    .map_err(|()| EngineError::Corrupt {
+                        file: path.clone(),
+                        detail: format!(
+                            "page {page} fails its checksum; cannot apply a journal patch"
+                        ),
+                    })?;
+                    f.write_all_at(&img, at)
+                        .map_err(|e| EngineError::io(ctx("writing"), e))?;
+                    obs.emit(crate::observe::IoEvent::Write {
+                        file: &n,
+                        offset: at,
+                        data: &img,
+                    });
+                }
                 Op::Remove { .. } => unreachable!("handled above"),
             }
         }
@@ -590,6 +619,24 @@ impl<'a> MetaImages<'a> {
             Op::Remove { file } => {
                 self.files.insert(*file, SparseImage::default());
             }
+            Op::Patch { file, offset, data } => {
+                let payload = crate::paged::PAYLOAD_SIZE as u64;
+                let page = offset / payload;
+                let img = self.load(*file)?;
+                img.len_bytes = img.len_bytes.max((page + 1) * IMAGE_PAGE);
+                let slot = img
+                    .pages
+                    .entry(page)
+                    .or_insert_with(|| Box::new([0u8; crate::paged::PAGE_SIZE]));
+                // a damaged page stays as it is (reported when decoded)
+                let _ = crate::paged::patch_page(
+                    slot,
+                    file.page_tag(),
+                    page,
+                    (offset % payload) as usize,
+                    data,
+                );
+            }
         }
         Ok(())
     }
@@ -610,6 +657,23 @@ fn lock(root: &Path) -> Result<File> {
         return Err(EngineError::Locked(root.to_path_buf()));
     }
     Ok(f)
+}
+
+/// Reads `buf.len()` bytes at `off`; past the end of the file: zeros.
+fn read_padded(f: &File, buf: &mut [u8], off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => {
+                buf[done..].fill(0);
+                break;
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Writes a whole file and syncs it.

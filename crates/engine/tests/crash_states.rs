@@ -3,10 +3,12 @@
 //! A recorder sees every write, length change, removal and sync the engine
 //! makes to its files. For random seeded workloads (writes with duplicate
 //! content, overwrites, TRIMs, FLUSHes and FUA writes, with small journal
-//! and dirty bounds so commits and checkpoints happen often), the test
+//! and dirty bounds so commits and checkpoints happen often; commits log
+//! pages whole and then as patches, which checkpoints fold in), the test
 //! builds post-crash states — at each sync boundary and at random points,
 //! with everything synced before the point plus a random subset of the
-//! writes not yet synced — then opens each state and checks (the index has
+//! writes not yet synced, some metadata pages torn (only their first 512-byte
+//! sectors written) — then opens each state and checks (the index has
 //! a tiny budget, so out-of-line dedup passes remap blocks in between):
 //! - the metadata invariants hold (reference counts, free space, index);
 //! - every write acknowledged by a FLUSH (or FUA) reads back intact;
@@ -22,6 +24,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use dedupd_engine::fsck::{fsck, FsckOptions};
+use dedupd_engine::journal::{decode_txn, Op};
 use dedupd_engine::observe::{IoEvent, IoObserver, Observer};
 use dedupd_engine::{Engine, EngineConfig, HashAlgorithm, VolumeId};
 
@@ -157,9 +160,19 @@ fn crash_state(
             Some(None) => continue,
             None => Vec::new(),
         };
+        let paged = n == "refcounts" || n == "fingerprints" || n.starts_with("maps/");
         for p in pending.get(&n).map(|v| v.as_slice()).unwrap_or(&[]) {
-            if rng.below(2) == 0 {
-                apply(&mut c, p);
+            match (rng.below(4), p) {
+                (0 | 1, _) => {}
+                // a page of metadata torn in place: only its first sectors
+                (2, Ev::Write(f, off, data)) if paged && data.len() >= 1024 => {
+                    let sectors = 1 + rng.below(data.len() as u64 / 512 - 1) as usize;
+                    apply(
+                        &mut c,
+                        &Ev::Write(f.clone(), *off, data[..sectors * 512].to_vec()),
+                    );
+                }
+                _ => apply(&mut c, p),
             }
         }
         out.insert(n, c);
@@ -177,7 +190,9 @@ fn write_tree(root: &Path, files: &BTreeMap<String, Vec<u8>>) {
 /// Allowed contents (pattern ids) per (volume, block) after each operation.
 type Allowed = Vec<Vec<BTreeSet<u8>>>;
 
-fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
+/// Runs one seeded workload and checks its crash states; returns the
+/// states checked and the journal patches and in-place page writes made.
+fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize) {
     let store = dir.join("store");
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     {
@@ -190,7 +205,7 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
     let base = read_tree(&store);
     let recorder = Arc::new(Recorder::default());
     let config = EngineConfig {
-        journal_size_bytes: 96 << 10,
+        journal_size_bytes: 16 << 10,
         // a one-page reverse-index cache: pages leave and come back
         reverse_index_cache_bytes: 4064,
         // and one page for the volume maps and reference counts together
@@ -268,6 +283,20 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
     engine.flush().unwrap();
     let events = recorder.0.lock().unwrap().clone();
     drop(engine);
+    // what the journal carried as patches, and pages checkpointed in place
+    let patches: usize = events
+        .iter()
+        .filter_map(|e| match e {
+            Ev::Write(f, _, data) if f == "journal" => decode_txn(data).ok(),
+            _ => None,
+        })
+        .flat_map(|t| t.ops)
+        .filter(|op| matches!(op, Op::Patch { .. }))
+        .count();
+    let in_place = events
+        .iter()
+        .filter(|e| matches!(e, Ev::Write(f, _, _) if f == "refcounts" || f.starts_with("maps")))
+        .count();
 
     // crash points: after each sync, and random points in between
     let mut points: Vec<usize> = events
@@ -360,7 +389,7 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> usize {
         std::fs::remove_dir_all(&crash).unwrap();
         checked += 1;
     }
-    checked
+    (checked, patches, in_place)
 }
 
 #[test]
@@ -371,12 +400,23 @@ fn every_crash_state_recovers_consistent_with_flushed_writes_intact() {
         .unwrap_or(400);
     // more states means more workloads too: about 50 states per seed
     let seeds = (total as u64 / 50).max(8);
-    let mut checked = 0;
+    let (mut checked, mut patches, mut in_place) = (0, 0, 0);
     for seed in 1..=seeds {
         let dir = tempfile::tempdir().unwrap();
-        checked += run_seed(seed, (total as u64 / seeds) as usize, dir.path());
+        let (c, p, w) = run_seed(seed, (total as u64 / seeds) as usize, dir.path());
+        checked += c;
+        patches += p;
+        in_place += w;
     }
-    eprintln!("crash states checked: {checked}");
+    eprintln!(
+        "crash states checked: {checked} (journal patches {patches}, pages checkpointed in place {in_place})"
+    );
+    // the states cover commits that log patches and checkpoints that fold
+    // them into pages written in place
+    assert!(
+        patches > 0 && in_place > 0,
+        "{patches} patches, {in_place} in-place writes"
+    );
     assert!(
         checked as u64 >= (total as u64) / 2,
         "only {checked} crash states were built"
