@@ -1,5 +1,8 @@
 //! Speed of the replay path: a native trace replayed through the engine
-//! with G-LRU and an 8 MiB index budget (throughput in requests), and FIU
+//! with G-LRU and an 8 MiB index budget (throughput in requests), twice:
+//! 200 000 requests, whose 100 000 distinct fingerprints fit in the budget,
+//! and 2 000 000 requests, whose million do not (groups are evicted to the
+//! on-disk store and read back: the steady state of a long trace); and FIU
 //! text parsing (throughput in lines). Run: `cargo bench -p dedupd-sim`.
 
 use std::io::Write;
@@ -12,10 +15,11 @@ use dedupd_sim::gen::{GenSpec, Locality, StreamSpec};
 use dedupd_sim::{replay, Format, ReplayConfig, Request, TraceReader};
 
 const REQUESTS: u64 = 200_000;
+const REQUESTS_EVICTING: u64 = 2_000_000;
 const FIU_LINES: u64 = 200_000;
 
-fn native_trace(dir: &Path) -> std::path::PathBuf {
-    let path = dir.join("bench.ddt");
+fn native_trace(dir: &Path, requests: u64) -> std::path::PathBuf {
+    let path = dir.join(format!("bench-{requests}.ddt"));
     let spec = GenSpec {
         streams: vec![StreamSpec {
             locality: Locality::Good {
@@ -24,7 +28,7 @@ fn native_trace(dir: &Path) -> std::path::PathBuf {
             share: 1,
             name: "good".into(),
         }],
-        size_bytes: REQUESTS * 4096,
+        size_bytes: requests * 4096,
         block_bytes: 4096,
         volume_bytes: 64 << 30,
         sequential: true,
@@ -60,7 +64,8 @@ fn fiu_trace(dir: &Path) -> std::path::PathBuf {
 
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let native = native_trace(dir.path());
+    let native = native_trace(dir.path(), REQUESTS);
+    let evicting = native_trace(dir.path(), REQUESTS_EVICTING);
     let fiu = fiu_trace(dir.path());
 
     let mut g = c.benchmark_group("replay");
@@ -75,6 +80,17 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let r = replay(std::slice::from_ref(&native), &cfg, &mut |_| {}).expect("replay");
             assert_eq!(r.requests, REQUESTS);
+        })
+    });
+    g.throughput(Throughput::Elements(REQUESTS_EVICTING));
+    g.bench_function("native g-lru 8MiB evicting (requests)", |b| {
+        b.iter(|| {
+            let r = replay(std::slice::from_ref(&evicting), &cfg, &mut |_| {}).expect("replay");
+            assert_eq!(r.requests, REQUESTS_EVICTING);
+            assert!(
+                r.engine.index.groups_evicted > 0,
+                "the budget was not exceeded"
+            );
         })
     });
     g.finish();
