@@ -264,6 +264,10 @@ struct CommitState {
     durable_changes: u64,
 }
 
+/// LBAs released per hold of the metadata lock when a volume is deleted
+/// or shrunk (32 MiB of volume).
+pub const RELEASE_PIECE_BLOCKS: u64 = 8192;
+
 /// Where a block of a write ends up, decided under the metadata lock.
 enum Placement {
     Done,
@@ -424,6 +428,7 @@ impl Engine {
                     record: rec.clone(),
                     map,
                     damaged_pages,
+                    deleting: false,
                 },
             );
         }
@@ -675,6 +680,7 @@ impl Engine {
                     },
                     map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
                     damaged_pages: Vec::new(),
+                    deleting: false,
                 },
             );
             m.structural_ops.push(Op::SetLen {
@@ -690,36 +696,105 @@ impl Engine {
     }
 
     /// Deletes a volume, releasing every block it maps, and makes it durable.
+    ///
+    /// The blocks are released in pieces of [`RELEASE_PIECE_BLOCKS`] LBAs,
+    /// committing as changed metadata passes `max_dirty_bytes`, so memory
+    /// and the time the metadata lock is held do not grow with the volume;
+    /// writes to the volume are refused meanwhile. A crash part way leaves
+    /// the volume with some of its blocks released (consistent: each
+    /// commit unmaps LBAs and releases their blocks together); deleting it
+    /// again finishes.
+    ///
+    /// Errors: [`EngineError::NoSuchVolume`]; I/O errors of the commits.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
-        {
+        let (id, size_blocks) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
-            let v = &m.volumes[&id];
-            for (lba, _) in v.map.nonzero_u64(0..v.size_blocks()) {
-                m.remap(id, Lba(lba), None);
+            let v = m.volumes.get_mut(&id).expect("looked up above");
+            v.deleting = true;
+            (id, v.size_blocks())
+        };
+        let released = self.release_range(id, 0, size_blocks);
+        let mut m = lock(&self.meta);
+        if let Err(e) = released {
+            if let Some(v) = m.volumes.get_mut(&id) {
+                v.deleting = false;
             }
-            m.volumes.remove(&id);
-            m.skipped.forget(id);
-            m.sequences.forget(id);
-            m.structural_ops.push(Op::Remove {
-                file: MetaFile::Map(id),
-            });
-            m.state_dirty = true;
-            m.change_count += 1;
+            return Err(e);
         }
+        // a write admitted before the volume was marked may have mapped an
+        // LBA behind the pieces: release what is left (normally nothing)
+        // in the same critical section that removes the volume
+        let mut left = Vec::new();
+        if let Some(v) = m.volumes.get(&id) {
+            v.map
+                .for_each_nonzero_u64(0..v.size_blocks(), |lba, _| left.push(lba));
+        }
+        for lba in left {
+            m.remap(id, Lba(lba), None);
+        }
+        m.volumes.remove(&id);
+        m.skipped.forget(id);
+        m.sequences.forget(id);
+        m.structural_ops.push(Op::Remove {
+            file: MetaFile::Map(id),
+        });
+        m.state_dirty = true;
+        m.change_count += 1;
+        drop(m);
         self.flush()
     }
 
+    /// Unmaps LBAs `first..end` of volume `vol` in pieces, each under the
+    /// metadata lock, committing between pieces as needed (see
+    /// [`Engine::note_change`]).
+    fn release_range(&self, vol: VolumeId, first: u64, end: u64) -> Result<()> {
+        let mut lba = first;
+        while lba < end {
+            let piece_end = (lba + RELEASE_PIECE_BLOCKS).min(end);
+            {
+                let mut m = lock(&self.meta);
+                fault_check(&m)?;
+                let Some(v) = m.volumes.get(&vol) else {
+                    return Ok(());
+                };
+                let mapped = v.map.nonzero_u64(lba..piece_end);
+                for (l, _) in mapped {
+                    m.remap(vol, Lba(l), None);
+                }
+                self.note_change(&m);
+            }
+            self.after_write(false)?;
+            lba = piece_end;
+        }
+        Ok(())
+    }
+
     /// Changes a volume's size (a positive multiple of 4096); shrinking
-    /// releases the blocks past the new end. Durable on return.
+    /// releases the blocks past the new end, in pieces (see
+    /// [`Engine::delete_volume`]). Durable on return.
     pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<()> {
         validate_size(size_bytes)?;
+        let new_blocks = size_bytes / BLOCK_SIZE_U64;
+        let (id, old_blocks) = {
+            let m = lock(&self.meta);
+            let id = volume_id(&m, name)?;
+            (id, m.volumes[&id].size_blocks())
+        };
+        // shrinking: release the blocks past the new end in pieces first
+        // (as delete_volume does), then the rest with the size change
+        if new_blocks < old_blocks {
+            self.release_range(id, new_blocks, old_blocks)?;
+        }
         {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             let old_blocks = m.volumes[&id].size_blocks();
-            let new_blocks = size_bytes / BLOCK_SIZE_U64;
-            for (lba, _) in m.volumes[&id].map.nonzero_u64(new_blocks..old_blocks) {
+            let mut left = Vec::new();
+            m.volumes[&id]
+                .map
+                .for_each_nonzero_u64(new_blocks..old_blocks, |lba, _| left.push(lba));
+            for lba in left {
                 m.remap(id, Lba(lba), None);
             }
             m.sequences.forget(id);
@@ -1367,6 +1442,15 @@ impl Engine {
                 m.unreserve(p);
             }
             return Err(e);
+        }
+        if !m.volumes.contains_key(&vol) {
+            // deleted meanwhile: nothing to map, the reserved PBAs go back
+            for p in &placement {
+                if let Placement::New { pba, .. } = p {
+                    m.unreserve(*pba);
+                }
+            }
+            return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
         }
 
         // phase 3: index and map the new blocks (another writer may have
