@@ -55,6 +55,8 @@ impl MetaFile {
 
     fn decode(kind: u8, id: u32) -> Option<Self> {
         Some(match kind {
+            // only maps carry an id: one encoding per file
+            1..=3 if id != 0 => return None,
             1 => MetaFile::Refcounts,
             2 => MetaFile::Fingerprints,
             3 => MetaFile::State,
@@ -240,6 +242,9 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
                 offset: a,
                 data,
             },
+            2 | 4 if a != 0 => {
+                return Err(DecodeError::Malformed("argument on a record without one"))
+            }
             2 => Op::Replace { file, data },
             3 | 4 if !data.is_empty() => {
                 return Err(DecodeError::Malformed("data on a record without data"))
@@ -508,10 +513,65 @@ mod tests {
         assert!(read_chain(&f).unwrap().is_empty());
     }
 
+    /// A transaction of raw records (tag, file kind, file id, argument,
+    /// data) with a valid header and checksum, so that the record parser,
+    /// not the checksum, decides.
+    fn raw_txn(records: &[(u8, u8, u32, u64, Vec<u8>)]) -> Vec<u8> {
+        let mut body = Vec::new();
+        for (tag, kind, id, a, data) in records {
+            body.push(*tag);
+            body.push(*kind);
+            body.extend_from_slice(&id.to_le_bytes());
+            body.extend_from_slice(&a.to_le_bytes());
+            body.extend_from_slice(&(data.len() as u32).to_le_bytes());
+            body.extend_from_slice(data);
+        }
+        let mut out = Vec::new();
+        out.extend_from_slice(&TXN_MAGIC.to_le_bytes());
+        out.extend_from_slice(&7u64.to_le_bytes());
+        out.extend_from_slice(&(records.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        out.extend_from_slice(&body);
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
     proptest::proptest! {
         #[test]
         fn decoder_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
             let _ = decode_txn(&bytes);
+        }
+
+        /// Records with a good checksum but any tag, file, argument and
+        /// length: the decoder accepts exactly what it can apply (a patch
+        /// within one page of a paged file, no data on length changes and
+        /// removals) and what it accepts encodes back to the same bytes.
+        #[test]
+        fn checksummed_records_decode_or_are_refused(
+            records in proptest::collection::vec(
+                (
+                    0u8..7,
+                    0u8..6,
+                    0u32..3,
+                    proptest::prop_oneof![0u64..20_000, proptest::num::u64::ANY],
+                    proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+                ),
+                0..6,
+            )
+        ) {
+            let bytes = raw_txn(&records);
+            if let Ok(t) = decode_txn(&bytes) {
+                proptest::prop_assert_eq!(encode_txn(7, &t.ops), bytes);
+                for op in &t.ops {
+                    if let Op::Patch { file, offset, data } = op {
+                        proptest::prop_assert!(*file != MetaFile::State && !data.is_empty());
+                        proptest::prop_assert!(
+                            (*offset % PAYLOAD_SIZE as u64) as usize + data.len() <= PAYLOAD_SIZE
+                        );
+                    }
+                }
+            }
         }
     }
 }
