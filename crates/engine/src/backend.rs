@@ -102,21 +102,8 @@ impl FileBackend {
 
 impl BlockBackend for FileBackend {
     fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> io::Result<()> {
-        let off = pba.0 * BLOCK_SIZE_U64;
-        let mut done = 0;
-        while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], off + done as u64) {
-                Ok(0) => {
-                    // past the end of the file: never written, reads as zeros
-                    buf[done..].fill(0);
-                    break;
-                }
-                Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        // past the end of the file: never written, reads as zeros
+        crate::fileio::read_padded(&self.file, buf, pba.0 * BLOCK_SIZE_U64)
     }
 
     fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {

@@ -15,6 +15,7 @@ pub mod cache;
 pub mod caftl;
 pub mod engine;
 pub mod error;
+pub mod fileio;
 pub mod fingerprint;
 pub mod freespace;
 pub mod fsck;

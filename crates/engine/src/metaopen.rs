@@ -11,10 +11,9 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
 use std::sync::Arc;
 
+use crate::fileio::{data_pages, read_padded};
 use crate::journal::{MetaFile, Op};
 use crate::pagecache::{CacheGroup, CachedArray};
 use crate::paged::{decode_page, PagedArray, PAGE_SIZE};
@@ -51,7 +50,7 @@ impl Overlay {
             let start = page * PS;
             if let Some(f) = file.filter(|_| start < self.base_len) {
                 let want = (self.base_len - start).min(PS) as usize;
-                read_full(f, &mut buf[..want], start)?;
+                read_padded(f, &mut buf[..want], start)?;
             }
             self.pages.insert(page, buf);
         }
@@ -104,77 +103,14 @@ impl Overlay {
                 }
                 Op::Remove { .. } => o = Overlay::default(),
                 Op::Patch { offset, data, .. } => {
-                    let payload = crate::paged::PAYLOAD_SIZE as u64;
-                    let page = offset / payload;
-                    let img = o.seed(file, page)?;
-                    // a damaged page stays as it is: reported when decoded
-                    let _ = crate::paged::patch_page(
-                        img,
-                        which.page_tag(),
-                        page,
-                        (offset % payload) as usize,
-                        data,
-                    );
+                    let page = offset / crate::paged::PAYLOAD_SIZE as u64;
+                    crate::paged::apply_patch(o.seed(file, page)?, which.page_tag(), *offset, data);
                     o.len_bytes = o.len_bytes.max((page + 1) * PS);
                 }
             }
         }
         Ok(o)
     }
-}
-
-/// Reads `buf.len()` bytes at `off`; what lies past the end of the file
-/// reads as zeros.
-fn read_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read_at(&mut buf[done..], off + done as u64) {
-            Ok(0) => {
-                buf[done..].fill(0);
-                break;
-            }
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// The byte ranges of `f` below `end` that may hold data (`SEEK_DATA` /
-/// `SEEK_HOLE`; without them, all of it), in whole pages.
-fn data_ranges(f: &File, end: u64) -> io::Result<Vec<(u64, u64)>> {
-    let mut out = Vec::new();
-    let mut pos = 0u64;
-    while pos < end {
-        // SAFETY: lseek on a descriptor we own; it changes only the file
-        // offset, which reads here do not use (read_at).
-        let data = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::ENXIO) => break, // only a hole is left
-                Some(libc::EINVAL) => {
-                    out.push((pos / PS, end.div_ceil(PS)));
-                    break;
-                }
-                _ => return Err(e),
-            }
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(f.as_raw_fd(), data, libc::SEEK_HOLE) };
-        let stop = if hole < 0 {
-            end
-        } else {
-            (hole as u64).min(end)
-        };
-        let (first, last) = (data as u64 / PS, stop.div_ceil(PS));
-        if first < last {
-            out.push((first, last));
-        }
-        pos = stop.max(data as u64 + 1);
-    }
-    Ok(out)
 }
 
 /// Opens metadata file `which` (`file`; `None` if it could not be created)
@@ -198,12 +134,12 @@ pub fn open_paged(
     if let Some(f) = &file {
         let end = overlay.base_len.min(overlay.len_bytes);
         let mut buf = vec![0u8; (SCAN_PAGES * PS) as usize];
-        for (first, last) in data_ranges(f, end)? {
+        for (first, last) in data_pages(f, end)? {
             let mut page = first;
             while page < last {
                 let n = (last - page).min(SCAN_PAGES);
                 let bytes = &mut buf[..(n * PS) as usize];
-                read_full(f, bytes, page * PS)?;
+                read_padded(f, bytes, page * PS)?;
                 for (k, img) in bytes.chunks_exact(PAGE_SIZE).enumerate() {
                     let p = page + k as u64;
                     if overlay.pages.contains_key(&p) {
@@ -246,6 +182,7 @@ mod tests {
     use super::*;
     use crate::pagecache::OnLoadError;
     use crate::paged::{encode_page, PAYLOAD_SIZE};
+    use std::os::unix::fs::FileExt;
 
     fn page_with(tag: u32, page: u64, byte: u8) -> Vec<u8> {
         let payload = Box::new([byte; PAYLOAD_SIZE]);

@@ -31,7 +31,6 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -608,22 +607,13 @@ impl Inner {
 
 /// Reads page `page` of `f` into `buf`; past the end of the file: zeros.
 fn read_page(f: &File, page: u64, buf: &mut [u8; PAGE_SIZE]) -> std::io::Result<()> {
-    let off = page * PAGE_SIZE as u64;
-    let mut done = 0;
-    while done < PAGE_SIZE {
-        match f.read_at(&mut buf[done..], off + done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    crate::fileio::read_padded(f, buf, page * PAGE_SIZE as u64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
 
     const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
 

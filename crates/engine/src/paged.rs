@@ -89,6 +89,22 @@ pub(crate) fn patch_page(
     Ok(())
 }
 
+/// Applies a journal patch ([`crate::journal::Op::Patch`]: payload bytes
+/// `data` at logical byte `offset` of the array) to `img`, the image of
+/// the page it falls in (see [`patch_page`]); that page is
+/// `offset / PAYLOAD_SIZE`. A damaged image is left as it is (its check
+/// reports it).
+pub(crate) fn apply_patch(img: &mut [u8; PAGE_SIZE], tag: u32, offset: u64, data: &[u8]) {
+    let payload = PAYLOAD_SIZE as u64;
+    let _ = patch_page(
+        img,
+        tag,
+        offset / payload,
+        (offset % payload) as usize,
+        data,
+    );
+}
+
 /// Recomputes the trailer of a page image (`img`, [`PAGE_SIZE`] bytes)
 /// after its payload was changed in place.
 pub(crate) fn reencode_page(img: &mut [u8], tag: u32, page_no: u64) {

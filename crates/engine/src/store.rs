@@ -388,7 +388,8 @@ impl StoreDir {
                     let page = offset / payload;
                     let at = page * crate::paged::PAGE_SIZE as u64;
                     let mut img = [0u8; crate::paged::PAGE_SIZE];
-                    read_padded(f, &mut img, at).map_err(|e| EngineError::io(ctx("reading"), e))?;
+                    crate::fileio::read_padded(f, &mut img, at)
+                        .map_err(|e| EngineError::io(ctx("reading"), e))?;
                     crate::paged::patch_page(
                         &mut img,
                         file.page_tag(),
@@ -473,65 +474,23 @@ impl SparseImage {
     /// Reads `f`, skipping the holes the file system reports
     /// (`SEEK_DATA`/`SEEK_HOLE`; without them the whole file is read).
     pub fn read(f: &File) -> io::Result<SparseImage> {
-        use std::os::unix::io::AsRawFd;
         let len_bytes = f.metadata()?.len();
         let mut img = SparseImage {
             len_bytes,
             ..SparseImage::default()
         };
-        let mut pos = 0u64;
-        while pos < len_bytes {
-            // SAFETY: lseek on a descriptor we own; it changes only the
-            // file offset, which reads below do not use (read_at).
-            let data = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
-            if data < 0 {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::ENXIO) => break, // only a hole is left
-                    Some(libc::EINVAL) => {
-                        // no SEEK_DATA here: read everything
-                        img.read_range(f, pos, len_bytes)?;
-                        break;
-                    }
-                    _ => return Err(e),
+        for (first, last) in crate::fileio::data_pages(f, len_bytes)? {
+            for page in first..last {
+                let off = page * IMAGE_PAGE;
+                let want = (len_bytes - off).min(IMAGE_PAGE) as usize;
+                let mut buf = Box::new([0u8; crate::paged::PAGE_SIZE]);
+                crate::fileio::read_padded(f, &mut buf[..want], off)?;
+                if buf.iter().any(|&b| b != 0) {
+                    img.pages.insert(page, buf);
                 }
             }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(f.as_raw_fd(), data, libc::SEEK_HOLE) };
-            let end = if hole < 0 {
-                len_bytes
-            } else {
-                (hole as u64).min(len_bytes)
-            };
-            img.read_range(f, data as u64, end)?;
-            pos = end.max(data as u64 + 1);
         }
         Ok(img)
-    }
-
-    /// Reads bytes `start..end` of `f` into whole pages.
-    fn read_range(&mut self, f: &File, start: u64, end: u64) -> io::Result<()> {
-        use std::os::unix::fs::FileExt;
-        let mut page = start / IMAGE_PAGE;
-        while page * IMAGE_PAGE < end {
-            let mut buf = Box::new([0u8; crate::paged::PAGE_SIZE]);
-            let off = page * IMAGE_PAGE;
-            let want = (self.len_bytes - off).min(IMAGE_PAGE) as usize;
-            let mut done = 0;
-            while done < want {
-                match f.read_at(&mut buf[done..want], off + done as u64) {
-                    Ok(0) => break,
-                    Ok(n) => done += n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            if buf.iter().any(|&b| b != 0) {
-                self.pages.insert(page, buf);
-            }
-            page += 1;
-        }
-        Ok(())
     }
 
     /// An image holding `bytes`.
@@ -628,14 +587,7 @@ impl<'a> MetaImages<'a> {
                     .pages
                     .entry(page)
                     .or_insert_with(|| Box::new([0u8; crate::paged::PAGE_SIZE]));
-                // a damaged page stays as it is (reported when decoded)
-                let _ = crate::paged::patch_page(
-                    slot,
-                    file.page_tag(),
-                    page,
-                    (offset % payload) as usize,
-                    data,
-                );
+                crate::paged::apply_patch(slot, file.page_tag(), *offset, data);
             }
         }
         Ok(())
@@ -657,23 +609,6 @@ fn lock(root: &Path) -> Result<File> {
         return Err(EngineError::Locked(root.to_path_buf()));
     }
     Ok(f)
-}
-
-/// Reads `buf.len()` bytes at `off`; past the end of the file: zeros.
-fn read_padded(f: &File, buf: &mut [u8], off: u64) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read_at(&mut buf[done..], off + done as u64) {
-            Ok(0) => {
-                buf[done..].fill(0);
-                break;
-            }
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// Writes a whole file and syncs it.
