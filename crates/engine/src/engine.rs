@@ -379,6 +379,10 @@ impl Engine {
         let map_cache = CacheGroup::new(config.map_cache_bytes, OnLoadError::Fault);
         let mut damage: Vec<Damage> = Vec::new();
         let mut damage_notes: Vec<String> = Vec::new();
+        let mut ops_by_file: HashMap<MetaFile, Vec<&Op>> = HashMap::new();
+        for op in &chain_ops {
+            ops_by_file.entry(op.file()).or_default().push(op);
+        }
         let load = |file: MetaFile,
                     group: &std::sync::Arc<CacheGroup>,
                     damage: &mut Vec<Damage>|
@@ -393,7 +397,8 @@ impl Engine {
                 Err(e) => return Err(e),
             };
             let name = path.display().to_string();
-            let opened = crate::metaopen::open_paged(f, file, &chain_ops, &name, group)
+            let ops = ops_by_file.get(&file).map_or(&[][..], |v| &v[..]);
+            let opened = crate::metaopen::open_paged(f, file, ops, &name, group)
                 .map_err(|e| EngineError::io(format!("reading {name}"), e))?;
             if !opened.damaged.is_empty() {
                 damage.push(Damage {

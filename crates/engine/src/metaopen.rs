@@ -83,7 +83,7 @@ impl Overlay {
     }
 
     /// Applies the journal's operations on `which`, in order.
-    fn build(file: Option<&File>, which: MetaFile, ops: &[Op]) -> io::Result<Overlay> {
+    fn build(file: Option<&File>, which: MetaFile, ops: &[&Op]) -> io::Result<Overlay> {
         let file_len = match file {
             Some(f) => f.metadata()?.len(),
             None => 0,
@@ -114,7 +114,8 @@ impl Overlay {
 }
 
 /// Opens metadata file `which` (`file`; `None` if it could not be created)
-/// with the journal operations `ops` replayed over it, paging under
+/// with the journal operations `ops` (those on other files are skipped)
+/// replayed over it, paging under
 /// `group`; `name` names it in messages. Pages the journal changed are
 /// pinned until the first checkpoint (`unpin_through(0)`), as they are not
 /// in place.
@@ -123,7 +124,7 @@ impl Overlay {
 pub fn open_paged(
     file: Option<File>,
     which: MetaFile,
-    ops: &[Op],
+    ops: &[&Op],
     name: &str,
     group: &Arc<CacheGroup>,
 ) -> io::Result<OpenedArray> {
@@ -201,7 +202,7 @@ mod tests {
         bad[100] ^= 1;
         f.write_all_at(&bad, 3 * PS).unwrap();
         // the journal rewrites page 0 and adds page 7
-        let ops = vec![
+        let ops = [
             Op::Write {
                 file: which,
                 offset: 0,
@@ -219,7 +220,14 @@ mod tests {
             },
         ];
         let group = CacheGroup::new(4 * PS, OnLoadError::Fault);
-        let opened = open_paged(Some(f), which, &ops, "rc", &group).unwrap();
+        let opened = open_paged(
+            Some(f),
+            which,
+            &ops.iter().collect::<Vec<_>>(),
+            "rc",
+            &group,
+        )
+        .unwrap();
         assert_eq!(opened.damaged, vec![3]);
         let a = &opened.array;
         assert_eq!(a.page_count(), 8);
@@ -254,7 +262,14 @@ mod tests {
             },
         ];
         let f2 = f.try_clone().unwrap();
-        let opened = open_paged(Some(f2), which, &shrink, "map", &group).unwrap();
+        let opened = open_paged(
+            Some(f2),
+            which,
+            &shrink.iter().collect::<Vec<_>>(),
+            "map",
+            &group,
+        )
+        .unwrap();
         assert!(opened.damaged.is_empty());
         assert_eq!(opened.array.page_count(), 4);
         assert_eq!(opened.array.get_u64(0), u64::from_le_bytes([1; 8]));
@@ -262,8 +277,14 @@ mod tests {
         assert_eq!(opened.array.get_u64(per_page), u64::from_le_bytes([2; 8]));
         assert_eq!(opened.array.get_u64(2 * per_page), 0);
         assert_eq!(opened.array.get_u64(3 * per_page), 0);
-        let removed =
-            open_paged(Some(f), which, &[Op::Remove { file: which }], "map", &group).unwrap();
+        let removed = open_paged(
+            Some(f),
+            which,
+            &[&Op::Remove { file: which }],
+            "map",
+            &group,
+        )
+        .unwrap();
         assert_eq!(removed.array.page_count(), 0);
     }
 }
