@@ -295,9 +295,14 @@ impl Engine {
     /// against): every referenced block's fingerprint is compared with
     /// every other's, and every LBA (of `volume`, or of all volumes) is
     /// remapped onto the lowest PBA holding its content. Exact whatever the
-    /// index budget; memory grows with the number of stored blocks (about
-    /// 48 bytes each) for the duration of the pass. `progress` receives
-    /// (PBAs examined, PBAs in all).
+    /// index budget. The (fingerprint key, PBA) pairs are sorted through a
+    /// scratch file in the store ([`crate::keysort`]), so memory stays
+    /// about the index budget plus one pending merge per duplicate copy
+    /// found. `progress` receives (PBAs examined, PBAs in all) during the
+    /// scan.
+    ///
+    /// Errors: [`EngineError::NoSuchVolume`]; reading blocks or the scratch
+    /// file; the commits of the remapping.
     pub fn dedup_offline(
         &self,
         volume: Option<&str>,
@@ -312,9 +317,16 @@ impl Engine {
             None => None,
         };
         let mut r = PassReport::default();
-        let high = lock(&self.meta).high_water_blocks;
-        let mut first: HashMap<Fingerprint, u64> = HashMap::new();
-        let mut merges = 0u64;
+        let (high, budget_bytes) = {
+            let m = lock(&self.meta);
+            (m.high_water_blocks, m.index.config().memory_budget_bytes)
+        };
+        let mut sorter = crate::keysort::KeySorter::new(
+            high,
+            budget_bytes,
+            16,
+            self.dir.as_ref().and_then(|d| d.scratch_file()),
+        );
         let mut p = 0;
         while p < high {
             let end = (p + SCAN_CHUNK).min(high);
@@ -334,21 +346,47 @@ impl Engine {
                     m.record_unindexed(Pba(q), fp);
                     r.blocks_hashed += 1;
                 }
-                match first.get(&fp) {
-                    Some(&c) => {
-                        m.pending_merges.insert(q, c);
-                        merges += 1;
-                    }
-                    None => {
-                        first.insert(fp, q);
-                    }
-                }
+                sorter.push(crate::index::key_of(&fp), q);
             }
             drop(m);
             progress(end, high);
             p = end;
         }
-        let _ = merges;
+        // equal keys are candidates: their full fingerprints, read again
+        // now (blocks may have been released since the scan), decide; each
+        // copy merges onto the lowest PBA with the same content
+        let merged = sorter.for_each_sorted::<std::io::Error>(|pairs| {
+            let mut i = 0;
+            while i < pairs.len() {
+                let mut j = i + 1;
+                while j < pairs.len() && pairs[j].0 == pairs[i].0 {
+                    j += 1;
+                }
+                if j - i > 1 {
+                    let mut m = lock(&self.meta);
+                    let mut run: Vec<(Fingerprint, u64)> = pairs[i..j]
+                        .iter()
+                        .filter(|&&(_, q)| m.refcounts.get_u32(q) > 0)
+                        .map(|&(_, q)| (m.fingerprint_of(Pba(q)), q))
+                        .collect();
+                    run.sort_unstable();
+                    // the first (lowest PBA) of each run of equal
+                    // fingerprints is kept
+                    let mut kept: Option<(Fingerprint, u64)> = None;
+                    for (fp, q) in run {
+                        match kept {
+                            Some((f, k)) if f == fp => {
+                                m.pending_merges.insert(q, k);
+                            }
+                            _ => kept = Some((fp, q)),
+                        }
+                    }
+                }
+                i = j;
+            }
+            Ok(())
+        });
+        merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
         r.lbas_remapped = self.apply_merges(only, &|| false)?;
         r.merges_applied = r.lbas_remapped;
         let m = lock(&self.meta);

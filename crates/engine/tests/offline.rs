@@ -1,0 +1,62 @@
+//! The full offline pass finds every duplicate through a sort spilled to
+//! disk when the stored blocks' pairs exceed the memory it may use.
+
+use dedupd_engine::engine::{Engine, EngineConfig};
+use dedupd_engine::fingerprint::HashAlgorithm;
+use dedupd_engine::index::IndexConfig;
+use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
+
+const DISTINCT: u64 = 6000;
+
+fn block(k: u64) -> Vec<u8> {
+    let mut b = vec![0u8; 4096];
+    for (i, c) in b.chunks_mut(8).enumerate() {
+        c.copy_from_slice(&(k * 1_000_003 + i as u64).to_le_bytes());
+    }
+    b
+}
+
+#[test]
+fn offline_pass_with_a_spilled_sort_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        // inline dedup off (low-power mode): every block is stored as written
+        selectivity: SelectivityConfig {
+            adaptive: true,
+            load_aware: false,
+            power: PowerSource::Battery(5.0),
+        },
+        // 64 KiB for the index, and so for the sort's buckets: the
+        // 12 000 stored blocks' pairs (192 KB) spill
+        index: IndexConfig {
+            memory_budget_bytes: 64 << 10,
+            ..IndexConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let e = Engine::create(&dir.path().join("store"), HashAlgorithm::Sha256, cfg).unwrap();
+    let a = e.create_volume("a", DISTINCT * 4096).unwrap();
+    let b = e.create_volume("b", DISTINCT * 4096).unwrap();
+    for k in 0..DISTINCT {
+        e.write(a, k * 4096, &block(k), false).unwrap();
+        // b holds the same blocks in another order
+        e.write(b, ((k * 7) % DISTINCT) * 4096, &block(k), false).unwrap();
+    }
+    e.flush().unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 2 * DISTINCT);
+    let mut last = (0, 0);
+    let r = e
+        .dedup_offline(None, &mut |done, all| last = (done, all))
+        .unwrap();
+    e.flush().unwrap();
+    assert_eq!(last.0, last.1);
+    assert_eq!(r.blocks_examined, 2 * DISTINCT);
+    assert_eq!(r.lbas_remapped, DISTINCT);
+    assert_eq!(e.stats().physical_blocks_stored, DISTINCT);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    for k in (0..DISTINCT).step_by(113) {
+        let mut buf = vec![0u8; 4096];
+        e.read(b, ((k * 7) % DISTINCT) * 4096, &mut buf).unwrap();
+        assert!(buf == block(k), "block {k}");
+    }
+}
