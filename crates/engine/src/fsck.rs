@@ -209,19 +209,36 @@ impl Engine {
         // equal fingerprints on two referenced PBAs: a duplicate copy that
         // inline dedup missed (memory-only lookups under a small budget) —
         // not an inconsistency; out-of-line dedup merges them
-        let mut first_with: HashMap<Fingerprint, u64> = HashMap::new();
-        for p in 0..data_blocks {
-            if counts[p as usize] == 0 {
-                continue;
-            }
-            let fp = new_fp
+        // (keys sorted through a scratch file: memory stays about the
+        // index budget whatever the store's size)
+        let fp_of = |m: &crate::meta::Meta, p: u64| {
+            new_fp
                 .get(&p)
                 .copied()
-                .unwrap_or_else(|| m.fingerprint_of(Pba(p)));
-            if first_with.insert(fp, p).is_some() {
-                r.duplicate_copies += 1;
+                .unwrap_or_else(|| m.fingerprint_of(Pba(p)))
+        };
+        let mut sorter = crate::keysort::KeySorter::new(
+            r.referenced_blocks,
+            m.index.config().memory_budget_bytes,
+            16,
+            self.dir.as_ref().and_then(|d| d.scratch_file()),
+        );
+        for p in 0..data_blocks {
+            if counts[p as usize] > 0 {
+                sorter.push(crate::index::key_of(&fp_of(&m, p)), p);
             }
         }
+        sorter
+            .for_each_sorted::<std::io::Error>(|pairs| {
+                crate::keysort::for_each_equal_key_run(pairs, |run| {
+                    let mut fps: Vec<Fingerprint> =
+                        run.iter().map(|&(_, p)| fp_of(&m, p)).collect();
+                    fps.sort_unstable();
+                    r.duplicate_copies += fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
+                });
+                Ok(())
+            })
+            .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
 
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);

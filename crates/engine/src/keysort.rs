@@ -135,6 +135,23 @@ impl KeySorter {
     }
 }
 
+/// Calls `f` with each run of two or more pairs with the same key in
+/// `pairs` (sorted by key): the candidates for equal fingerprints, which
+/// the caller compares in full.
+pub fn for_each_equal_key_run(pairs: &[(u64, u64)], mut f: impl FnMut(&[(u64, u64)])) {
+    let mut i = 0;
+    while i < pairs.len() {
+        let mut j = i + 1;
+        while j < pairs.len() && pairs[j].0 == pairs[i].0 {
+            j += 1;
+        }
+        if j - i > 1 {
+            f(&pairs[i..j]);
+        }
+        i = j;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,6 +188,25 @@ mod tests {
         let mut pbas: Vec<u64> = a.iter().map(|p| p.1).collect();
         pbas.sort_unstable();
         assert!(pbas.iter().copied().eq(0..100_000));
+    }
+
+    #[test]
+    fn equal_key_runs_are_found() {
+        let pairs = [
+            (1, 10),
+            (2, 20),
+            (2, 21),
+            (3, 30),
+            (4, 40),
+            (4, 41),
+            (4, 42),
+        ];
+        let mut runs = Vec::new();
+        for_each_equal_key_run(&pairs, |r| runs.push(r.to_vec()));
+        assert_eq!(
+            runs,
+            vec![vec![(2, 20), (2, 21)], vec![(4, 40), (4, 41), (4, 42)]]
+        );
     }
 
     #[test]

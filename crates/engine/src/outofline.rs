@@ -356,34 +356,26 @@ impl Engine {
         // now (blocks may have been released since the scan), decide; each
         // copy merges onto the lowest PBA with the same content
         let merged = sorter.for_each_sorted::<std::io::Error>(|pairs| {
-            let mut i = 0;
-            while i < pairs.len() {
-                let mut j = i + 1;
-                while j < pairs.len() && pairs[j].0 == pairs[i].0 {
-                    j += 1;
-                }
-                if j - i > 1 {
-                    let mut m = lock(&self.meta);
-                    let mut run: Vec<(Fingerprint, u64)> = pairs[i..j]
-                        .iter()
-                        .filter(|&&(_, q)| m.refcounts.get_u32(q) > 0)
-                        .map(|&(_, q)| (m.fingerprint_of(Pba(q)), q))
-                        .collect();
-                    run.sort_unstable();
-                    // the first (lowest PBA) of each run of equal
-                    // fingerprints is kept
-                    let mut kept: Option<(Fingerprint, u64)> = None;
-                    for (fp, q) in run {
-                        match kept {
-                            Some((f, k)) if f == fp => {
-                                m.pending_merges.insert(q, k);
-                            }
-                            _ => kept = Some((fp, q)),
+            crate::keysort::for_each_equal_key_run(pairs, |run| {
+                let mut m = lock(&self.meta);
+                let mut run: Vec<(Fingerprint, u64)> = run
+                    .iter()
+                    .filter(|&&(_, q)| m.refcounts.get_u32(q) > 0)
+                    .map(|&(_, q)| (m.fingerprint_of(Pba(q)), q))
+                    .collect();
+                run.sort_unstable();
+                // the first (lowest PBA) of each run of equal fingerprints
+                // is kept
+                let mut kept: Option<(Fingerprint, u64)> = None;
+                for (fp, q) in run {
+                    match kept {
+                        Some((f, k)) if f == fp => {
+                            m.pending_merges.insert(q, k);
                         }
+                        _ => kept = Some((fp, q)),
                     }
                 }
-                i = j;
-            }
+            });
             Ok(())
         });
         merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;

@@ -3,6 +3,7 @@
 
 use dedupd_engine::engine::{Engine, EngineConfig};
 use dedupd_engine::fingerprint::HashAlgorithm;
+use dedupd_engine::fsck::{fsck, FsckOptions};
 use dedupd_engine::index::IndexConfig;
 use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
 
@@ -34,15 +35,28 @@ fn offline_pass_with_a_spilled_sort_is_exact() {
         },
         ..EngineConfig::default()
     };
-    let e = Engine::create(&dir.path().join("store"), HashAlgorithm::Sha256, cfg).unwrap();
+    let e = Engine::create(
+        &dir.path().join("store"),
+        HashAlgorithm::Sha256,
+        cfg.clone(),
+    )
+    .unwrap();
     let a = e.create_volume("a", DISTINCT * 4096).unwrap();
     let b = e.create_volume("b", DISTINCT * 4096).unwrap();
     for k in 0..DISTINCT {
         e.write(a, k * 4096, &block(k), false).unwrap();
         // b holds the same blocks in another order
-        e.write(b, ((k * 7) % DISTINCT) * 4096, &block(k), false).unwrap();
+        e.write(b, ((k * 7) % DISTINCT) * 4096, &block(k), false)
+            .unwrap();
     }
-    e.flush().unwrap();
+    e.close().unwrap();
+    drop(e);
+    // fsck counts the copies inline dedup did not merge (not an error)
+    let path = dir.path().join("store");
+    let report = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(report.duplicate_copies, DISTINCT);
+    assert_eq!(report.exit_code(), 0, "{:?}", report.problems);
+    let e = Engine::open(&path, cfg).unwrap();
     assert_eq!(e.stats().physical_blocks_stored, 2 * DISTINCT);
     let mut last = (0, 0);
     let r = e
@@ -59,4 +73,12 @@ fn offline_pass_with_a_spilled_sort_is_exact() {
         e.read(b, ((k * 7) % DISTINCT) * 4096, &mut buf).unwrap();
         assert!(buf == block(k), "block {k}");
     }
+    e.close().unwrap();
+    drop(e);
+    assert_eq!(
+        fsck(&path, FsckOptions::default())
+            .unwrap()
+            .duplicate_copies,
+        0
+    );
 }
