@@ -115,7 +115,8 @@ pub struct ServeArgs {
     /// Bytes of request payload in flight at once, over all connections.
     #[arg(long, default_value = "64M")]
     pub inflight_budget: String,
-    /// Journal length that triggers a checkpoint of metadata in place.
+    /// Journal length that triggers a checkpoint of metadata in place (as
+    /// do as many bytes of metadata pages changed since the last one).
     #[arg(long, default_value = "32M")]
     pub journal_size: String,
     /// Disk space allocated ahead for the journal, so TRIMs can be
@@ -149,13 +150,27 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
             .map(|mut d| d.next().is_none())
             .unwrap_or(false);
     if store.exists() && !empty_dir {
-        return match Engine::open(store, config) {
+        // opening reads every metadata page once (checksums) and rebuilds
+        // the fingerprint index: seconds to minutes on a large store
+        let started = std::time::Instant::now();
+        eprintln!(
+            "dedupd: opening store {}: checking metadata, rebuilding the fingerprint index",
+            store.display()
+        );
+        let opened = match Engine::open(store, config) {
             Err(EngineError::Locked(p)) => Err(anyhow::anyhow!(
                 "store {} is already being served by another dedupd process",
                 p.display()
             )),
             other => Ok(other?),
         };
+        if opened.is_ok() {
+            eprintln!(
+                "dedupd: store opened in {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        return opened;
     }
     let size_bytes = parse_size(&args.default_volume_size).map_err(anyhow::Error::msg)?;
     let engine = Engine::create(store, args.hash, config)

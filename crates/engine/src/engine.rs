@@ -67,8 +67,10 @@ const RMW_STRIPES: usize = 64;
 /// Tunables of an open engine; every bound is in bytes.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Journal length that triggers a checkpoint (default 32 MiB). Memory
-    /// for committed-but-not-checkpointed page images is bounded by it.
+    /// Journal length that triggers a checkpoint (default 32 MiB); so do
+    /// as many bytes of metadata pages changed since the last checkpoint
+    /// (they stay in memory until it, and with patches the journal grows
+    /// slower than they do). Bounds both.
     pub journal_size_bytes: u64,
     /// Metadata changed since the last commit that triggers a commit from
     /// the write path (default 16 MiB).
