@@ -35,7 +35,7 @@ use crate::pagecache::{CacheGroup, CachedArray, OnLoadError};
 use crate::paged::PagedArray;
 use crate::sequence::Candidate;
 use crate::stats::{proc_status_bytes, Stats};
-use crate::store::{decode_checked, MetaImages, State, StoreDir, VolumeRecord};
+use crate::store::{decode_checked, State, StoreDir, VolumeRecord};
 
 /// Stands for "not fingerprinted yet" (a block stored without inline
 /// dedup); the reverse index keeps it until out-of-line dedup hashes the
@@ -354,13 +354,8 @@ impl Engine {
         // journal's newer pages pinned over them (crate::metaopen).
         let chain_ops: Vec<Op> = chain.iter().flat_map(|t| t.ops.iter().cloned()).collect();
         drop(chain);
-        let mut images = MetaImages::new(&dir);
-        for op in chain_ops.iter().filter(|op| op.file() == MetaFile::State) {
-            images.apply(op)?;
-        }
         let state_path = dir.path(MetaFile::State);
-        let state: State = decode_checked(&images.get(MetaFile::State)?.to_bytes(), &state_path)?;
-        drop(images);
+        let state: State = decode_checked(&dir.state_bytes(&chain_ops)?, &state_path)?;
         let next_seq = state.journal_seq.max(last_seq) + 1;
         // the on-disk fingerprint store is derived data, rebuilt at every open
         let groups = dir.open_file("fpgroups", true)?;

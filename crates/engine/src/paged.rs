@@ -203,23 +203,6 @@ impl PagedArray {
         (a, damaged)
     }
 
-    /// Builds an array from a file image read sparsely: as
-    /// [`PagedArray::from_disk`], visiting only the pages that hold data.
-    pub fn from_image(img: &crate::store::SparseImage, tag: u32) -> (Self, Vec<u64>) {
-        let mut a = PagedArray::new(tag);
-        a.ensure_pages(img.len_bytes.div_ceil(PAGE_SIZE as u64));
-        let mut damaged = Vec::new();
-        for (&i, page) in &img.pages {
-            a.ensure_pages(i + 1);
-            match decode_page(&page[..], tag, i) {
-                Ok(Some(p)) => a.put_page(i, p),
-                Ok(None) => {}
-                Err(()) => damaged.push(i),
-            }
-        }
-        (a, damaged)
-    }
-
     /// Number of pages (allocated or not) the array spans.
     pub fn page_count(&self) -> u64 {
         self.len_pages

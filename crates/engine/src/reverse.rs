@@ -14,10 +14,8 @@
 //! miss (never share wrong data) and out-of-line dedup re-hashes those
 //! blocks.
 
-use std::fs::File;
-
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
-use crate::pagecache::{CacheGroup, CachedArray, OnLoadError, PageCacheStats};
+use crate::pagecache::{CachedArray, PageCacheStats};
 use crate::paged::PagedArray;
 
 /// Figures of the reverse index's page cache.
@@ -49,15 +47,6 @@ impl ReverseIndex {
         self.array.trim();
     }
 
-    /// Pages from `file` (the store's `fingerprints`) from now on, keeping
-    /// at most `cache_bytes` of pages in memory (0: unbounded). `pinned`
-    /// lists pages whose latest image is not in place yet (replayed from
-    /// the journal); they stay until [`ReverseIndex::unpin_through`]`(0)`.
-    pub fn page_from(&self, file: File, cache_bytes: u64, pinned: impl IntoIterator<Item = u64>) {
-        let group = CacheGroup::new(cache_bytes, OnLoadError::ReadAsZeros);
-        self.array.page_from(file, "fingerprints", &group, pinned);
-    }
-
     /// The fingerprint recorded for `pba` (zeros if none).
     pub fn get(&self, pba: u64) -> Fingerprint {
         Fingerprint(self.array.get_array(pba * FINGERPRINT_SIZE as u64))
@@ -76,13 +65,6 @@ impl ReverseIndex {
     /// Writes `data` at logical byte offset `off` (whole fingerprints).
     pub fn write(&mut self, off: u64, data: &[u8]) {
         self.array.write(off, data);
-    }
-
-    /// Takes the images of the pages changed since the last call; they
-    /// stay pinned in memory until the checkpoint that covers commit
-    /// generation `generation`.
-    pub fn take_dirty(&mut self, generation: u64) -> Vec<crate::paged::DirtyPage> {
-        self.array.take_dirty(generation)
     }
 
     /// The paged array itself (for commits: logging pages whole or as

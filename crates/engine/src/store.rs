@@ -298,15 +298,35 @@ impl StoreDir {
             .map_err(|e| EngineError::io(format!("opening {}", p.display()), e))
     }
 
-    /// The whole content of a metadata file; empty if it does not exist.
-    pub fn read_meta(&self, file: MetaFile) -> Result<SparseImage> {
-        let p = self.path(file);
-        match File::open(&p) {
-            Ok(f) => SparseImage::read(&f)
-                .map_err(|e| EngineError::io(format!("reading {}", p.display()), e)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(SparseImage::default()),
-            Err(e) => Err(EngineError::io(format!("reading {}", p.display()), e)),
+    /// The bytes of `state.json` as the journal operations `ops` (in
+    /// order; those on other files are skipped) leave it: the file's
+    /// content (empty if missing) with every write, length change,
+    /// replacement and removal applied. The state is small (the volume
+    /// table and counters).
+    ///
+    /// Errors: reading the file.
+    pub fn state_bytes<'o>(&self, ops: impl IntoIterator<Item = &'o Op>) -> Result<Vec<u8>> {
+        let p = self.path(MetaFile::State);
+        let mut bytes = match fs::read(&p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(EngineError::io(format!("reading {}", p.display()), e)),
+        };
+        for op in ops.into_iter().filter(|op| op.file() == MetaFile::State) {
+            match op {
+                Op::Write { offset, data, .. } | Op::Patch { offset, data, .. } => {
+                    let (at, end) = (*offset as usize, *offset as usize + data.len());
+                    if bytes.len() < end {
+                        bytes.resize(end, 0);
+                    }
+                    bytes[at..end].copy_from_slice(data);
+                }
+                Op::Replace { data, .. } => bytes = data.clone(),
+                Op::SetLen { len_bytes, .. } => bytes.resize(*len_bytes as usize, 0),
+                Op::Remove { .. } => bytes.clear(),
+            }
         }
+        Ok(bytes)
     }
 
     /// Applies `ops` in order to the metadata files and makes them durable
@@ -449,151 +469,6 @@ impl StoreDir {
     }
 }
 
-/// Metadata file contents in memory, read from the store on first use and
-/// changed by journal operations (replay without writing the files).
-#[derive(Debug)]
-pub struct MetaImages<'a> {
-    dir: &'a StoreDir,
-    files: HashMap<MetaFile, SparseImage>,
-}
-
-/// The content of a file as its length and its 4 KiB pages that hold data;
-/// the rest reads as zeros. A thin volume's map file is mostly holes, so
-/// its image costs memory in proportion to what is mapped.
-#[derive(Debug, Clone, Default)]
-pub struct SparseImage {
-    /// Length of the file in bytes.
-    pub len_bytes: u64,
-    /// Pages that may hold non-zero bytes, by page number.
-    pub pages: std::collections::BTreeMap<u64, Box<[u8; crate::paged::PAGE_SIZE]>>,
-}
-
-const IMAGE_PAGE: u64 = crate::paged::PAGE_SIZE as u64;
-
-impl SparseImage {
-    /// Reads `f`, skipping the holes the file system reports
-    /// (`SEEK_DATA`/`SEEK_HOLE`; without them the whole file is read).
-    pub fn read(f: &File) -> io::Result<SparseImage> {
-        let len_bytes = f.metadata()?.len();
-        let mut img = SparseImage {
-            len_bytes,
-            ..SparseImage::default()
-        };
-        for (first, last) in crate::fileio::data_pages(f, len_bytes)? {
-            for page in first..last {
-                let off = page * IMAGE_PAGE;
-                let want = (len_bytes - off).min(IMAGE_PAGE) as usize;
-                let mut buf = Box::new([0u8; crate::paged::PAGE_SIZE]);
-                crate::fileio::read_padded(f, &mut buf[..want], off)?;
-                if buf.iter().any(|&b| b != 0) {
-                    img.pages.insert(page, buf);
-                }
-            }
-        }
-        Ok(img)
-    }
-
-    /// An image holding `bytes`.
-    pub fn from_bytes(bytes: &[u8]) -> SparseImage {
-        let mut img = SparseImage::default();
-        img.write(0, bytes);
-        img
-    }
-
-    /// The whole content (for small files).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len_bytes as usize];
-        for (&p, page) in &self.pages {
-            let off = (p * IMAGE_PAGE) as usize;
-            let n = (out.len() - off).min(page.len());
-            out[off..off + n].copy_from_slice(&page[..n]);
-        }
-        out
-    }
-
-    /// Writes `data` at byte `offset`, growing the file as needed.
-    pub fn write(&mut self, offset: u64, data: &[u8]) {
-        let end = offset + data.len() as u64;
-        self.len_bytes = self.len_bytes.max(end);
-        let mut pos = offset;
-        while pos < end {
-            let page = pos / IMAGE_PAGE;
-            let in_page = (pos % IMAGE_PAGE) as usize;
-            let n = ((IMAGE_PAGE - in_page as u64).min(end - pos)) as usize;
-            let src = &data[(pos - offset) as usize..(pos - offset) as usize + n];
-            let slot = self
-                .pages
-                .entry(page)
-                .or_insert_with(|| Box::new([0u8; crate::paged::PAGE_SIZE]));
-            slot[in_page..in_page + n].copy_from_slice(src);
-            pos += n as u64;
-        }
-    }
-
-    /// Sets the length to `len_bytes`, dropping what lies past it.
-    pub fn set_len(&mut self, len_bytes: u64) {
-        self.len_bytes = len_bytes;
-        let keep = len_bytes.div_ceil(IMAGE_PAGE);
-        self.pages.retain(|&p, _| p < keep);
-        let tail = (len_bytes % IMAGE_PAGE) as usize;
-        if tail != 0 {
-            if let Some(last) = self.pages.get_mut(&(keep - 1)) {
-                last[tail..].fill(0);
-            }
-        }
-    }
-}
-
-impl<'a> MetaImages<'a> {
-    /// No file read yet.
-    pub fn new(dir: &'a StoreDir) -> Self {
-        MetaImages {
-            dir,
-            files: HashMap::new(),
-        }
-    }
-
-    /// The current content of `file` (empty if it does not exist).
-    pub fn get(&mut self, file: MetaFile) -> Result<&SparseImage> {
-        self.load(file)?;
-        Ok(&self.files[&file])
-    }
-
-    fn load(&mut self, file: MetaFile) -> Result<&mut SparseImage> {
-        if !self.files.contains_key(&file) {
-            let bytes = self.dir.read_meta(file)?;
-            self.files.insert(file, bytes);
-        }
-        Ok(self.files.get_mut(&file).expect("inserted above"))
-    }
-
-    /// Applies one journal operation to the in-memory content.
-    pub fn apply(&mut self, op: &Op) -> Result<()> {
-        match op {
-            Op::Write { file, offset, data } => self.load(*file)?.write(*offset, data),
-            Op::Replace { file, data } => {
-                self.files.insert(*file, SparseImage::from_bytes(data));
-            }
-            Op::SetLen { file, len_bytes } => self.load(*file)?.set_len(*len_bytes),
-            Op::Remove { file } => {
-                self.files.insert(*file, SparseImage::default());
-            }
-            Op::Patch { file, offset, data } => {
-                let payload = crate::paged::PAYLOAD_SIZE as u64;
-                let page = offset / payload;
-                let img = self.load(*file)?;
-                img.len_bytes = img.len_bytes.max((page + 1) * IMAGE_PAGE);
-                let slot = img
-                    .pages
-                    .entry(page)
-                    .or_insert_with(|| Box::new([0u8; crate::paged::PAGE_SIZE]));
-                crate::paged::apply_patch(slot, file.page_tag(), *offset, data);
-            }
-        }
-        Ok(())
-    }
-}
-
 fn lock(root: &Path) -> Result<File> {
     let p = root.join("lock");
     let f = OpenOptions::new()
@@ -649,6 +524,35 @@ mod tests {
     }
 
     #[test]
+    fn state_bytes_follow_the_journal() {
+        let d = tempfile::tempdir().unwrap();
+        let s = d.path().join("s");
+        let dir = StoreDir::create(&s, HashAlgorithm::Sha256, 16).unwrap();
+        let before = dir.state_bytes(&[]).unwrap();
+        let ops = [
+            Op::Replace {
+                file: MetaFile::State,
+                data: b"{\"a\":1}".to_vec(),
+            },
+            Op::Replace {
+                file: MetaFile::Refcounts,
+                data: b"other file".to_vec(),
+            },
+            Op::Write {
+                file: MetaFile::State,
+                offset: 5,
+                data: b"2}".to_vec(),
+            },
+        ];
+        assert_eq!(dir.state_bytes(&ops).unwrap(), b"{\"a\":2}".to_vec());
+        assert_eq!(dir.state_bytes(&ops[1..2]).unwrap(), before);
+        let removed = [Op::Remove {
+            file: MetaFile::State,
+        }];
+        assert!(dir.state_bytes(&removed).unwrap().is_empty());
+    }
+
+    #[test]
     fn open_rejects_missing_and_foreign() {
         let d = tempfile::tempdir().unwrap();
         assert!(matches!(
@@ -670,42 +574,5 @@ mod tests {
         drop(dir);
         let (_d, sb) = StoreDir::open(&s).unwrap();
         assert_eq!(sb.hash, HashAlgorithm::Blake3);
-    }
-
-    #[test]
-    fn sparse_image_reads_data_and_skips_holes() {
-        use std::os::unix::fs::FileExt;
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("f");
-        let f = File::create(&p).unwrap();
-        // 1 GiB long, data in three places, a short tail
-        f.write_at(b"head", 0).unwrap();
-        f.write_at(&[7u8; 5000], 512 << 20).unwrap();
-        f.set_len((1 << 30) + 10).unwrap();
-        f.write_at(b"tail", 1 << 30).unwrap();
-        let img = SparseImage::read(&File::open(&p).unwrap()).unwrap();
-        assert_eq!(img.len_bytes, (1 << 30) + 10);
-        // only the pages with data were read
-        let want: Vec<u64> = vec![
-            0,
-            (512 << 20) / 4096,
-            (512 << 20) / 4096 + 1,
-            (1 << 30) / 4096,
-        ];
-        assert_eq!(img.pages.keys().copied().collect::<Vec<_>>(), want);
-        let mut expect = SparseImage::default();
-        expect.write(0, b"head");
-        expect.write(512 << 20, &[7u8; 5000]);
-        expect.write(1 << 30, b"tail");
-        expect.set_len((1 << 30) + 10);
-        assert_eq!(img.pages.len(), expect.pages.len());
-        for (k, v) in &img.pages {
-            assert_eq!(&v[..], &expect.pages[k][..], "page {k}");
-        }
-        // writes grow, set_len cuts and zeroes the tail of the last page
-        let mut small = SparseImage::from_bytes(b"abcdef");
-        small.set_len(3);
-        small.write(5, b"z");
-        assert_eq!(small.to_bytes(), b"abc\0\0z");
     }
 }
