@@ -352,8 +352,7 @@ impl Engine {
         // the next checkpoint. The large files are not read into memory:
         // their pages are checked once and then paged on demand, the
         // journal's newer pages pinned over them (crate::metaopen).
-        let chain_ops: Vec<Op> = chain.iter().flat_map(|t| t.ops.iter().cloned()).collect();
-        drop(chain);
+        let chain_ops: Vec<Op> = chain.into_iter().flat_map(|t| t.ops).collect();
         let state_path = dir.path(MetaFile::State);
         let state: State = decode_checked(&dir.state_bytes(&chain_ops)?, &state_path)?;
         let next_seq = state.journal_seq.max(last_seq) + 1;
@@ -418,7 +417,21 @@ impl Engine {
             map_cache: map_cache.clone(),
             ..Meta::empty(index)
         };
-        let store_level = damage.len();
+        // a damaged reference-count or reverse-index file stops the store
+        // before the volume maps are read
+        if !damage.is_empty() && !config.allow_damaged_metadata {
+            let d = &damage[0];
+            return Err(EngineError::Corrupt {
+                file: d.file.clone(),
+                detail: format!(
+                    "{} page(s) fail their checksum (first: page {}); the store is not served. \
+                     Run `dedupd --store {} fsck --repair` to rebuild it from the volume maps",
+                    d.pages.len(),
+                    d.pages[0],
+                    path.display()
+                ),
+            });
+        }
         for rec in &state.volumes {
             let mut mine = Vec::new();
             let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine)?;
@@ -433,19 +446,6 @@ impl Engine {
                     deleting: false,
                 },
             );
-        }
-        if store_level > 0 && !config.allow_damaged_metadata {
-            let d = &damage[0];
-            return Err(EngineError::Corrupt {
-                file: d.file.clone(),
-                detail: format!(
-                    "{} page(s) fail their checksum (first: page {}); the store is not served. \
-                     Run `dedupd --store {} fsck --repair` to rebuild it from the volume maps",
-                    d.pages.len(),
-                    d.pages[0],
-                    path.display()
-                ),
-            });
         }
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);
