@@ -30,7 +30,7 @@ use crate::error::{EngineError, Result};
 use crate::fingerprint::{Fingerprint, HashAlgorithm};
 use crate::index::{FileGroupStore, FingerprintIndex, MemoryGroupStore};
 use crate::journal::{self, Journal, MetaFile, Op};
-use crate::meta::{Meta, Volume};
+use crate::meta::{IndexPairs, Meta, Volume};
 use crate::pagecache::{CacheGroup, CachedArray, OnLoadError};
 use crate::paged::PagedArray;
 use crate::sequence::Candidate;
@@ -381,7 +381,8 @@ impl Engine {
         }
         let load = |file: MetaFile,
                     group: &std::sync::Arc<CacheGroup>,
-                    damage: &mut Vec<Damage>|
+                    damage: &mut Vec<Damage>,
+                    visit: &mut dyn FnMut(u64, &[u8])|
          -> Result<CachedArray> {
             let path = dir.path(file);
             // created if missing (a new store, or a volume created since the
@@ -394,7 +395,7 @@ impl Engine {
             };
             let name = path.display().to_string();
             let ops = ops_by_file.get(&file).map_or(&[][..], |v| &v[..]);
-            let opened = crate::metaopen::open_paged(f, file, ops, &name, group)
+            let opened = crate::metaopen::open_paged(f, file, ops, &name, group, visit)
                 .map_err(|e| EngineError::io(format!("reading {name}"), e))?;
             if !opened.damaged.is_empty() {
                 damage.push(Damage {
@@ -407,16 +408,22 @@ impl Engine {
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
             counters: state.counters.clone(),
-            refcounts: load(MetaFile::Refcounts, &map_cache, &mut damage)?,
-            fingerprints: crate::reverse::ReverseIndex::from_cached(load(
-                MetaFile::Fingerprints,
-                &reverse_cache,
-                &mut damage,
-            )?),
+            refcounts: load(MetaFile::Refcounts, &map_cache, &mut damage, &mut |_, _| {})?,
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             map_cache: map_cache.clone(),
             ..Meta::empty(index)
         };
+        // the reverse index is read once: the check of its pages also
+        // collects the fingerprint index's pairs
+        let mut index_pairs =
+            meta.index_sorter(meta.refcounts.logical_len() / 4, dir.scratch_file());
+        let fingerprints = load(
+            MetaFile::Fingerprints,
+            &reverse_cache,
+            &mut damage,
+            &mut |page, payload| meta.collect_index_pairs(&mut index_pairs, page, payload),
+        )?;
+        meta.fingerprints = crate::reverse::ReverseIndex::from_cached(fingerprints);
         // a damaged reference-count or reverse-index file stops the store
         // before the volume maps are read
         if !damage.is_empty() && !config.allow_damaged_metadata {
@@ -434,7 +441,7 @@ impl Engine {
         }
         for rec in &state.volumes {
             let mut mine = Vec::new();
-            let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine)?;
+            let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine, &mut |_, _| {})?;
             let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
             damage.extend(mine);
             meta.volumes.insert(
@@ -490,16 +497,17 @@ impl Engine {
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
-        if let Err(e) = meta.rebuild_derived(data_blocks, dir.scratch_file()) {
+        if let Err(e) = meta.rebuild_derived(data_blocks, IndexPairs::Collected(index_pairs)) {
             match EngineError::io("rebuilding the on-disk fingerprint store", e) {
                 // a full file system: keep the on-disk groups in memory for
                 // this run, so the store still opens and serves reads
                 EngineError::NoSpace { .. } => {
                     let cfg = meta.index.config();
                     meta.index = FingerprintIndex::new(cfg, Box::new(MemoryGroupStore::default()));
-                    meta.rebuild_derived(data_blocks, None).map_err(|e| {
-                        EngineError::io("rebuilding the fingerprint store in memory", e)
-                    })?;
+                    meta.rebuild_derived(data_blocks, IndexPairs::Scan(None))
+                        .map_err(|e| {
+                            EngineError::io("rebuilding the fingerprint store in memory", e)
+                        })?;
                     damage_notes.push(
                         "no space for the on-disk fingerprint store: it is kept in memory until the next start"
                             .to_string(),

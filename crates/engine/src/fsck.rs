@@ -274,7 +274,7 @@ impl Engine {
             }
         }
         let scratch = self.dir.as_ref().and_then(|d| d.scratch_file());
-        m.rebuild_derived(data_blocks, scratch)
+        m.rebuild_derived(data_blocks, crate::meta::IndexPairs::Scan(scratch))
             .map_err(|e| crate::error::EngineError::io("rebuilding the fingerprint store", e))?;
         m.change_count += 1;
         m.state_dirty = true;

@@ -137,36 +137,32 @@ impl Meta {
     }
 
     /// Builds the free list and derived counts after loading the arrays,
-    /// and rebuilds the fingerprint index from the reverse index.
-    /// `data_blocks` is the data file's length in blocks; the index's
-    /// (key, PBA) pairs are sorted through `scratch` (an empty file; `None`:
-    /// in memory, 16 bytes per stored block) so that memory stays about the
-    /// index budget whatever the store's size.
+    /// and rebuilds the fingerprint index from `pairs` (see
+    /// [`IndexPairs`]). `data_blocks` is the data file's length in blocks.
+    /// The pairs are sorted through a scratch file so that memory stays
+    /// about the index budget whatever the store's size.
     ///
-    /// Errors: writing the on-disk fingerprint store, reading `scratch`.
-    pub fn rebuild_derived(
-        &mut self,
-        data_blocks: u64,
-        scratch: Option<std::fs::File>,
-    ) -> std::io::Result<()> {
+    /// Errors: writing the on-disk fingerprint store, reading the scratch
+    /// file.
+    pub fn rebuild_derived(&mut self, data_blocks: u64, pairs: IndexPairs) -> std::io::Result<()> {
         let rc_blocks = self.refcounts.logical_len() / 4;
         let mut top = 0;
         self.stored_blocks = 0;
-        let mut sorter = crate::keysort::KeySorter::new(
-            rc_blocks,
-            self.index.config().memory_budget_bytes,
-            self.index.prefix_bits(),
-            scratch,
-        );
+        let (mut sorter, scan) = match pairs {
+            IndexPairs::Collected(sorter) => (sorter, false),
+            IndexPairs::Scan(scratch) => (self.index_sorter(rc_blocks, scratch), true),
+        };
         for p in 0..rc_blocks {
             if self.refcounts.get_u32(p) > 0 {
                 top = p + 1;
                 self.stored_blocks += 1;
-                let fp = self.fingerprint_of(Pba(p));
-                // blocks not fingerprinted yet are not indexed (out-of-line
-                // dedup hashes them)
-                if fp != crate::engine::UNHASHED {
-                    sorter.push(crate::index::key_of(&fp), p);
+                if scan {
+                    let fp = self.fingerprint_of(Pba(p));
+                    // blocks not fingerprinted yet are not indexed
+                    // (out-of-line dedup hashes them)
+                    if fp != crate::engine::UNHASHED {
+                        sorter.push(crate::index::key_of(&fp), p);
+                    }
                 }
             }
         }
@@ -182,6 +178,42 @@ impl Meta {
             self.mapped_blocks += v.map.count_nonzero_u64(0..v.size_blocks());
         }
         Ok(())
+    }
+
+    /// A sorter for the index's (key, PBA) pairs of up to `pbas` PBAs, in
+    /// buckets of about the index budget, spilling to `scratch`.
+    pub fn index_sorter(
+        &self,
+        pbas: u64,
+        scratch: Option<std::fs::File>,
+    ) -> crate::keysort::KeySorter {
+        crate::keysort::KeySorter::new(
+            pbas,
+            self.index.config().memory_budget_bytes,
+            self.index.prefix_bits(),
+            scratch,
+        )
+    }
+
+    /// Adds to `sorter` the index pairs of reverse-index page `page`
+    /// (`payload`: its 4064 bytes): each referenced PBA with a fingerprint.
+    pub fn collect_index_pairs(
+        &self,
+        sorter: &mut crate::keysort::KeySorter,
+        page: u64,
+        payload: &[u8],
+    ) {
+        let per_page = (crate::paged::PAYLOAD_SIZE / FINGERPRINT_SIZE) as u64;
+        let rc_blocks = self.refcounts.logical_len() / 4;
+        for (k, fp) in payload.chunks_exact(FINGERPRINT_SIZE).enumerate() {
+            let p = page * per_page + k as u64;
+            if p >= rc_blocks {
+                break;
+            }
+            if self.refcounts.get_u32(p) > 0 && fp.iter().any(|&b| b != 0) {
+                sorter.push(u64::from_be_bytes(fp[..8].try_into().expect("8 bytes")), p);
+            }
+        }
     }
 
     /// Looks a fingerprint up in the index; a candidate counts only if its
@@ -561,4 +593,15 @@ fn log_pages(array: &mut CachedArray, file: MetaFile, generation: u64, ops: &mut
             });
         }
     }
+}
+
+/// Where [`Meta::rebuild_derived`] gets the fingerprint index's pairs.
+#[derive(Debug)]
+pub enum IndexPairs {
+    /// Collected while the reverse index was checked at open
+    /// ([`Meta::collect_index_pairs`]), so it is not read again.
+    Collected(crate::keysort::KeySorter),
+    /// Read from the reverse index, sorted through this scratch file
+    /// (`None`: in memory).
+    Scan(Option<std::fs::File>),
 }

@@ -118,7 +118,9 @@ impl Overlay {
 /// replayed over it, paging under
 /// `group`; `name` names it in messages. Pages the journal changed are
 /// pinned until the first checkpoint (`unpin_through(0)`), as they are not
-/// in place.
+/// in place. `visit(page, payload)` sees every page that holds data and
+/// passes its check, once, in no particular order (so a caller can derive
+/// state from the file without reading it again).
 ///
 /// Errors: reading the file.
 pub fn open_paged(
@@ -127,6 +129,7 @@ pub fn open_paged(
     ops: &[&Op],
     name: &str,
     group: &Arc<CacheGroup>,
+    visit: &mut dyn FnMut(u64, &[u8]),
 ) -> io::Result<OpenedArray> {
     let tag = which.page_tag();
     let overlay = Overlay::build(file.as_ref(), which, ops)?;
@@ -147,7 +150,10 @@ pub fn open_paged(
                         continue;
                     }
                     match decode_page(img, tag, p) {
-                        Ok(Some(_)) => on_file.push(p),
+                        Ok(Some(payload)) => {
+                            visit(p, &payload[..]);
+                            on_file.push(p);
+                        }
                         Ok(None) => {}
                         Err(()) => damaged.push(p),
                     }
@@ -162,6 +168,7 @@ pub fn open_paged(
     for (&p, img) in &overlay.pages {
         match decode_page(&img[..], tag, p) {
             Ok(Some(payload)) => {
+                visit(p, &payload[..]);
                 array.put_page(p, payload);
                 pinned.push(p);
             }
@@ -220,15 +227,20 @@ mod tests {
             },
         ];
         let group = CacheGroup::new(4 * PS, OnLoadError::Fault);
+        let mut visited = Vec::new();
         let opened = open_paged(
             Some(f),
             which,
             &ops.iter().collect::<Vec<_>>(),
             "rc",
             &group,
+            &mut |p, payload| visited.push((p, payload[0])),
         )
         .unwrap();
         assert_eq!(opened.damaged, vec![3]);
+        // every good page once, with its final content
+        visited.sort_unstable();
+        assert_eq!(visited, vec![(0, 9), (5, 5), (7, 7)]);
         let a = &opened.array;
         assert_eq!(a.page_count(), 8);
         // only the journal's pages are in memory
@@ -268,6 +280,7 @@ mod tests {
             &shrink.iter().collect::<Vec<_>>(),
             "map",
             &group,
+            &mut |_, _| {},
         )
         .unwrap();
         assert!(opened.damaged.is_empty());
@@ -283,6 +296,7 @@ mod tests {
             &[&Op::Remove { file: which }],
             "map",
             &group,
+            &mut |_, _| {},
         )
         .unwrap();
         assert_eq!(removed.array.page_count(), 0);
