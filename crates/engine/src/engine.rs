@@ -310,8 +310,6 @@ pub struct Engine {
     selectivity: crate::selectivity::Selectivity,
     /// CAFTL pre-hash table and sampling figures.
     caftl: Mutex<crate::caftl::PrehashTable>,
-    /// Blocks fingerprinted in the write path since the engine started.
-    fingerprinted_inline: AtomicU64,
     /// Totals of the out-of-line passes.
     pub(crate) out_of_line: Mutex<crate::outofline::OutOfLineStats>,
     /// Client requests started (reads, writes, trims); the out-of-line
@@ -566,7 +564,6 @@ impl Engine {
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
-            fingerprinted_inline: AtomicU64::new(0),
             out_of_line: Mutex::new(crate::outofline::OutOfLineStats::default()),
             foreground: AtomicU64::new(0),
             config,
@@ -1264,6 +1261,10 @@ impl Engine {
         fps: &[Option<Fingerprint>],
     ) -> Result<()> {
         // (place_blocks checks the range under its metadata lock)
+        if self.config.prehash_bytes == 0 && !self.config.sampling {
+            // no CAFTL filter: every hashed block is looked up inline
+            return self.place_blocks(vol, first.0, fps, None, None);
+        }
         // CAFTL's filters see the fingerprint's CRC instead of the data's
         let mut inline: Vec<bool> = fps
             .iter()
@@ -1292,175 +1293,172 @@ impl Engine {
         // (after the sequence threshold has had its say); misses get a
         // reserved PBA
         let mut placement: Vec<Placement> = Vec::with_capacity(n);
-        let inserts_seen: u64;
         let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
-        {
-            let mut m = lock(&self.meta);
-            let Some(volume) = m.volumes.get(&vol) else {
-                return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
-            };
-            let size_blocks = volume.size_blocks();
-            if first
-                .checked_add(n as u64)
-                .is_none_or(|end| end > size_blocks)
-            {
-                return Err(EngineError::OutOfRange {
-                    offset: first.saturating_mul(BLOCK_SIZE_U64),
-                    len: n as u64 * BLOCK_SIZE_U64,
-                    size_bytes: volume.record.size_bytes,
-                });
-            }
-            let threshold = volume
-                .record
-                .sequence_threshold_blocks
-                .unwrap_or(self.config.sequence_threshold_blocks)
-                .max(1);
-            let block = |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
-            // first block of the request with each new content; a
-            // one-block request needs no map
-            let mut first_of: crate::fingerprint::FingerprintMap<usize> = Default::default();
-            let mut only_block_is_new = false;
-            let mut cands = Vec::with_capacity(n);
-            m.counters.blocks_written += n as u64;
-            for (i, fp) in fps.iter().enumerate() {
-                let cand = match fp {
-                    None => Candidate::Other,
-                    Some(fp) if *fp == UNHASHED => Candidate::Other,
-                    Some(_) if inline.is_some_and(|on| !on[i]) => Candidate::Other,
-                    Some(fp) => {
-                        selected_blocks += 1;
-                        let hit = m
-                            .lookup(fp)
-                            .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
-                        let same_request = first_of.get(fp).copied();
-                        if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
-                            Candidate::Stored(p.0)
-                        } else if let Some(j) =
-                            same_request.filter(|&j| !self.config.verify || block(i) == block(j))
-                        {
-                            Candidate::InRequest(j)
-                        } else {
-                            if hit.is_none() && same_request.is_none() {
-                                if n == 1 {
-                                    only_block_is_new = true;
-                                } else {
-                                    first_of.insert(*fp, i);
-                                }
-                            }
-                            Candidate::Other
-                        }
-                    }
-                };
-                if cand != Candidate::Other {
-                    inline_dups += 1;
-                }
-                cands.push(cand);
-            }
-            let filtered_keep =
-                (threshold > 1).then(|| m.sequences.filter(vol, first, threshold, &cands));
-            let keep = |i: usize| match &filtered_keep {
-                Some(k) => k[i],
-                None => cands[i] != Candidate::Other,
-            };
-            let is_first = |fp: &Fingerprint, i: usize| {
-                if n == 1 {
-                    only_block_is_new
-                } else {
-                    first_of.get(fp) == Some(&i)
-                }
-            };
-            for (i, fp) in fps.iter().enumerate() {
-                let lba = Lba(first + i as u64);
-                let Some(fp) = fp else {
-                    m.remap(vol, lba, None);
-                    m.counters.zero_blocks_written += 1;
-                    placement.push(Placement::Done);
-                    continue;
-                };
-                // an earlier block of this request may have released the
-                // stored copy (overwriting its last reference): then store anew
-                let live = |m: &Meta, p: u64| m.refcounts.get_u32(p) > 0;
-                match (cands[i], keep(i)) {
-                    (Candidate::Stored(p), true) if live(&m, p) => {
-                        m.remap(vol, lba, Some(Pba(p)));
-                        m.counters.duplicate_blocks += 1;
-                        placement.push(Placement::Done);
-                    }
-                    (Candidate::InRequest(j), true) => placement.push(Placement::SameAs(j)),
-                    (cand, keep) => {
-                        let filtered = cand != Candidate::Other && !keep;
-                        if filtered {
-                            m.counters.sequence_filtered_blocks += 1;
-                        }
-                        let pba = m.allocate();
-                        placement.push(Placement::New {
-                            pba,
-                            fp: *fp,
-                            // unhashed blocks and filtered duplicates are
-                            // not indexed (their content is, elsewhere);
-                            // a released copy's content is indexed anew
-                            indexed: *fp != UNHASHED
-                                && (is_first(fp, i)
-                                    || matches!(cand, Candidate::Stored(_)) && keep),
-                            filtered,
-                        });
-                    }
-                }
-            }
-            inserts_seen = m.index_inserts;
-        }
-
-        self.selectivity.observe(selected_blocks, inline_dups);
-        self.fingerprinted_inline
-            .fetch_add(selected_blocks, Ordering::Relaxed);
-
-        // phase 2: write new data, coalescing runs of consecutive PBAs
-        // (nothing to write without data: replay of fingerprints)
-        let new: Vec<(usize, Pba)> = placement
-            .iter()
-            .filter(|_| data.is_some())
-            .enumerate()
-            .filter_map(|(i, p)| {
-                if let Placement::New { pba, .. } = p {
-                    Some((i, *pba))
-                } else {
-                    None
-                }
-            })
-            .collect();
-        let mut k = 0;
-        let mut failure = None;
-        while let Some(data) = data.filter(|_| k < new.len()) {
-            let (i0, p0) = new[k];
-            let mut j = k + 1;
-            while j < new.len() && new[j].0 == i0 + (j - k) && new[j].1 .0 == p0.0 + (j - k) as u64
-            {
-                j += 1;
-            }
-            if let Err(e) = self
-                .backend
-                .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
-            {
-                failure = Some(EngineError::io(format!("writing PBA {}", p0.0), e));
-                break;
-            }
-            k = j;
-        }
         let mut m = lock(&self.meta);
-        if let Some(e) = failure {
-            for (_, p) in new {
-                m.unreserve(p);
-            }
-            return Err(e);
+        let Some(volume) = m.volumes.get(&vol) else {
+            return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
+        };
+        let size_blocks = volume.size_blocks();
+        if first
+            .checked_add(n as u64)
+            .is_none_or(|end| end > size_blocks)
+        {
+            return Err(EngineError::OutOfRange {
+                offset: first.saturating_mul(BLOCK_SIZE_U64),
+                len: n as u64 * BLOCK_SIZE_U64,
+                size_bytes: volume.record.size_bytes,
+            });
         }
-        if !m.volumes.contains_key(&vol) {
-            // deleted meanwhile: nothing to map, the reserved PBAs go back
-            for p in &placement {
-                if let Placement::New { pba, .. } = p {
-                    m.unreserve(*pba);
+        let threshold = volume
+            .record
+            .sequence_threshold_blocks
+            .unwrap_or(self.config.sequence_threshold_blocks)
+            .max(1);
+        let block = |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
+        // first block of the request with each new content; a
+        // one-block request needs no map
+        let mut first_of: crate::fingerprint::FingerprintMap<usize> = Default::default();
+        let mut only_block_is_new = false;
+        let mut cands = Vec::with_capacity(n);
+        m.counters.blocks_written += n as u64;
+        for (i, fp) in fps.iter().enumerate() {
+            let cand = match fp {
+                None => Candidate::Other,
+                Some(fp) if *fp == UNHASHED => Candidate::Other,
+                Some(_) if inline.is_some_and(|on| !on[i]) => Candidate::Other,
+                Some(fp) => {
+                    selected_blocks += 1;
+                    let hit = m
+                        .lookup(fp)
+                        .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
+                    let same_request = first_of.get(fp).copied();
+                    if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
+                        Candidate::Stored(p.0)
+                    } else if let Some(j) =
+                        same_request.filter(|&j| !self.config.verify || block(i) == block(j))
+                    {
+                        Candidate::InRequest(j)
+                    } else {
+                        if hit.is_none() && same_request.is_none() {
+                            if n == 1 {
+                                only_block_is_new = true;
+                            } else {
+                                first_of.insert(*fp, i);
+                            }
+                        }
+                        Candidate::Other
+                    }
+                }
+            };
+            if cand != Candidate::Other {
+                inline_dups += 1;
+            }
+            cands.push(cand);
+        }
+        let filtered_keep =
+            (threshold > 1).then(|| m.sequences.filter(vol, first, threshold, &cands));
+        let keep = |i: usize| match &filtered_keep {
+            Some(k) => k[i],
+            None => cands[i] != Candidate::Other,
+        };
+        let is_first = |fp: &Fingerprint, i: usize| {
+            if n == 1 {
+                only_block_is_new
+            } else {
+                first_of.get(fp) == Some(&i)
+            }
+        };
+        for (i, fp) in fps.iter().enumerate() {
+            let lba = Lba(first + i as u64);
+            let Some(fp) = fp else {
+                m.remap(vol, lba, None);
+                m.counters.zero_blocks_written += 1;
+                placement.push(Placement::Done);
+                continue;
+            };
+            // an earlier block of this request may have released the
+            // stored copy (overwriting its last reference): then store anew
+            let live = |m: &Meta, p: u64| m.refcounts.get_u32(p) > 0;
+            match (cands[i], keep(i)) {
+                (Candidate::Stored(p), true) if live(&m, p) => {
+                    m.remap(vol, lba, Some(Pba(p)));
+                    m.counters.duplicate_blocks += 1;
+                    placement.push(Placement::Done);
+                }
+                (Candidate::InRequest(j), true) => placement.push(Placement::SameAs(j)),
+                (cand, keep) => {
+                    let filtered = cand != Candidate::Other && !keep;
+                    if filtered {
+                        m.counters.sequence_filtered_blocks += 1;
+                    }
+                    let pba = m.allocate();
+                    placement.push(Placement::New {
+                        pba,
+                        fp: *fp,
+                        // unhashed blocks and filtered duplicates are
+                        // not indexed (their content is, elsewhere);
+                        // a released copy's content is indexed anew
+                        indexed: *fp != UNHASHED
+                            && (is_first(fp, i) || matches!(cand, Candidate::Stored(_)) && keep),
+                        filtered,
+                    });
                 }
             }
-            return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
+        }
+        let inserts_seen = m.index_inserts;
+
+        // phase 2: write new data without the metadata lock, coalescing
+        // runs of consecutive PBAs (nothing to write without data, as in a
+        // replay of fingerprints: then the lock is kept throughout)
+        if let Some(data) = data {
+            drop(m);
+            let new: Vec<(usize, Pba)> = placement
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| {
+                    if let Placement::New { pba, .. } = p {
+                        Some((i, *pba))
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            let mut k = 0;
+            let mut failure = None;
+            while k < new.len() {
+                let (i0, p0) = new[k];
+                let mut j = k + 1;
+                while j < new.len()
+                    && new[j].0 == i0 + (j - k)
+                    && new[j].1 .0 == p0.0 + (j - k) as u64
+                {
+                    j += 1;
+                }
+                if let Err(e) = self
+                    .backend
+                    .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
+                {
+                    failure = Some(EngineError::io(format!("writing PBA {}", p0.0), e));
+                    break;
+                }
+                k = j;
+            }
+            m = lock(&self.meta);
+            if let Some(e) = failure {
+                for (_, p) in new {
+                    m.unreserve(p);
+                }
+                return Err(e);
+            }
+            if !m.volumes.contains_key(&vol) {
+                // deleted meanwhile: nothing to map, the reserved PBAs go back
+                for p in &placement {
+                    if let Placement::New { pba, .. } = p {
+                        m.unreserve(*pba);
+                    }
+                }
+                return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
+            }
         }
 
         // phase 3: index and map the new blocks (another writer may have
@@ -1536,7 +1534,10 @@ impl Engine {
                 m.counters.duplicate_blocks += 1;
             }
         }
+        m.fingerprinted_inline += selected_blocks;
         self.note_change(&m);
+        drop(m);
+        self.selectivity.observe(selected_blocks, inline_dups);
         Ok(())
     }
 
@@ -1722,7 +1723,7 @@ impl Engine {
                 verify_mismatches: c.verify_mismatches,
                 out_of_line_duplicates: c.out_of_line_duplicates,
                 sequence_filtered_blocks: c.sequence_filtered_blocks,
-                blocks_fingerprinted_inline: self.fingerprinted_inline.load(Ordering::Relaxed),
+                blocks_fingerprinted_inline: m.fingerprinted_inline,
                 caftl: lock(&self.caftl).stats(),
                 out_of_line: self.out_of_line_stats(),
                 reverse_index: m.fingerprints.stats(),

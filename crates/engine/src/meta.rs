@@ -80,6 +80,8 @@ pub struct Meta {
     /// Fingerprints indexed by [`Meta::index_new`] so far: a writer that
     /// saw none added since its lookup knows its miss still holds.
     pub index_inserts: u64,
+    /// Blocks fingerprinted and looked up inline since the engine started.
+    pub fingerprinted_inline: u64,
     /// Runs of duplicates in progress per volume (sequence threshold).
     pub sequences: crate::sequence::SequenceRuns,
     /// Duplicate copies to merge: every LBA mapped to the first PBA is to
@@ -249,8 +251,7 @@ impl Meta {
     /// (reference count still 0; the caller maps it next).
     pub fn index_new(&mut self, pba: Pba, fp: Fingerprint) -> std::io::Result<()> {
         self.index_inserts += 1;
-        self.fingerprints
-            .write(pba.0 * FINGERPRINT_SIZE as u64, &fp.0);
+        self.fingerprints.set(pba.0, &fp);
         // the entry is live once the caller maps it; count it live now so an
         // eviction triggered by this insert keeps it
         let Meta {
@@ -309,8 +310,7 @@ impl Meta {
     /// Records the fingerprint of a block stored without being indexed (its
     /// fingerprint is indexed for other bytes: a verify mismatch).
     pub fn record_unindexed(&mut self, pba: Pba, fp: Fingerprint) {
-        self.fingerprints
-            .write(pba.0 * FINGERPRINT_SIZE as u64, &fp.0);
+        self.fingerprints.set(pba.0, &fp);
     }
 
     /// Maps `lba` of `vol` to `new` (None: unmapped), adjusting reference

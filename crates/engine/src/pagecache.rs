@@ -308,13 +308,34 @@ impl CachedArray {
     /// Sets the little-endian `u64` at element index `idx`.
     #[inline]
     pub fn set_u64(&mut self, idx: u64, v: u64) {
-        self.write(idx * 8, &v.to_le_bytes());
+        self.set_array(idx * 8, v.to_le_bytes());
     }
 
     /// Sets the little-endian `u32` at element index `idx`.
     #[inline]
     pub fn set_u32(&mut self, idx: u64, v: u32) {
-        self.write(idx * 4, &v.to_le_bytes());
+        self.set_array(idx * 4, v.to_le_bytes());
+    }
+
+    /// Writes the `N` bytes of one element at logical byte offset `off`, as
+    /// [`CachedArray::write`] does, with a fixed-size copy when the element
+    /// lies in one page (every element whose size divides
+    /// [`PAYLOAD_SIZE`] does).
+    #[inline]
+    pub fn set_array<const N: usize>(&mut self, off: u64, data: [u8; N]) {
+        let page = off / PAYLOAD_SIZE as u64;
+        if (off % PAYLOAD_SIZE as u64) as usize + N > PAYLOAD_SIZE {
+            return self.write(off, &data);
+        }
+        let i = self.inner.get_mut();
+        if i.load(page) {
+            let before = i.array.allocated_pages();
+            i.array.set_array(off, data);
+            if i.array.allocated_pages() > before {
+                i.group.resident_pages.fetch_add(1, Relaxed);
+            }
+        }
+        i.enforce_budget(None);
     }
 
     /// Writes `data` at logical byte offset `off` (whole elements), page by
@@ -530,10 +551,15 @@ impl Drop for Inner {
 impl Inner {
     /// Brings `page` back into memory if it was evicted. False if it could
     /// not be and the group faults on that (the caller must not use it).
+    #[inline]
     fn load(&mut self, page: u64) -> bool {
-        if !self.evicted.get(page) {
-            return true;
-        }
+        !self.evicted.get(page) || self.load_evicted(page)
+    }
+
+    /// [`Inner::load`] of a page that is evicted.
+    #[cold]
+    #[inline(never)]
+    fn load_evicted(&mut self, page: u64) -> bool {
         let mut buf = [0u8; PAGE_SIZE];
         let read = match &self.source {
             Some(f) => read_page(f, page, &mut buf),
@@ -577,10 +603,16 @@ impl Inner {
 
     /// Evicts clean, unpinned pages other than `keep`, oldest first, while
     /// the group is over its budget.
+    #[inline]
     fn enforce_budget(&mut self, keep: Option<u64>) {
-        if self.source.is_none() {
-            return;
+        if self.source.is_some() && self.group.over_budget() {
+            self.evict_over_budget(keep);
         }
+    }
+
+    /// [`Inner::enforce_budget`] once the group is over its budget.
+    #[inline(never)]
+    fn evict_over_budget(&mut self, keep: Option<u64>) {
         while self.group.over_budget() {
             let Some(p) = self.fifo.pop_front() else {
                 break;

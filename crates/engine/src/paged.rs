@@ -355,7 +355,7 @@ impl PagedArray {
     /// Writes `N` bytes at logical byte offset `off`, as [`PagedArray::write`]
     /// does, with a fixed-size copy when they lie in one allocated page.
     #[inline]
-    fn set_array<const N: usize>(&mut self, off: u64, data: [u8; N]) {
+    pub fn set_array<const N: usize>(&mut self, off: u64, data: [u8; N]) {
         let page = off / PAYLOAD_SIZE as u64;
         let in_page = (off % PAYLOAD_SIZE as u64) as usize;
         if in_page + N <= PAYLOAD_SIZE {

@@ -48,18 +48,21 @@ impl ReverseIndex {
     }
 
     /// The fingerprint recorded for `pba` (zeros if none).
+    #[inline]
     pub fn get(&self, pba: u64) -> Fingerprint {
         Fingerprint(self.array.get_array(pba * FINGERPRINT_SIZE as u64))
     }
 
     /// The first 8 bytes of `pba`'s fingerprint, big-endian (its index key).
+    #[inline]
     pub fn key(&self, pba: u64) -> u64 {
         u64::from_be_bytes(self.array.get_array(pba * FINGERPRINT_SIZE as u64))
     }
 
     /// Records `fp` for `pba`.
+    #[inline]
     pub fn set(&mut self, pba: u64, fp: &Fingerprint) {
-        self.write(pba * FINGERPRINT_SIZE as u64, &fp.0);
+        self.array.set_array(pba * FINGERPRINT_SIZE as u64, fp.0);
     }
 
     /// Writes `data` at logical byte offset `off` (whole fingerprints).
