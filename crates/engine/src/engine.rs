@@ -24,6 +24,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, RwLock};
 
+use smallvec::SmallVec;
+
 use crate::backend::{BlockBackend, FileBackend, MemoryBackend, NullBackend};
 use crate::block::{is_zero, Lba, Pba, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::error::{EngineError, Result};
@@ -1292,7 +1294,7 @@ impl Engine {
         // phase 1: look every block up; hits and zeros are mapped at once
         // (after the sequence threshold has had its say); misses get a
         // reserved PBA
-        let mut placement: Vec<Placement> = Vec::with_capacity(n);
+        let mut placement: SmallVec<[Placement; 4]> = SmallVec::with_capacity(n);
         let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
         let mut m = lock(&self.meta);
         let Some(volume) = m.volumes.get(&vol) else {
@@ -1319,7 +1321,7 @@ impl Engine {
         // one-block request needs no map
         let mut first_of: crate::fingerprint::FingerprintMap<usize> = Default::default();
         let mut only_block_is_new = false;
-        let mut cands = Vec::with_capacity(n);
+        let mut cands: SmallVec<[Candidate; 4]> = SmallVec::with_capacity(n);
         m.counters.blocks_written += n as u64;
         for (i, fp) in fps.iter().enumerate() {
             let cand = match fp {
