@@ -968,6 +968,60 @@ impl FingerprintIndex {
         Ok(None)
     }
 
+    /// Brings into the CPU cache what lookups of `fps` will read, one level
+    /// of the index at a time over the whole batch: the prefix tree's
+    /// leaves, then the in-memory groups' records, then each group's
+    /// entries where its key should be; so the cache misses of a level
+    /// overlap instead of following one another. Appends to `hits` the PBA
+    /// each in-memory hit gives (nothing is counted or moved), so the caller
+    /// can prefetch those blocks' records too. Only a hint: no result of
+    /// the index changes.
+    pub fn prefetch(&self, fps: &[Fingerprint], hits: &mut Vec<Pba>) {
+        use crate::prefetch::prefetch_read;
+        // (key, group or NONE) per fingerprint
+        let mut pending: smallvec::SmallVec<[(u64, u32); 32]> = fps
+            .iter()
+            .map(|fp| {
+                let key = key_of(fp);
+                let prefix = self.prefix_of(key);
+                if let Some(Some(chunk)) = self.tree.get((prefix >> 8) as usize) {
+                    prefetch_read(&chunk[(prefix & 255) as usize]);
+                }
+                (key, NONE)
+            })
+            .collect();
+        for (key, g) in pending.iter_mut() {
+            if let Some(leaf) = self.leaf(self.prefix_of(*key)) {
+                if let Some(group) = self.groups.get(leaf.mem as usize) {
+                    prefetch_read(group);
+                    *g = leaf.mem;
+                }
+            }
+        }
+        pending.retain(|(_, g)| *g != NONE);
+        for &(key, g) in &pending {
+            let entries = &self.groups[g as usize].entries;
+            let n = entries.len();
+            if n > 0 {
+                // where `find` starts: the interpolated position
+                let i = if n < 16 {
+                    n / 2
+                } else {
+                    ((u128::from(key << self.cfg.prefix_bits) * n as u128) >> 64) as usize
+                };
+                prefetch_read(&entries[i]);
+            }
+        }
+        for &(key, g) in &pending {
+            let entries = &self.groups[g as usize].entries;
+            if let Ok(i) = find(entries, key, self.cfg.prefix_bits) {
+                if !is_ghost(entries[i].1) {
+                    hits.push(Pba(entries[i].1));
+                }
+            }
+        }
+    }
+
     /// Remembers a dropped live copy, up to [`MAX_DISPLACED`] of them (past
     /// that they are left to `dedupd dedup --offline`).
     fn note_displaced(&mut self, copy: Pba, kept: Pba) {
@@ -1613,6 +1667,39 @@ mod tests {
         idx.remove(&fp(4_999), Pba(4_999));
         let live = |k: u64, p: Pba| live_set.get(&k) == Some(&p.0);
         assert!(idx.lookup(&fp(4_999), &live).unwrap().is_none());
+    }
+
+    #[test]
+    fn prefetch_reports_the_in_memory_hits_and_changes_nothing() {
+        let live = |_: u64, _: Pba| true;
+        for policy in ALL {
+            let mut idx = index(16 << 10, policy, LookupMode::Memory);
+            for i in 0..5_000u64 {
+                idx.insert(&fp(i), Pba(i), &live).unwrap();
+            }
+            let probe: Vec<Fingerprint> = (4_950..5_050u64).map(fp).collect();
+            let (stats, bytes) = (idx.stats(), idx.memory_bytes());
+            let mut hits = Vec::new();
+            idx.prefetch(&probe, &mut hits);
+            assert_eq!(idx.stats(), stats, "{policy:?}");
+            assert_eq!(idx.memory_bytes(), bytes, "{policy:?}");
+            // the recent ones are in memory; the never-inserted ones are not
+            assert!(!hits.is_empty() && hits.iter().all(|p| p.0 < 5_000));
+            let mut want: Vec<Pba> = Vec::new();
+            for f in &probe {
+                let key = key_of(f);
+                if let Some(leaf) = idx.leaf(idx.prefix_of(key)) {
+                    if let Some(g) = idx.groups.get(leaf.mem as usize) {
+                        if let Ok(i) = find(&g.entries, key, idx.cfg.prefix_bits) {
+                            if !is_ghost(g.entries[i].1) {
+                                want.push(Pba(g.entries[i].1));
+                            }
+                        }
+                    }
+                }
+            }
+            assert_eq!(hits, want, "{policy:?}");
+        }
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub mod observe;
 pub mod outofline;
 pub mod pagecache;
 pub mod paged;
+pub mod prefetch;
 pub mod reverse;
 pub mod selectivity;
 pub mod sequence;

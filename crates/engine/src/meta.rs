@@ -225,6 +225,19 @@ impl Meta {
         Ok(found.filter(|&p| self.fingerprint_of(p) == *fp))
     }
 
+    /// Brings into the CPU cache what lookups of `fps` will read: the
+    /// index levels, over the whole batch at once (see
+    /// [`FingerprintIndex::prefetch`]), then the reference count and
+    /// reverse-index record of each in-memory hit. Only a hint.
+    pub fn prefetch_lookups(&self, fps: &[Fingerprint]) {
+        let mut hits = Vec::with_capacity(fps.len());
+        self.index.prefetch(fps, &mut hits);
+        for p in hits {
+            self.refcounts.prefetch(p.0 * 4);
+            self.fingerprints.prefetch(p.0);
+        }
+    }
+
     /// The fingerprint recorded for a PBA.
     pub fn fingerprint_of(&self, pba: Pba) -> Fingerprint {
         self.fingerprints.get(pba.0)

@@ -293,6 +293,16 @@ impl CachedArray {
         i.array.get_array(off)
     }
 
+    /// Hints that the bytes at logical offset `off` will be read soon
+    /// (nothing if their page is not in memory: it is not loaded).
+    #[inline]
+    pub fn prefetch(&self, off: u64) {
+        let i = self.inner.borrow();
+        if !i.evicted.get(off / PAYLOAD_SIZE as u64) {
+            i.array.prefetch(off);
+        }
+    }
+
     /// Reads the little-endian `u64` at element index `idx`.
     #[inline]
     pub fn get_u64(&self, idx: u64) -> u64 {

@@ -368,6 +368,17 @@ impl PagedArray {
         self.write(off, &data);
     }
 
+    /// Hints that the bytes at logical offset `off` will be read soon
+    /// (nothing if their page is not in memory).
+    #[inline]
+    pub fn prefetch(&self, off: u64) {
+        let page = off / PAYLOAD_SIZE as u64;
+        let in_page = (off % PAYLOAD_SIZE as u64) as usize;
+        if let Some(p) = self.page(page) {
+            crate::prefetch::prefetch_read(&p[in_page]);
+        }
+    }
+
     /// Reads the little-endian `u64` at element index `i`.
     #[inline]
     pub fn get_u64(&self, i: u64) -> u64 {

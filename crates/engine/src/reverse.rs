@@ -59,6 +59,12 @@ impl ReverseIndex {
         u64::from_be_bytes(self.array.get_array(pba * FINGERPRINT_SIZE as u64))
     }
 
+    /// Hints that `pba`'s fingerprint will be read soon.
+    #[inline]
+    pub fn prefetch(&self, pba: u64) {
+        self.array.prefetch(pba * FINGERPRINT_SIZE as u64);
+    }
+
     /// Records `fp` for `pba`.
     #[inline]
     pub fn set(&mut self, pba: u64, fp: &Fingerprint) {

@@ -137,15 +137,7 @@ impl DigestSet {
     /// probed soon.
     #[inline]
     pub fn prefetch(&self, hash: u64) {
-        let p: *const Bucket = &self.table.buckets()[self.bucket_of(hash)];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint; it cannot fault nor change memory,
-        // and `p` points into the table anyway.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
+        dedupd_engine::prefetch::prefetch_read(&self.table.buckets()[self.bucket_of(hash)]);
     }
 
     /// Inserts `d`, whose [`digest_hash`] is `hash`; true if it was not in

@@ -152,9 +152,24 @@ impl TraceReader {
 
     /// Where the last request came from: `file:line` or `file:record N`.
     pub fn location(&self) -> String {
+        self.location_at(self.position())
+    }
+
+    /// The line (text formats) or record number (native) of the last
+    /// request read; [`TraceReader::location_at`] names it.
+    pub fn position(&self) -> u64 {
         match &self.inner {
-            Inner::Text { line_no, .. } => format!("{}:{}", self.name, line_no),
-            Inner::Native(n) => format!("{}:record {}", self.name, n.records()),
+            Inner::Text { line_no, .. } => *line_no,
+            Inner::Native(n) => n.records(),
+        }
+    }
+
+    /// `file:line` or `file:record N` for a [`TraceReader::position`] (of a
+    /// request read earlier, when requests are read ahead of their use).
+    pub fn location_at(&self, position: u64) -> String {
+        match &self.inner {
+            Inner::Text { .. } => format!("{}:{}", self.name, position),
+            Inner::Native(_) => format!("{}:record {}", self.name, position),
         }
     }
 

@@ -45,6 +45,10 @@ pub const VOLUME_BYTES: u64 = 1 << 50;
 pub const FLUSH_EVERY_REQUESTS: u64 = 4096;
 /// Requests between progress callbacks.
 const PROGRESS_EVERY_REQUESTS: u64 = 8192;
+/// Requests read ahead of the one being replayed.
+const LOOKAHEAD_REQUESTS: usize = 32;
+/// Most fingerprints prefetched in one batch.
+const PREFETCH_BATCH_BLOCKS: usize = 32;
 
 /// Fingerprint-index policies this build can replay with: `exact` (every
 /// stored block's fingerprint stays in memory) and the engine's bounded
@@ -501,9 +505,23 @@ enum StreamKey {
 struct Input {
     reader: TraceReader,
     head: Request,
+    /// [`TraceReader::position`] of `head`.
+    head_position: u64,
     live: bool,
     /// Stream index per source id of this reader.
     stream_of: Vec<Option<usize>>,
+}
+
+/// A request read ahead of its turn, with its blocks' fingerprints and
+/// digest hashes (computed once, for the prefetch and for the write).
+#[derive(Default)]
+struct Pending {
+    input: usize,
+    /// [`TraceReader::position`] of the request, for error messages.
+    position: u64,
+    req: Request,
+    fps: Vec<Option<Fingerprint>>,
+    hashes: Vec<u64>,
 }
 
 struct Stream {
@@ -534,6 +552,7 @@ pub fn replay(
         let mut head = Request::default();
         let live = reader.next_into(&mut head)?;
         inputs.push(Input {
+            head_position: reader.position(),
             reader,
             head,
             live,
@@ -550,21 +569,88 @@ pub fn replay(
         stream_by: cfg.stream_by,
         ..Report::default()
     };
-    let mut fps: Vec<Option<Fingerprint>> = Vec::new();
-    let mut hashes: Vec<u64> = Vec::new();
     let max_blocks = VOLUME_BYTES / BLOCK_SIZE as u64;
     let mut last_ts_ns: Option<u64> = None;
+    // requests read ahead of their turn, in time-stamp order (ties: the
+    // first file), so the index lookups of the next ones can be prefetched
+    // (a ring of slots whose buffers are reused: `len` requests from `head`)
+    let mut window: Vec<Pending> = (0..LOOKAHEAD_REQUESTS)
+        .map(|_| Pending::default())
+        .collect();
+    let (mut head, mut len) = (0usize, 0usize);
+    // a read error ends the replay once the requests before it are done
+    let mut read_error: Option<TraceError> = None;
+    // requests at the window's front whose lookups were prefetched
+    let mut prefetched = 0usize;
+    let mut batch: Vec<Fingerprint> = Vec::with_capacity(PREFETCH_BATCH_BLOCKS);
     loop {
-        // the input whose head is earliest (ties: the first file)
-        let mut pick: Option<usize> = None;
-        for (i, inp) in inputs.iter().enumerate() {
-            if inp.live && pick.is_none_or(|p| inp.head.ts_ns < inputs[p].head.ts_ns) {
-                pick = Some(i);
+        while len < LOOKAHEAD_REQUESTS && read_error.is_none() {
+            let mut pick: Option<usize> = None;
+            for (i, inp) in inputs.iter().enumerate() {
+                if inp.live && pick.is_none_or(|p| inp.head.ts_ns < inputs[p].head.ts_ns) {
+                    pick = Some(i);
+                }
+            }
+            let Some(i) = pick else { break };
+            let inp = &mut inputs[i];
+            let p = &mut window[(head + len) % LOOKAHEAD_REQUESTS];
+            std::mem::swap(&mut p.req, &mut inp.head);
+            p.input = i;
+            p.position = inp.head_position;
+            p.fps.clear();
+            p.hashes.clear();
+            if p.req.op == Some(Op::Write) {
+                for b in &p.req.blocks {
+                    match b {
+                        Some(d) => {
+                            let h = digest_hash(d);
+                            p.hashes.push(h);
+                            p.fps.push(Some(fingerprint_with(d, h)));
+                        }
+                        None => p.fps.push(None),
+                    }
+                }
+            }
+            match inp.reader.next_into(&mut inp.head) {
+                Ok(live) => {
+                    inp.live = live;
+                    inp.head_position = inp.reader.position();
+                }
+                Err(e) => {
+                    inp.live = false;
+                    read_error = Some(e);
+                }
+            }
+            len += 1;
+        }
+        if prefetched < LOOKAHEAD_REQUESTS / 2 {
+            // the next batch's index entries (and exact-set slots) are
+            // fetched together, while the requests before them run
+            batch.clear();
+            while prefetched < len && batch.len() < PREFETCH_BATCH_BLOCKS {
+                let p = &window[(head + prefetched) % LOOKAHEAD_REQUESTS];
+                let room = PREFETCH_BATCH_BLOCKS - batch.len();
+                batch.extend(p.fps.iter().flatten().take(room));
+                for &h in &p.hashes {
+                    exact.prefetch(h);
+                }
+                prefetched += 1;
+            }
+            if !batch.is_empty() {
+                engine.prefetch_fingerprints(&batch);
             }
         }
-        let Some(i) = pick else { break };
+        if len == 0 {
+            break;
+        }
+        let pending = &window[head];
+        head = (head + 1) % LOOKAHEAD_REQUESTS;
+        len -= 1;
+        prefetched = prefetched.saturating_sub(1);
+        let i = pending.input;
         let inp = &mut inputs[i];
-        let req = &inp.head;
+        let req = &pending.req;
+        let location = |inp: &Input| inp.reader.location_at(pending.position);
 
         // the request's stream and volume
         let src = req.source as usize;
@@ -620,7 +706,7 @@ pub fn replay(
         if !in_range {
             if !inp.reader.skip_bad_request() {
                 return Err(TraceError::Request {
-                    location: inp.reader.location(),
+                    location: location(inp),
                     msg: format!("blocks {first}..+{n} pass the 1 PiB volume limit"),
                 });
             }
@@ -637,28 +723,13 @@ pub fn replay(
                     stream.report.writes += 1;
                     stream.report.blocks_written += n;
                     r.blocks_written += n;
-                    // the exact set's slots are fetched while the engine
-                    // writes, and filled after it (the two are independent)
-                    fps.clear();
-                    hashes.clear();
-                    for b in &req.blocks {
-                        match b {
-                            Some(d) => {
-                                let h = digest_hash(d);
-                                exact.prefetch(h);
-                                hashes.push(h);
-                                fps.push(Some(fingerprint_with(d, h)));
-                            }
-                            None => fps.push(None),
-                        }
-                    }
                     engine
-                        .write_fingerprinted(stream.volume, Lba(first), &fps)
+                        .write_fingerprinted(stream.volume, Lba(first), &pending.fps)
                         .map_err(|e| TraceError::Request {
-                            location: inp.reader.location(),
+                            location: location(inp),
                             msg: e.to_string(),
                         })?;
-                    for (d, &h) in req.blocks.iter().flatten().zip(&hashes) {
+                    for (d, &h) in req.blocks.iter().flatten().zip(&pending.hashes) {
                         if !exact.insert(d, h) {
                             r.exact_duplicate_blocks += 1;
                         }
@@ -674,7 +745,7 @@ pub fn replay(
                             false,
                         )
                         .map_err(|e| TraceError::Request {
-                            location: inp.reader.location(),
+                            location: location(inp),
                             msg: e.to_string(),
                         })?;
                 }
@@ -708,8 +779,9 @@ pub fn replay(
                 });
             }
         }
-        let inp = &mut inputs[i];
-        inp.live = inp.reader.next_into(&mut inp.head)?;
+    }
+    if let Some(e) = read_error {
+        return Err(e);
     }
     engine.flush()?;
     let st = engine.stats();

@@ -266,6 +266,44 @@ fn bad_lines_name_file_and_line_or_are_counted_with_skip_bad() {
 }
 
 #[test]
+fn a_refused_request_is_named_by_its_own_line_though_later_lines_were_read() {
+    // requests are read ahead of their turn (for prefetching): the error
+    // must still name the refused request's line, not the reader's
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::new();
+    for i in 0..100u64 {
+        text += &format!(
+            "{} 7 p {} 8 W 8 0 {}\n",
+            i + 1,
+            i * 8,
+            h((i % 7) as u32 + 1)
+        );
+    }
+    // line 101: past the 1 PiB volume (2^41 sectors)
+    text += &format!("101 7 p {} 8 W 8 0 {}\n", 1u64 << 41, h(1));
+    for i in 0..50u64 {
+        text += &format!("{} 7 p {} 8 W 8 0 {}\n", 102 + i, i * 8, h(i as u32 + 100));
+    }
+    let p = write(dir.path(), "far.blkparse", &text);
+    let err = replay(
+        std::slice::from_ref(&p),
+        &ReplayConfig::default(),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("far.blkparse:101:"),
+        "message names the refused line: {err}"
+    );
+    let cfg = ReplayConfig {
+        skip_bad: true,
+        ..ReplayConfig::default()
+    };
+    let r = run(&[p], &cfg);
+    assert_eq!((r.bad_records_skipped, r.writes), (1, 150));
+}
+
+#[test]
 fn unknown_policy_or_filter_is_a_clear_error() {
     for (policy, msg) in [
         ("mru", "unknown policy \"mru\""),
