@@ -223,7 +223,12 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     size_bytes,
                 },
                 |e| {
-                    e.resize_volume(&name, size_bytes)?;
+                    let bar = progress_bar(&format!("resize {name}"));
+                    e.resize_volume_with_progress(&name, size_bytes, &mut |done, all| {
+                        bar.set_length(all);
+                        bar.set_position(done);
+                    })?;
+                    bar.finish_and_clear();
                     Ok(Value::Null)
                 },
             )?;
@@ -257,7 +262,12 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
         }
         VolumeCommand::Delete { name } => {
             with_store(store, Request::VolumeDelete { name: name.clone() }, |e| {
-                e.delete_volume(&name)?;
+                let bar = progress_bar(&format!("delete {name}"));
+                e.delete_volume_with_progress(&name, &mut |done, all| {
+                    bar.set_length(all);
+                    bar.set_position(done);
+                })?;
+                bar.finish_and_clear();
                 Ok(Value::Null)
             })?;
             println!("deleted volume {name}");
@@ -293,6 +303,20 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A progress bar on stderr (drawn only on a terminal) counting blocks,
+/// with an ETA; the caller sets its length and position.
+fn progress_bar(msg: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {human_pos}/{human_len} blocks (eta {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(msg.to_string());
+    bar
+}
+
 fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<()> {
     if !offline {
         bail!("give --offline (the background pass runs inside `dedupd serve`, see --out-of-line-rate)");
@@ -302,14 +326,7 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
     })?;
     let report = match Engine::open(store, EngineConfig::default()) {
         Ok(e) => {
-            let bar = indicatif::ProgressBar::new(0);
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{msg} [{bar:40}] {pos}/{len} blocks ({per_sec}, eta {eta})",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            bar.set_message("dedup --offline");
+            let bar = progress_bar("dedup --offline");
             let r = e.dedup_offline(volume.as_deref(), &mut |done, all| {
                 bar.set_length(all);
                 bar.set_position(done);

@@ -716,6 +716,17 @@ impl Engine {
     ///
     /// Errors: [`EngineError::NoSuchVolume`]; I/O errors of the commits.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
+        self.delete_volume_with_progress(name, &mut |_, _| {})
+    }
+
+    /// [`Engine::delete_volume`], calling `progress(done, all)` after each
+    /// piece, in LBAs of the volume (unmapped stretches count as done when
+    /// passed over).
+    pub fn delete_volume_with_progress(
+        &self,
+        name: &str,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
         let (id, size_blocks) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
@@ -723,7 +734,7 @@ impl Engine {
             v.deleting = true;
             (id, v.size_blocks())
         };
-        let released = self.release_range(id, 0, size_blocks);
+        let released = self.release_range(id, 0, size_blocks, progress);
         let mut m = lock(&self.meta);
         if let Err(e) = released {
             if let Some(v) = m.volumes.get_mut(&id) {
@@ -756,17 +767,34 @@ impl Engine {
 
     /// Unmaps LBAs `first..end` of volume `vol` in pieces, each under the
     /// metadata lock, committing between pieces as needed (see
-    /// [`Engine::note_change`]).
-    fn release_range(&self, vol: VolumeId, first: u64, end: u64) -> Result<()> {
+    /// [`Engine::note_change`]); `progress(done, all)` counts LBAs from
+    /// `first`.
+    fn release_range(
+        &self,
+        vol: VolumeId,
+        first: u64,
+        end: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
+        const PER_PAGE: u64 = (crate::paged::PAYLOAD_SIZE / 8) as u64;
         let mut lba = first;
         while lba < end {
-            let piece_end = (lba + RELEASE_PIECE_BLOCKS).min(end);
+            let piece_end;
             {
                 let mut m = lock(&self.meta);
                 fault_check(&m)?;
                 let Some(v) = m.volumes.get(&vol) else {
                     return Ok(());
                 };
+                // unmapped stretches (map holes) are passed over at once
+                match v
+                    .map
+                    .next_present_page(lba / PER_PAGE, end.div_ceil(PER_PAGE))
+                {
+                    Some(page) => lba = lba.max(page * PER_PAGE),
+                    None => break,
+                }
+                piece_end = (lba + RELEASE_PIECE_BLOCKS).min(end);
                 let mapped = v.map.nonzero_u64(lba..piece_end);
                 for (l, _) in mapped {
                     m.remap(vol, Lba(l), None);
@@ -775,7 +803,9 @@ impl Engine {
             }
             self.after_write(false)?;
             lba = piece_end;
+            progress(lba - first, end - first);
         }
+        progress(end - first, end - first);
         Ok(())
     }
 
@@ -783,6 +813,17 @@ impl Engine {
     /// releases the blocks past the new end, in pieces (see
     /// [`Engine::delete_volume`]). Durable on return.
     pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<()> {
+        self.resize_volume_with_progress(name, size_bytes, &mut |_, _| {})
+    }
+
+    /// [`Engine::resize_volume`], calling `progress(done, all)` after each
+    /// piece of a shrink, in LBAs past the new end.
+    pub fn resize_volume_with_progress(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
         validate_size(size_bytes)?;
         let new_blocks = size_bytes / BLOCK_SIZE_U64;
         let (id, old_blocks) = {
@@ -793,7 +834,7 @@ impl Engine {
         // shrinking: release the blocks past the new end in pieces first
         // (as delete_volume does), then the rest with the size change
         if new_blocks < old_blocks {
-            self.release_range(id, new_blocks, old_blocks)?;
+            self.release_range(id, new_blocks, old_blocks, progress)?;
         }
         {
             let mut m = lock(&self.meta);

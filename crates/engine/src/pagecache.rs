@@ -154,6 +154,20 @@ impl Bits {
             self.0[w] &= !(1 << (i % 64));
         }
     }
+    /// The first set bit in `from..end`, a word at a time.
+    fn next_set(&self, from: u64, end: u64) -> Option<u64> {
+        let mut i = from;
+        while i < end {
+            let w = *self.0.get((i / 64) as usize)?;
+            let rest = w >> (i % 64);
+            if rest != 0 {
+                let found = i + u64::from(rest.trailing_zeros());
+                return (found < end).then_some(found);
+            }
+            i = (i / 64 + 1) * 64;
+        }
+        None
+    }
     fn truncate(&mut self, n: u64) {
         self.0.truncate(n.div_ceil(64) as usize);
         if !n.is_multiple_of(64) {
@@ -393,23 +407,20 @@ impl CachedArray {
     /// The non-zero `u64` entries with index in `range`, as (index, value),
     /// in order; loads the pages it visits, one at a time, and skips holes.
     pub fn nonzero_u64(&self, range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
-        const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
         let mut out = Vec::new();
-        let mut start = range.start;
-        let end = range.end.min(self.page_count() * PER_PAGE);
-        while start < end {
-            let page = start / PER_PAGE;
-            let upto = ((page + 1) * PER_PAGE).min(end);
-            {
-                let mut i = self.inner.borrow_mut();
-                if i.evicted.get(page) {
-                    i.load(page);
-                }
-                out.extend(i.array.nonzero_u64(start..upto));
-            }
-            start = upto;
-        }
+        self.for_each_nonzero_u64(range, |idx, v| out.push((idx, v)));
         out
+    }
+
+    /// The first page in `from..end` that may hold a non-zero entry: in
+    /// memory, or evicted to the file. Holes are skipped without a look,
+    /// a chunk of pages or a word of eviction bits at a time.
+    pub fn next_present_page(&self, from: u64, end: u64) -> Option<u64> {
+        let i = self.inner.borrow();
+        let in_memory = i.array.next_allocated_page(from, end);
+        // an evicted page before that one?
+        let evicted = i.evicted.next_set(from, in_memory.unwrap_or(end));
+        evicted.or(in_memory)
     }
 
     /// Number of non-zero little-endian `u64` entries in index range
@@ -425,12 +436,22 @@ impl CachedArray {
     /// touch it).
     pub fn for_each_nonzero_u64(&self, range: std::ops::Range<u64>, mut f: impl FnMut(u64, u64)) {
         const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
-        let mut start = range.start;
         let end = range.end.min(self.page_count() * PER_PAGE);
+        let mut start = range.start;
         while start < end {
-            let page = start / PER_PAGE;
+            let Some(page) = self.next_present_page(start / PER_PAGE, end.div_ceil(PER_PAGE))
+            else {
+                return;
+            };
+            start = start.max(page * PER_PAGE);
             let upto = ((page + 1) * PER_PAGE).min(end);
-            let found = self.nonzero_u64(start..upto);
+            let found = {
+                let mut i = self.inner.borrow_mut();
+                if i.evicted.get(page) {
+                    i.load(page);
+                }
+                i.array.nonzero_u64(start..upto)
+            };
             for (idx, v) in found {
                 f(idx, v);
             }
@@ -705,6 +726,38 @@ mod tests {
             a.get_u64(i);
         }
         assert_eq!(a.get_u64(5), 99);
+        assert_eq!(group.load_errors(), 0);
+    }
+
+    #[test]
+    fn scans_of_a_sparse_array_find_resident_and_evicted_entries_only() {
+        // entries far apart: some pages stay in memory, others are evicted
+        let group = CacheGroup::new(2 * PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let mut a = CachedArray::new(PagedArray::new(9));
+        let far = 1u64 << 34; // 2^34 entries span 34 M pages
+        let at = [3, PER_PAGE * 300 + 7, far / 2, far / 2 + 1, far - 1];
+        for &i in &at {
+            a.set_u64(i, i + 1);
+        }
+        let f = tempfile::NamedTempFile::new().unwrap();
+        for d in a.take_dirty(1) {
+            f.as_file()
+                .write_all_at(&d.image[..], d.page * PAGE_SIZE as u64)
+                .unwrap();
+        }
+        a.page_from(f.reopen().unwrap(), "test", &group, []);
+        a.unpin_through(1);
+        assert!(
+            group.stats().pages_evicted >= 2,
+            "some pages are on file only"
+        );
+        let want: Vec<(u64, u64)> = at.iter().map(|&i| (i, i + 1)).collect();
+        assert_eq!(a.nonzero_u64(0..far), want);
+        assert_eq!(a.nonzero_u64(4..far - 1), want[1..4].to_vec());
+        assert_eq!(a.count_nonzero_u64(far / 2 + 1..far), 2);
+        let first_page = a.next_present_page(1, far / PER_PAGE);
+        assert_eq!(first_page, Some(300));
+        assert_eq!(a.next_present_page(301, far / 2 / PER_PAGE), None);
         assert_eq!(group.load_errors(), 0);
     }
 

@@ -480,6 +480,30 @@ impl PagedArray {
         out
     }
 
+    /// The first page in memory in `from..end`, if any: whole chunks
+    /// without pages are skipped at once, so a scan of a sparse array
+    /// costs its allocated pages, not its length.
+    pub fn next_allocated_page(&self, from: u64, end: u64) -> Option<u64> {
+        let end = end.min(self.page_count());
+        let mut page = from;
+        while page < end {
+            let c = page as usize / CHUNK_PAGES;
+            match self.chunks.get(c) {
+                Some(Some(chunk)) if chunk.allocated > 0 => {
+                    let chunk_end = ((c + 1) * CHUNK_PAGES) as u64;
+                    for p in page..chunk_end.min(end) {
+                        if chunk.pages[p as usize % CHUNK_PAGES].is_some() {
+                            return Some(p);
+                        }
+                    }
+                    page = chunk_end;
+                }
+                _ => page = ((c + 1) * CHUNK_PAGES) as u64,
+            }
+        }
+        None
+    }
+
     /// True if page `page` is not in memory (holds no non-zero entry, unless
     /// a caller dropped it).
     pub fn page_is_hole(&self, page: u64) -> bool {

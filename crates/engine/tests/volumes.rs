@@ -124,3 +124,58 @@ fn writes_racing_a_deletion_leak_nothing() {
     assert!(e.check().is_empty(), "{:?}", e.check());
     assert_eq!(e.stats().physical_blocks_stored, 256);
 }
+
+#[test]
+fn a_huge_sparse_volume_is_deleted_and_shrunk_past_its_holes_with_progress() {
+    // 64 TiB thin volumes with a few blocks far apart, some of their map
+    // pages evicted to the file (small map cache): only the stretches that
+    // hold pages are visited, and every mapped block is released
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        map_cache_bytes: 16 << 10,
+        ..EngineConfig::default()
+    };
+    let e = Engine::create(&dir.path().join("store"), HashAlgorithm::Sha256, cfg).unwrap();
+    let size_bytes = 64u64 << 40;
+    let blocks = size_bytes / 4096;
+    let lbas = [0, 5_000, blocks / 3, blocks / 2 + 7, blocks - 1];
+    for name in ["a", "b"] {
+        let v = e.create_volume(name, size_bytes).unwrap();
+        for (k, &lba) in lbas.iter().enumerate() {
+            e.write_fingerprinted(v, Lba(lba), &[Some(fingerprint(k as u64))])
+                .unwrap();
+        }
+    }
+    e.flush().unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 5);
+
+    let mut calls = Vec::new();
+    e.resize_volume_with_progress("a", (blocks / 2) * 4096, &mut |done, all| {
+        calls.push((done, all))
+    })
+    .unwrap();
+    let half = blocks - blocks / 2;
+    assert_eq!(calls.last(), Some(&(half, half)), "progress ends at all");
+    assert!(
+        calls.windows(2).all(|w| w[0].0 <= w[1].0),
+        "never backwards"
+    );
+    assert!(
+        calls.len() < 16,
+        "{} pieces for 2 mapped blocks",
+        calls.len()
+    );
+    assert!(e.check().is_empty(), "{:?}", e.check());
+
+    let mut calls = 0;
+    e.delete_volume_with_progress("b", &mut |_, _| calls += 1)
+        .unwrap();
+    assert!(calls < 24, "{calls} pieces for 5 mapped blocks");
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    // volume a still maps its first three blocks
+    let s = e.stats();
+    assert_eq!((s.volumes, s.physical_blocks_stored), (1, 3));
+    e.delete_volume("a").unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 0);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
