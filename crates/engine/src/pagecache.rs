@@ -352,13 +352,7 @@ impl CachedArray {
             return self.write(off, &data);
         }
         let i = self.inner.get_mut();
-        if i.load(page) {
-            let before = i.array.allocated_pages();
-            i.array.set_array(off, data);
-            if i.array.allocated_pages() > before {
-                i.group.resident_pages.fetch_add(1, Relaxed);
-            }
-        }
+        i.change_page(page, |a| a.set_array(off, data));
         i.enforce_budget(None);
     }
 
@@ -372,16 +366,9 @@ impl CachedArray {
         while pos < end {
             let p = pos / PAYLOAD_SIZE as u64;
             let upto = ((p + 1) * PAYLOAD_SIZE as u64).min(end);
-            if i.load(p) {
-                let before = i.array.allocated_pages();
-                i.array
-                    .write(pos, &data[(pos - off) as usize..(upto - off) as usize]);
-                if i.array.allocated_pages() > before {
-                    // a new page: dirty, queued once a checkpoint releases
-                    // it (or by `page_from`, before paging starts)
-                    i.group.resident_pages.fetch_add(1, Relaxed);
-                }
-            }
+            i.change_page(p, |a| {
+                a.write(pos, &data[(pos - off) as usize..(upto - off) as usize])
+            });
             pos = upto;
         }
         i.enforce_budget(None);
@@ -447,9 +434,7 @@ impl CachedArray {
             let upto = ((page + 1) * PER_PAGE).min(end);
             let found = {
                 let mut i = self.inner.borrow_mut();
-                if i.evicted.get(page) {
-                    i.load(page);
-                }
+                i.load(page);
                 i.array.nonzero_u64(start..upto)
             };
             for (idx, v) in found {
@@ -580,6 +565,23 @@ impl Drop for Inner {
 }
 
 impl Inner {
+    /// Loads `page` and applies `change` (which writes within it) to the
+    /// array, counting the page as resident if the change allocated it.
+    /// A page that cannot be loaded in a group that faults is left
+    /// untouched.
+    #[inline]
+    fn change_page(&mut self, page: u64, change: impl FnOnce(&mut PagedArray)) {
+        if self.load(page) {
+            let before = self.array.allocated_pages();
+            change(&mut self.array);
+            if self.array.allocated_pages() > before {
+                // a new page: dirty, queued once a checkpoint releases it
+                // (or by `page_from`, before paging starts)
+                self.group.resident_pages.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
     /// Brings `page` back into memory if it was evicted. False if it could
     /// not be and the group faults on that (the caller must not use it).
     #[inline]
