@@ -389,12 +389,6 @@ impl Ticks {
     fn is_empty(&self) -> bool {
         self.0.as_ref().is_none_or(|v| v.is_empty())
     }
-    fn reserve_exact(&mut self, n: usize) {
-        self.v().reserve_exact(n)
-    }
-    fn insert(&mut self, i: usize, t: u64) {
-        self.v().insert(i, t)
-    }
     fn remove(&mut self, i: usize) {
         self.v().remove(i);
     }
@@ -408,6 +402,24 @@ impl Ticks {
     }
     fn set(&mut self, i: usize, t: u64) {
         self.v()[i] = t;
+    }
+}
+
+/// Inserts `x` at `i` into `v`, first making room for `extra` more
+/// elements if given and the capacity lacks them (as `reserve_exact`
+/// would): then into a new allocation filled in one pass, so the shift
+/// comes with the copy (the C allocator's `realloc` of a small block also
+/// costs more than a fresh allocation).
+fn insert_grow<T: Copy>(v: &mut Vec<T>, i: usize, x: T, extra: Option<usize>) {
+    match extra {
+        Some(extra) if v.capacity() < v.len() + extra => {
+            let mut grown = Vec::with_capacity(v.len() + extra);
+            grown.extend_from_slice(&v[..i]);
+            grown.push(x);
+            grown.extend_from_slice(&v[i..]);
+            *v = grown;
+        }
+        _ => v.insert(i, x),
     }
 }
 
@@ -857,16 +869,11 @@ impl FingerprintIndex {
                 (i, Some(old))
             }
             Err(i) => {
-                if grp.entries.len() == grp.entries.capacity() {
-                    let extra = 1 + grp.entries.len() / 8;
-                    grp.entries.reserve_exact(extra);
-                    if per_entry {
-                        grp.ticks.reserve_exact(extra);
-                    }
-                }
-                grp.entries.insert(i, (key, pba));
+                let extra = (grp.entries.len() == grp.entries.capacity())
+                    .then_some(1 + grp.entries.len() / 8);
+                insert_grow(&mut grp.entries, i, (key, pba), extra);
                 if per_entry {
-                    grp.ticks.insert(i, 0);
+                    insert_grow(grp.ticks.v(), i, 0, extra);
                 }
                 self.mem_entries += 1;
                 (i, None)
