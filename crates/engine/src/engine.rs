@@ -1633,7 +1633,11 @@ impl Engine {
             let mut m = lock(&self.meta);
             // never commit metadata derived from a page that could not be read
             fault_check(&m)?;
-            m.take_commit(seq)
+            if c.journal.is_some() {
+                m.take_commit(seq)
+            } else {
+                m.take_commit_unlogged()
+            }
         };
         let mut result = self
             .backend

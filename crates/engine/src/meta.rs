@@ -418,6 +418,27 @@ impl Meta {
         }
     }
 
+    /// [`Meta::take_commit`] for an engine without a journal (in memory, as
+    /// in a replay): the changes are forgotten instead of encoded, since
+    /// nothing would write them. The batch has no operations; its frees
+    /// and change count are as `take_commit` gives them.
+    pub fn take_commit_unlogged(&mut self) -> CommitBatch {
+        self.structural_ops.clear();
+        self.commit_generation += 1;
+        self.refcounts.clear_dirty();
+        self.fingerprints.cached_mut().clear_dirty();
+        for v in self.volumes.values_mut() {
+            v.map.clear_dirty();
+        }
+        self.state_dirty = false;
+        CommitBatch {
+            ops: Vec::new(),
+            frees: std::mem::take(&mut self.pending_free),
+            change_count: self.change_count,
+            generation: self.commit_generation,
+        }
+    }
+
     /// Releases the pages of every paged array pinned by commits up to
     /// `generation` (now written in place by a checkpoint), so they may
     /// leave memory.

@@ -458,6 +458,12 @@ impl CachedArray {
         out
     }
 
+    /// Forgets the pages changed since the last commit, encoding and
+    /// pinning nothing (see [`PagedArray::clear_dirty`]).
+    pub fn clear_dirty(&mut self) {
+        self.inner.get_mut().array.clear_dirty();
+    }
+
     /// True if a commit since the last checkpoint carried page `page`'s
     /// whole image (see [`CachedArray::set_logged`]).
     pub fn is_logged(&self, page: u64) -> bool {

@@ -537,6 +537,18 @@ impl PagedArray {
         out
     }
 
+    /// Forgets every page dirtied since the last call without encoding
+    /// them (for metadata that is never journaled: in-memory engines).
+    pub fn clear_dirty(&mut self) {
+        for page in std::mem::take(&mut self.dirty) {
+            let i = page as usize % CHUNK_PAGES;
+            if let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) {
+                c.dirty[i / 64] &= !(1 << (i % 64));
+                self.release_chunk(page);
+            }
+        }
+    }
+
     /// Marks `page` dirty again (after a failed commit, or to rewrite a
     /// damaged page).
     pub fn redirty(&mut self, page: u64) {
