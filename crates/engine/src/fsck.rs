@@ -25,6 +25,7 @@ use crate::block::{Pba, BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::engine::{lock, Engine, EngineConfig};
 use crate::error::Result;
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
+use crate::keysort::KeySorter;
 use crate::paged::PAYLOAD_SIZE;
 
 /// What fsck does.
@@ -84,9 +85,19 @@ impl FsckReport {
 /// (which are reported as problems), and I/O errors reading data or
 /// writing the repair.
 pub fn fsck(path: &Path, opts: FsckOptions) -> Result<FsckReport> {
+    fsck_with(path, opts, EngineConfig::default())
+}
+
+/// [`fsck`] with the memory bounds of `config` (index budget, metadata
+/// caches), which also bound the check's own sorts: fsck's memory does not
+/// grow with the store. `allow_damaged_metadata` is set whatever `config`
+/// says.
+///
+/// Errors: as [`fsck`].
+pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result<FsckReport> {
     let config = EngineConfig {
         allow_damaged_metadata: true,
-        ..EngineConfig::default()
+        ..config
     };
     let engine = Engine::open(path, config)?;
     let report = engine.check_and_repair(opts)?;
@@ -120,8 +131,14 @@ impl Engine {
             ));
         }
 
-        // maps: entries inside the data file; count references
-        let mut counts: Vec<u32> = vec![0; data_blocks as usize];
+        // maps: entries inside the data file; every reference as a pair
+        // (key, PBA) whose key orders by PBA, sorted through a scratch file,
+        // so memory stays about the index budget whatever the store's size
+        // (not 4 bytes per PBA)
+        let pba_bits = (64 - data_blocks.leading_zeros()).max(1);
+        let budget = m.index.config().memory_budget_bytes;
+        let scratch = || self.dir.as_ref().and_then(|d| d.scratch_file());
+        let mut refs = KeySorter::new(m.mapped_blocks, budget, 16, scratch());
         let ids: Vec<_> = m.volumes.keys().copied().collect();
         r.volumes = ids.len() as u64;
         let mut outside: Vec<(crate::VolumeId, u64)> = Vec::new();
@@ -135,14 +152,15 @@ impl Engine {
                 );
                 r.data_lost.push(lost);
             }
-            for (lba, raw) in v.map.nonzero_u64(0..v.size_blocks()) {
-                let p = Pba(raw - 1);
+            v.map.for_each_nonzero_u64(0..v.size_blocks(), |lba, raw| {
+                let p = raw - 1;
                 r.mapped_blocks += 1;
-                match counts.get_mut(p.0 as usize) {
-                    Some(c) => *c += 1,
-                    None => outside.push((*id, lba)),
+                if p < data_blocks {
+                    refs.push(p << (64 - pba_bits), p);
+                } else {
+                    outside.push((*id, lba));
                 }
-            }
+            });
         }
         for (id, lba) in &outside {
             let name = m.volumes[id].record.name.clone();
@@ -154,11 +172,18 @@ impl Engine {
             ));
         }
 
-        // reference counts
+        // one pass over the PBAs in order, each with the number of LBAs
+        // mapping it: reference counts (set right at once when repairing:
+        // a difference is always a problem, so the repair below happens),
+        // then the fingerprints of referenced blocks, collected for the
+        // duplicate count
         let rc_len = (m.refcounts.logical_len() / 4).max(data_blocks);
-        for p in 0..rc_len {
+        let per_page = (PAYLOAD_SIZE / FINGERPRINT_SIZE) as u64;
+        let mut new_fp: HashMap<u64, Fingerprint> = HashMap::new();
+        let mut dups = KeySorter::new(m.stored_blocks, budget, 16, scratch());
+        let mut block = vec![0u8; BLOCK_SIZE];
+        let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
             let rc = m.refcounts.get_u32(p);
-            let want = counts.get(p as usize).copied().unwrap_or(0);
             if rc != want {
                 if rc > want && want == 0 {
                     r.leaked_blocks += 1;
@@ -173,72 +198,83 @@ impl Engine {
                         }
                     ));
                 }
+                if opts.repair {
+                    m.refcounts.set_u32(p, want);
+                }
             }
-        }
-        r.referenced_blocks = counts.iter().filter(|&&c| c > 0).count() as u64;
-
-        // fingerprints of referenced blocks
-        let per_page = (PAYLOAD_SIZE / FINGERPRINT_SIZE) as u64;
-        let mut new_fp: HashMap<u64, Fingerprint> = HashMap::new();
-        let mut block = vec![0u8; BLOCK_SIZE];
-        for p in 0..data_blocks {
-            if counts[p as usize] == 0 {
-                continue;
+            if want == 0 {
+                return Ok(());
             }
-            let stored = m.fingerprint_of(Pba(p));
+            r.referenced_blocks += 1;
+            let mut fp = m.fingerprint_of(Pba(p));
             let damaged = fp_damaged_pages.contains(&(p / per_page));
-            if opts.rehash || damaged || stored.0 == [0u8; FINGERPRINT_SIZE] {
+            if opts.rehash || damaged || fp.0 == [0u8; FINGERPRINT_SIZE] {
                 self.backend
                     .read_blocks(Pba(p), &mut block)
                     .map_err(|e| crate::error::EngineError::io(format!("reading PBA {p}"), e))?;
                 r.blocks_rehashed += 1;
                 let actual = self.hash.fingerprint(&block);
-                if actual != stored {
+                if actual != fp {
                     // an all-zero entry is a block not fingerprinted yet
                     // (stored without inline dedup): filled in by a repair,
                     // not an error
-                    if !damaged && stored != crate::engine::UNHASHED {
+                    if !damaged && fp != crate::engine::UNHASHED {
                         r.problems.push(format!(
                             "PBA {p}: stored fingerprint does not match its data"
                         ));
                     }
                     new_fp.insert(p, actual);
+                    fp = actual;
                 }
             }
+            dups.push(crate::index::key_of(&fp), p);
+            Ok(())
+        };
+        let mut next = 0u64;
+        let mut failure = None;
+        refs.for_each_sorted::<std::io::Error>(|pairs| {
+            for run in pairs.chunk_by(|a, b| a.1 == b.1) {
+                let p = run[0].1;
+                let counted = (next..p)
+                    .map(|q| (q, 0))
+                    .chain(std::iter::once((p, run.len() as u32)));
+                for (q, want) in counted {
+                    if let Err(e) = check(&mut m, q, want) {
+                        failure = Some(e);
+                        return Err(std::io::Error::other("fsck stopped"));
+                    }
+                }
+                next = p + 1;
+            }
+            Ok(())
+        })
+        .map_err(|e| {
+            failure.take().unwrap_or_else(|| {
+                crate::error::EngineError::io("reading the scratch file back", e)
+            })
+        })?;
+        for q in next..rc_len {
+            check(&mut m, q, 0)?;
         }
+
         // equal fingerprints on two referenced PBAs: a duplicate copy that
         // inline dedup missed (memory-only lookups under a small budget) —
         // not an inconsistency; out-of-line dedup merges them
-        // (keys sorted through a scratch file: memory stays about the
-        // index budget whatever the store's size)
         let fp_of = |m: &crate::meta::Meta, p: u64| {
             new_fp
                 .get(&p)
                 .copied()
                 .unwrap_or_else(|| m.fingerprint_of(Pba(p)))
         };
-        let mut sorter = crate::keysort::KeySorter::new(
-            r.referenced_blocks,
-            m.index.config().memory_budget_bytes,
-            16,
-            self.dir.as_ref().and_then(|d| d.scratch_file()),
-        );
-        for p in 0..data_blocks {
-            if counts[p as usize] > 0 {
-                sorter.push(crate::index::key_of(&fp_of(&m, p)), p);
-            }
-        }
-        sorter
-            .for_each_sorted::<std::io::Error>(|pairs| {
-                crate::keysort::for_each_equal_key_run(pairs, |run| {
-                    let mut fps: Vec<Fingerprint> =
-                        run.iter().map(|&(_, p)| fp_of(&m, p)).collect();
-                    fps.sort_unstable();
-                    r.duplicate_copies += fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
-                });
-                Ok(())
-            })
-            .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
+        dups.for_each_sorted::<std::io::Error>(|pairs| {
+            crate::keysort::for_each_equal_key_run(pairs, |run| {
+                let mut fps: Vec<Fingerprint> = run.iter().map(|&(_, p)| fp_of(&m, p)).collect();
+                fps.sort_unstable();
+                r.duplicate_copies += fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
+            });
+            Ok(())
+        })
+        .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
 
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);
@@ -251,13 +287,7 @@ impl Engine {
             v.map.set_u64(*lba, 0);
         }
         for (p, fp) in &new_fp {
-            m.fingerprints.write(p * FINGERPRINT_SIZE as u64, &fp.0);
-        }
-        for p in 0..rc_len {
-            let want = counts.get(p as usize).copied().unwrap_or(0);
-            if m.refcounts.get_u32(p) != want {
-                m.refcounts.set_u32(p, want);
-            }
+            m.fingerprints.set(*p, fp);
         }
         for page in &fp_damaged_pages {
             m.fingerprints.redirty(*page);

@@ -1,6 +1,7 @@
-//! Opening a store needs memory for the configured budgets, not for the
-//! store: the heap's peak while `Engine::open` runs, measured by a counting
-//! allocator, stays far below the size of the store's metadata.
+//! Opening a store, and checking it with fsck, need memory for the
+//! configured budgets, not for the store: the heap's peak while
+//! `Engine::open` or `fsck` runs, measured by a counting allocator, stays
+//! far below the size of the store's metadata.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -38,6 +39,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// The tests measure the one process-wide heap: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn fingerprint(k: u64) -> Fingerprint {
     let mut b = [0u8; 32];
     let mut x = k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5555;
@@ -51,6 +55,7 @@ fn fingerprint(k: u64) -> Fingerprint {
 
 #[test]
 fn opening_a_store_needs_its_budgets_not_its_size() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     const BLOCKS: u64 = 1172 * 256;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
@@ -106,4 +111,65 @@ fn opening_a_store_needs_its_budgets_not_its_size() {
         .collect();
     e.write_fingerprinted(v, Lba(BLOCKS - 64), &fps).unwrap();
     assert_eq!(e.stats().duplicate_writes_eliminated - before, 64);
+}
+
+#[test]
+fn fsck_needs_its_budgets_not_the_store_size() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // fsck counts references by sorting them through a scratch file, not
+    // in a table of 4 bytes per PBA, and walks the maps without listing
+    // them (16 bytes per mapped block)
+    const BLOCKS: u64 = 4 * 1172 * 256;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let v = e.create_volume("v", BLOCKS * 4096).unwrap();
+        for first in (0..BLOCKS).step_by(256) {
+            let fps: Vec<Option<Fingerprint>> =
+                (first..first + 256).map(|k| Some(fingerprint(k))).collect();
+            e.write_fingerprinted(v, Lba(first), &fps).unwrap();
+        }
+        e.close().unwrap();
+    }
+    // the blocks were written as fingerprints only: give the data file its
+    // length (sparse), as if their data were there
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path.join("data"))
+        .unwrap()
+        .set_len(BLOCKS * 4096)
+        .unwrap();
+    let before = IN_USE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let small = EngineConfig {
+        map_cache_bytes: 256 << 10,
+        reverse_index_cache_bytes: 256 << 10,
+        index: IndexConfig {
+            memory_budget_bytes: 1 << 20,
+            ..IndexConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let opts = dedupd_engine::fsck::FsckOptions::default();
+    let r = dedupd_engine::fsck::fsck_with(&path, opts, small).unwrap();
+    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(before);
+    assert!(
+        r.problems.is_empty(),
+        "{:?}",
+        &r.problems[..r.problems.len().min(5)]
+    );
+    assert_eq!((r.mapped_blocks, r.referenced_blocks), (BLOCKS, BLOCKS));
+    // the map (8 B per block), reference counts (4 B), reverse index (32 B)
+    let metadata_bytes = BLOCKS as usize * (8 + 4 + 32);
+    eprintln!(
+        "fsck: heap peak {peak} bytes for {metadata_bytes} bytes of metadata ({:.2} B per stored block)",
+        peak as f64 / BLOCKS as f64
+    );
+    // the caches and the index budget bound it (the budget also bounds
+    // the sorts)
+    assert!(
+        peak < metadata_bytes / 4,
+        "fsck held {peak} bytes at its peak for {metadata_bytes} bytes of metadata"
+    );
 }
