@@ -65,7 +65,8 @@ enum Command {
     Sweep(sweep::SweepArgs),
     /// Check the store's metadata (the server must be stopped). Exit codes as
     /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
-    /// operational error.
+    /// operational error, 16 usage error. Memory: the caches and index
+    /// budget below, whatever the store's size.
     Fsck {
         /// Repair: rebuild reference counts, reverse index and free space
         /// from the volume maps and data.
@@ -77,6 +78,17 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Memory for the fingerprint index and for each of fsck's sorts
+        /// (references by PBA, fingerprints), which spill to a scratch file
+        /// in the store beyond it.
+        #[arg(long, default_value = "8M")]
+        index_memory: String,
+        /// Bytes of volume-map and reference-count pages kept in memory.
+        #[arg(long, default_value = "16M")]
+        map_cache: String,
+        /// Bytes of reverse-index pages kept in memory.
+        #[arg(long, default_value = "16M")]
+        reverse_index_cache: String,
     },
     /// Deduplicate stored data after the fact.
     Dedup {
@@ -157,7 +169,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             repair,
             rehash,
             json,
-        } => fsck(&store, repair, rehash, json),
+            index_memory,
+            map_cache,
+            reverse_index_cache,
+        } => {
+            let config = match fsck_config(&index_memory, &map_cache, &reverse_index_cache) {
+                Ok(c) => c,
+                Err(e) => {
+                    // e2fsck's exit code for a usage error
+                    eprintln!("dedupd: error: {e:#}");
+                    std::process::exit(16);
+                }
+            };
+            fsck(&store, repair, rehash, json, config)
+        }
         Command::Dedup {
             offline,
             volume,
@@ -352,9 +377,34 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
     Ok(())
 }
 
-fn fsck(store: &Path, repair: bool, rehash: bool, json: bool) -> anyhow::Result<()> {
+/// The memory bounds fsck runs under (sizes with K/M/G suffixes).
+fn fsck_config(
+    index_memory: &str,
+    map_cache: &str,
+    reverse_index_cache: &str,
+) -> anyhow::Result<EngineConfig> {
+    let size =
+        |what: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{what} {s:?}: {e}"));
+    Ok(EngineConfig {
+        index: dedupd_engine::index::IndexConfig {
+            memory_budget_bytes: size("index-memory", index_memory)?,
+            ..dedupd_engine::index::IndexConfig::default()
+        },
+        map_cache_bytes: size("map-cache", map_cache)?,
+        reverse_index_cache_bytes: size("reverse-index-cache", reverse_index_cache)?,
+        ..EngineConfig::default()
+    })
+}
+
+fn fsck(
+    store: &Path,
+    repair: bool,
+    rehash: bool,
+    json: bool,
+    config: EngineConfig,
+) -> anyhow::Result<()> {
     let opts = dedupd_engine::fsck::FsckOptions { repair, rehash };
-    let report = match dedupd_engine::fsck::fsck(store, opts) {
+    let report = match dedupd_engine::fsck::fsck_with(store, opts, config) {
         Ok(r) => r,
         Err(EngineError::Locked(p)) => {
             eprintln!(

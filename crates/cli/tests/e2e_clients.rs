@@ -158,6 +158,14 @@ fn hashing_filters_and_a_paged_reverse_index_lose_nothing() {
     assert!(stats(&store)["physical_blocks_stored"].as_u64().unwrap() <= before);
     let out = dedupd(&store, &["fsck"]);
     assert!(out.status.success(), "fsck: {out:?}");
+    // under tiny memory bounds too; a bad bound is a usage error (16)
+    let tiny = ["--index-memory", "64K", "--map-cache", "16K"];
+    let out = dedupd(&store, &[&["fsck", "--rehash"][..], &tiny].concat());
+    assert!(out.status.success(), "fsck with tiny bounds: {out:?}");
+    let out = dedupd(&store, &["fsck", "--map-cache", "lots"]);
+    assert_eq!(out.status.code(), Some(16), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--map-cache \"lots\""), "stderr: {err}");
 }
 
 #[test]
