@@ -524,6 +524,116 @@ struct Pending {
     hashes: Vec<u64>,
 }
 
+/// Requests read ahead of their turn, merged from the inputs in time-stamp
+/// order (ties: the first file), so that the index lookups of the next
+/// ones can be prefetched in batches while the ones before them run. A
+/// ring of [`LOOKAHEAD_REQUESTS`] slots whose buffers are reused.
+struct Lookahead {
+    window: Vec<Pending>,
+    /// The next request's slot, and how many are waiting from it.
+    head: usize,
+    len: usize,
+    /// Waiting requests, from `head`, whose lookups were prefetched.
+    prefetched: usize,
+    batch: Vec<Fingerprint>,
+    /// A read error: it ends the replay once the requests before it are done.
+    read_error: Option<TraceError>,
+}
+
+impl Lookahead {
+    fn new() -> Self {
+        Lookahead {
+            window: (0..LOOKAHEAD_REQUESTS)
+                .map(|_| Pending::default())
+                .collect(),
+            head: 0,
+            len: 0,
+            prefetched: 0,
+            batch: Vec::with_capacity(PREFETCH_BATCH_BLOCKS),
+            read_error: None,
+        }
+    }
+
+    /// Reads requests until the window is full, the inputs end, or one
+    /// fails to read.
+    fn fill(&mut self, inputs: &mut [Input]) {
+        while self.len < LOOKAHEAD_REQUESTS && self.read_error.is_none() {
+            let mut pick: Option<usize> = None;
+            for (i, inp) in inputs.iter().enumerate() {
+                if inp.live && pick.is_none_or(|p| inp.head.ts_ns < inputs[p].head.ts_ns) {
+                    pick = Some(i);
+                }
+            }
+            let Some(i) = pick else { break };
+            let inp = &mut inputs[i];
+            let p = &mut self.window[(self.head + self.len) % LOOKAHEAD_REQUESTS];
+            std::mem::swap(&mut p.req, &mut inp.head);
+            p.input = i;
+            p.position = inp.head_position;
+            p.fps.clear();
+            p.hashes.clear();
+            if p.req.op == Some(Op::Write) {
+                for b in &p.req.blocks {
+                    match b {
+                        Some(d) => {
+                            let h = digest_hash(d);
+                            p.hashes.push(h);
+                            p.fps.push(Some(fingerprint_with(d, h)));
+                        }
+                        None => p.fps.push(None),
+                    }
+                }
+            }
+            match inp.reader.next_into(&mut inp.head) {
+                Ok(live) => {
+                    inp.live = live;
+                    inp.head_position = inp.reader.position();
+                }
+                Err(e) => {
+                    inp.live = false;
+                    self.read_error = Some(e);
+                }
+            }
+            self.len += 1;
+        }
+    }
+
+    /// Once fewer than half the waiting requests are prefetched, hands the
+    /// next batch's fingerprints to the engine and fetches their
+    /// exact-set slots.
+    fn prefetch(&mut self, engine: &Engine, exact: &DigestSet) {
+        if self.prefetched >= LOOKAHEAD_REQUESTS / 2 {
+            return;
+        }
+        self.batch.clear();
+        while self.prefetched < self.len && self.batch.len() < PREFETCH_BATCH_BLOCKS {
+            let p = &self.window[(self.head + self.prefetched) % LOOKAHEAD_REQUESTS];
+            let room = PREFETCH_BATCH_BLOCKS - self.batch.len();
+            self.batch.extend(p.fps.iter().flatten().take(room));
+            for &h in &p.hashes {
+                exact.prefetch(h);
+            }
+            self.prefetched += 1;
+        }
+        if !self.batch.is_empty() {
+            engine.prefetch_fingerprints(&self.batch);
+        }
+    }
+
+    /// The next request in order, if any (its slot is reused by a later
+    /// [`Lookahead::fill`]).
+    fn pop(&mut self) -> Option<&Pending> {
+        if self.len == 0 {
+            return None;
+        }
+        let at = self.head;
+        self.head = (self.head + 1) % LOOKAHEAD_REQUESTS;
+        self.len -= 1;
+        self.prefetched = self.prefetched.saturating_sub(1);
+        Some(&self.window[at])
+    }
+}
+
 struct Stream {
     report: StreamReport,
     volume: VolumeId,
@@ -571,82 +681,13 @@ pub fn replay(
     };
     let max_blocks = VOLUME_BYTES / BLOCK_SIZE as u64;
     let mut last_ts_ns: Option<u64> = None;
-    // requests read ahead of their turn, in time-stamp order (ties: the
-    // first file), so the index lookups of the next ones can be prefetched
-    // (a ring of slots whose buffers are reused: `len` requests from `head`)
-    let mut window: Vec<Pending> = (0..LOOKAHEAD_REQUESTS)
-        .map(|_| Pending::default())
-        .collect();
-    let (mut head, mut len) = (0usize, 0usize);
-    // a read error ends the replay once the requests before it are done
-    let mut read_error: Option<TraceError> = None;
-    // requests at the window's front whose lookups were prefetched
-    let mut prefetched = 0usize;
-    let mut batch: Vec<Fingerprint> = Vec::with_capacity(PREFETCH_BATCH_BLOCKS);
+    let mut ahead = Lookahead::new();
     loop {
-        while len < LOOKAHEAD_REQUESTS && read_error.is_none() {
-            let mut pick: Option<usize> = None;
-            for (i, inp) in inputs.iter().enumerate() {
-                if inp.live && pick.is_none_or(|p| inp.head.ts_ns < inputs[p].head.ts_ns) {
-                    pick = Some(i);
-                }
-            }
-            let Some(i) = pick else { break };
-            let inp = &mut inputs[i];
-            let p = &mut window[(head + len) % LOOKAHEAD_REQUESTS];
-            std::mem::swap(&mut p.req, &mut inp.head);
-            p.input = i;
-            p.position = inp.head_position;
-            p.fps.clear();
-            p.hashes.clear();
-            if p.req.op == Some(Op::Write) {
-                for b in &p.req.blocks {
-                    match b {
-                        Some(d) => {
-                            let h = digest_hash(d);
-                            p.hashes.push(h);
-                            p.fps.push(Some(fingerprint_with(d, h)));
-                        }
-                        None => p.fps.push(None),
-                    }
-                }
-            }
-            match inp.reader.next_into(&mut inp.head) {
-                Ok(live) => {
-                    inp.live = live;
-                    inp.head_position = inp.reader.position();
-                }
-                Err(e) => {
-                    inp.live = false;
-                    read_error = Some(e);
-                }
-            }
-            len += 1;
-        }
-        if prefetched < LOOKAHEAD_REQUESTS / 2 {
-            // the next batch's index entries (and exact-set slots) are
-            // fetched together, while the requests before them run
-            batch.clear();
-            while prefetched < len && batch.len() < PREFETCH_BATCH_BLOCKS {
-                let p = &window[(head + prefetched) % LOOKAHEAD_REQUESTS];
-                let room = PREFETCH_BATCH_BLOCKS - batch.len();
-                batch.extend(p.fps.iter().flatten().take(room));
-                for &h in &p.hashes {
-                    exact.prefetch(h);
-                }
-                prefetched += 1;
-            }
-            if !batch.is_empty() {
-                engine.prefetch_fingerprints(&batch);
-            }
-        }
-        if len == 0 {
+        ahead.fill(&mut inputs);
+        ahead.prefetch(&engine, &exact);
+        let Some(pending) = ahead.pop() else {
             break;
-        }
-        let pending = &window[head];
-        head = (head + 1) % LOOKAHEAD_REQUESTS;
-        len -= 1;
-        prefetched = prefetched.saturating_sub(1);
+        };
         let i = pending.input;
         let inp = &mut inputs[i];
         let req = &pending.req;
@@ -780,7 +821,7 @@ pub fn replay(
             }
         }
     }
-    if let Some(e) = read_error {
+    if let Some(e) = ahead.read_error {
         return Err(e);
     }
     engine.flush()?;
