@@ -691,8 +691,16 @@ mod tests {
     /// An array of `pages` pages (entry `i` = `i + 1`), committed and
     /// checkpointed to a temporary file, paging under `group`.
     fn paged(pages: u64, group: &Arc<CacheGroup>) -> (CachedArray, tempfile::NamedTempFile) {
+        paged_at(0..pages * PER_PAGE, group)
+    }
+
+    /// [`paged`] with only the entries at `indexes` set (entry `i` = `i + 1`).
+    fn paged_at(
+        indexes: impl IntoIterator<Item = u64>,
+        group: &Arc<CacheGroup>,
+    ) -> (CachedArray, tempfile::NamedTempFile) {
         let mut a = CachedArray::new(PagedArray::new(9));
-        for i in 0..pages * PER_PAGE {
+        for i in indexes {
             a.set_u64(i, i + 1);
         }
         let f = tempfile::NamedTempFile::new().unwrap();
@@ -741,19 +749,9 @@ mod tests {
     fn scans_of_a_sparse_array_find_resident_and_evicted_entries_only() {
         // entries far apart: some pages stay in memory, others are evicted
         let group = CacheGroup::new(2 * PAYLOAD_SIZE as u64, OnLoadError::Fault);
-        let mut a = CachedArray::new(PagedArray::new(9));
         let far = 1u64 << 34; // 2^34 entries span 34 M pages
         let at = [3, PER_PAGE * 300 + 7, far / 2, far / 2 + 1, far - 1];
-        for &i in &at {
-            a.set_u64(i, i + 1);
-        }
-        let f = tempfile::NamedTempFile::new().unwrap();
-        for d in a.take_dirty(1) {
-            f.as_file()
-                .write_all_at(&d.image[..], d.page * PAGE_SIZE as u64)
-                .unwrap();
-        }
-        a.page_from(f.reopen().unwrap(), "test", &group, []);
+        let (mut a, _f) = paged_at(at, &group);
         a.unpin_through(1);
         assert!(
             group.stats().pages_evicted >= 2,
