@@ -541,7 +541,11 @@ fn print_stats(v: &Value) {
         "metadata on disk             {}",
         human(u("metadata_bytes_on_disk"))
     );
-    println!("journal in use               {}", human(u("journal_bytes")));
+    println!(
+        "journal in use               {} ({} written since start)",
+        human(u("journal_bytes")),
+        human(u("journal_bytes_written"))
+    );
     println!(
         "index entries                {} ({} in memory)",
         u("index_entries"),

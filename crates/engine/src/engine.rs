@@ -1636,7 +1636,7 @@ impl Engine {
             if c.journal.is_some() {
                 m.take_commit(seq)
             } else {
-                m.take_commit_unlogged()
+                m.take_commit_unlogged(self.config.journal_size_bytes)
             }
         };
         let mut result = self
@@ -1773,6 +1773,8 @@ impl Engine {
                 physical_bytes_stored: m.stored_blocks * BLOCK_SIZE_U64,
                 blocks_written: c.blocks_written,
                 zero_blocks_written: c.zero_blocks_written,
+                // (a store's journal replaces this below)
+                journal_bytes_written: m.journal_model.written_bytes,
                 duplicate_writes_eliminated: c.duplicate_blocks,
                 duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
                 blocks_trimmed: c.blocks_trimmed,
@@ -1812,6 +1814,9 @@ impl Engine {
         {
             let c = lock(&self.commit);
             s.journal_bytes = c.journal.as_ref().map_or(0, |j| j.used_bytes());
+            if let Some(j) = &c.journal {
+                s.journal_bytes_written = j.written_bytes();
+            }
             s.checkpoint_buffer_bytes = c.checkpoint.bytes;
         }
         s.metadata_bytes_on_disk = self.dir.as_ref().map_or(0, |d| d.metadata_bytes_on_disk());

@@ -116,6 +116,16 @@ pub enum Op {
 }
 
 impl Op {
+    /// Length of the data its journal record carries.
+    pub fn data_len(&self) -> usize {
+        match self {
+            Op::Write { data, .. } | Op::Replace { data, .. } | Op::Patch { data, .. } => {
+                data.len()
+            }
+            Op::SetLen { .. } | Op::Remove { .. } => 0,
+        }
+    }
+
     /// The file this operation changes.
     pub fn file(&self) -> MetaFile {
         match self {
@@ -126,6 +136,20 @@ impl Op {
             | Op::Patch { file, .. } => *file,
         }
     }
+}
+
+/// Bytes of a record before its data: tag, file kind, file id, argument,
+/// data length.
+const RECORD_HEADER_BYTES: u64 = 1 + 1 + 4 + 8 + 4;
+
+/// Bytes [`encode_txn`] gives for a transaction whose records carry data
+/// of the given lengths (one per operation), without encoding it.
+pub fn txn_len(record_data_lens: impl IntoIterator<Item = usize>) -> u64 {
+    let body: u64 = record_data_lens
+        .into_iter()
+        .map(|n| RECORD_HEADER_BYTES + n as u64)
+        .sum();
+    HEADER_BYTES as u64 + body + 4
 }
 
 /// Encodes one transaction: header, records, CRC32C of everything before it.
@@ -315,6 +339,8 @@ pub struct Journal {
     file: File,
     /// Byte offset where the next transaction goes.
     write_offset_bytes: u64,
+    /// Bytes of transactions written since it was opened.
+    written_bytes: u64,
     /// Sequence number of the next transaction.
     next_seq: u64,
     observer: crate::observe::Observer,
@@ -327,6 +353,7 @@ impl Journal {
         Journal {
             file,
             write_offset_bytes,
+            written_bytes: 0,
             next_seq,
             observer: crate::observe::Observer::default(),
         }
@@ -384,8 +411,15 @@ impl Journal {
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes += bytes.len() as u64;
+        self.written_bytes += bytes.len() as u64;
         self.next_seq += 1;
         Ok(seq)
+    }
+
+    /// Bytes of transactions written since the journal was opened (across
+    /// checkpoints).
+    pub fn written_bytes(&self) -> u64 {
+        self.written_bytes
     }
 
     /// Restarts the journal at offset 0 after a checkpoint put every
@@ -407,6 +441,42 @@ impl Journal {
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes = 0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod txn_len_tests {
+    use super::*;
+
+    #[test]
+    fn txn_len_is_the_encoded_length() {
+        let ops = [
+            Op::Write {
+                file: MetaFile::Refcounts,
+                offset: 4096,
+                data: vec![7; 4096],
+            },
+            Op::Patch {
+                file: MetaFile::Map(VolumeId(3)),
+                offset: 12,
+                data: vec![1; 40],
+            },
+            Op::Replace {
+                file: MetaFile::State,
+                data: vec![2; 300],
+            },
+            Op::SetLen {
+                file: MetaFile::Fingerprints,
+                len_bytes: 1 << 20,
+            },
+            Op::Remove {
+                file: MetaFile::Map(VolumeId(9)),
+            },
+        ];
+        for n in 0..=ops.len() {
+            let want = encode_txn(5, &ops[..n]).len() as u64;
+            assert_eq!(txn_len(ops[..n].iter().map(Op::data_len)), want, "{n} ops");
+        }
     }
 }
 

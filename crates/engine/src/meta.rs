@@ -82,6 +82,8 @@ pub struct Meta {
     pub index_inserts: u64,
     /// Blocks fingerprinted and looked up inline since the engine started.
     pub fingerprinted_inline: u64,
+    /// Journal traffic modelled by an engine without a journal.
+    pub journal_model: JournalModel,
     /// Runs of duplicates in progress per volume (sequence threshold).
     pub sequences: crate::sequence::SequenceRuns,
     /// Duplicate copies to merge: every LBA mapped to the first PBA is to
@@ -420,15 +422,44 @@ impl Meta {
 
     /// [`Meta::take_commit`] for an engine without a journal (in memory, as
     /// in a replay): the changes are forgotten instead of encoded, since
-    /// nothing would write them. The batch has no operations; its frees
-    /// and change count are as `take_commit` gives them.
-    pub fn take_commit_unlogged(&mut self) -> CommitBatch {
-        self.structural_ops.clear();
+    /// nothing would write them, and only the bytes a store's journal
+    /// would have received are counted ([`JournalModel`]; a checkpoint is
+    /// modelled once those bytes, or the pages logged whole since the last
+    /// one, reach `journal_size_bytes`). The batch has no operations; its
+    /// frees and change count are as `take_commit` gives them.
+    pub fn take_commit_unlogged(&mut self, journal_size_bytes: u64) -> CommitBatch {
+        let mut lens: Vec<usize> = self
+            .structural_ops
+            .drain(..)
+            .map(|op| op.data_len())
+            .collect();
         self.commit_generation += 1;
-        self.refcounts.clear_dirty();
-        self.fingerprints.cached_mut().clear_dirty();
+        let mut images = 0u64;
+        model_log_pages(&mut self.refcounts, &mut lens, &mut images);
+        model_log_pages(self.fingerprints.cached_mut(), &mut lens, &mut images);
         for v in self.volumes.values_mut() {
-            v.map.clear_dirty();
+            model_log_pages(&mut v.map, &mut lens, &mut images);
+        }
+        // every commit replaces the state
+        let state = crate::store::encode_checked_compact(&self.state(self.commit_generation));
+        lens.push(state.len());
+        let bytes = crate::journal::txn_len(lens);
+        let model = &mut self.journal_model;
+        model.written_bytes += bytes;
+        model.used_bytes += bytes;
+        model.pages_logged_whole += images;
+        if model.used_bytes >= journal_size_bytes
+            || model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 >= journal_size_bytes
+        {
+            // a checkpoint: pages are logged whole again after it
+            model.used_bytes = 0;
+            model.pages_logged_whole = 0;
+            model.checkpoints += 1;
+            self.refcounts.clear_logged();
+            self.fingerprints.cached_mut().clear_logged();
+            for v in self.volumes.values_mut() {
+                v.map.clear_logged();
+            }
         }
         self.state_dirty = false;
         CommitBatch {
@@ -597,6 +628,39 @@ fn live(
     }
     // the index key is the fingerprint's first 8 bytes (big-endian)
     fingerprints.key(p.0) == key
+}
+
+/// The journal traffic an engine without a journal models (see
+/// [`Meta::take_commit_unlogged`]): what a store would have written for
+/// the same commits.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct JournalModel {
+    /// Bytes of transactions, in total.
+    pub written_bytes: u64,
+    /// Bytes since the last modelled checkpoint.
+    pub used_bytes: u64,
+    /// Pages logged whole since the last modelled checkpoint (pinned in
+    /// memory until it, in a store).
+    pub pages_logged_whole: u64,
+    /// Modelled checkpoints.
+    pub checkpoints: u64,
+}
+
+/// Counts what [`log_pages`] would log for `array`'s dirty pages (one
+/// record data length per page into `lens`; whole images into `images`),
+/// forgetting them.
+fn model_log_pages(array: &mut CachedArray, lens: &mut Vec<usize>, images: &mut u64) {
+    let mut changed = Vec::new();
+    array.clear_dirty(|page, n| changed.push((page, n)));
+    for (page, n) in changed {
+        if n > 0 && n <= PATCH_MAX_BYTES && array.is_logged(page) {
+            lens.push(n);
+        } else {
+            array.set_logged(page, true);
+            lens.push(crate::paged::PAGE_SIZE);
+            *images += 1;
+        }
+    }
 }
 
 /// Largest change logged as a patch; a page with more changed bytes is

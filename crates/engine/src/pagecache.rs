@@ -459,9 +459,10 @@ impl CachedArray {
     }
 
     /// Forgets the pages changed since the last commit, encoding and
-    /// pinning nothing (see [`PagedArray::clear_dirty`]).
-    pub fn clear_dirty(&mut self) {
-        self.inner.get_mut().array.clear_dirty();
+    /// pinning nothing; `changed(page, bytes)` as in
+    /// [`PagedArray::clear_dirty`].
+    pub fn clear_dirty(&mut self, changed: impl FnMut(u64, usize)) {
+        self.inner.get_mut().array.clear_dirty(changed);
     }
 
     /// True if a commit since the last checkpoint carried page `page`'s

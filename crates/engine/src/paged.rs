@@ -538,13 +538,23 @@ impl PagedArray {
     }
 
     /// Forgets every page dirtied since the last call without encoding
-    /// them (for metadata that is never journaled: in-memory engines).
-    pub fn clear_dirty(&mut self) {
+    /// them (for metadata that is never journaled: in-memory engines),
+    /// calling `changed(page, bytes)` with the payload bytes each one
+    /// changed (the whole payload for a page emptied since), as
+    /// [`PagedArray::take_dirty`] would have reported them.
+    pub fn clear_dirty(&mut self, mut changed: impl FnMut(u64, usize)) {
         for page in std::mem::take(&mut self.dirty) {
             let i = page as usize % CHUNK_PAGES;
             if let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) {
                 c.dirty[i / 64] &= !(1 << (i % 64));
+                let (lo, hi) = c.changed[i];
+                let n = if c.pages[i].is_some() {
+                    (hi - lo) as usize
+                } else {
+                    PAYLOAD_SIZE
+                };
                 self.release_chunk(page);
+                changed(page, n);
             }
         }
     }

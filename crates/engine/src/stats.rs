@@ -81,6 +81,13 @@ pub struct Stats {
     pub metadata_bytes_on_disk: u64,
     /// Bytes of the journal in use since the last checkpoint.
     pub journal_bytes: u64,
+    /// Bytes of journal transactions written since the engine started. An
+    /// engine without a journal (in memory, as in a replay) counts what a
+    /// store's journal would have received for the same commits: page
+    /// images and patches as a store logs them, the state, a checkpoint
+    /// modelled whenever a store's would happen.
+    #[serde(default)]
+    pub journal_bytes_written: u64,
     /// Fingerprints in the index, in memory and on disk (the on-disk count
     /// may include stale entries awaiting a rewrite).
     pub index_entries: u64,

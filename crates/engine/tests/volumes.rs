@@ -179,3 +179,54 @@ fn a_huge_sparse_volume_is_deleted_and_shrunk_past_its_holes_with_progress() {
     assert_eq!(e.stats().physical_blocks_stored, 0);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+#[test]
+fn an_in_memory_engine_models_the_journal_a_store_writes() {
+    // the same writes and flushes into a store and into a simulated engine:
+    // the journal bytes the simulation counts are those the store wrote
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        // small enough for several checkpoints
+        journal_size_bytes: 256 << 10,
+        ..EngineConfig::default()
+    };
+    let store = Engine::create(
+        &dir.path().join("store"),
+        HashAlgorithm::Sha256,
+        cfg.clone(),
+    )
+    .unwrap();
+    let sim = Engine::simulated_with(HashAlgorithm::Sha256, cfg);
+    for e in [&store, &sim] {
+        let a = e.create_volume("a", 1 << 30).unwrap();
+        let b = e.create_volume("b", 1 << 30).unwrap();
+        let mut x = 7u64;
+        for i in 0..40_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let (v, lba) = if i % 3 == 0 {
+                (b, x % 20_000)
+            } else {
+                (a, i % 50_000)
+            };
+            e.write_fingerprinted(v, Lba(lba), &[Some(fingerprint(x % 30_000))])
+                .unwrap();
+            if i % 1000 == 999 {
+                e.flush().unwrap();
+            }
+        }
+        e.flush().unwrap();
+    }
+    let (real, modelled) = (
+        store.stats().journal_bytes_written,
+        sim.stats().journal_bytes_written,
+    );
+    eprintln!("journal: store {real} bytes, modelled {modelled}");
+    assert!(real > 1 << 20, "the store wrote {real} journal bytes");
+    let diff = real.abs_diff(modelled) as f64 / real as f64;
+    assert!(
+        diff < 0.02,
+        "modelled {modelled} journal bytes, the store wrote {real}"
+    );
+}

@@ -411,8 +411,10 @@ pub struct Report {
     pub data_writes_avoided_bytes: u64,
     /// `data_writes_avoided_blocks` in percent of `blocks_written`.
     pub data_writes_avoided_percent: f64,
-    /// Metadata I/O: journal bytes in use at the end (0 for the simulated
-    /// engine, which has no journal).
+    /// Metadata I/O: bytes a store's journal would have received for the
+    /// replay's commits (one every [`FLUSH_EVERY_REQUESTS`] requests; page
+    /// images and patches, the state, checkpoints as a store makes them),
+    /// modelled by the simulated engine, which has no journal.
     pub journal_bytes: u64,
     /// Peak bytes of the fingerprint index in memory (sampled at each flush
     /// and at the end).
@@ -850,7 +852,7 @@ pub fn replay(
     r.data_writes_avoided_blocks = st.zero_blocks_written + st.duplicate_writes_eliminated;
     r.data_writes_avoided_bytes = r.data_writes_avoided_blocks * BLOCK_SIZE as u64;
     r.data_writes_avoided_percent = pct(r.data_writes_avoided_blocks, st.blocks_written);
-    r.journal_bytes = st.journal_bytes;
+    r.journal_bytes = st.journal_bytes_written;
     r.peak_index_bytes_in_memory = r.peak_index_bytes_in_memory.max(st.index_bytes_in_memory);
     r.index_entries = st.index_entries;
     r.mapped_blocks = st.logical_bytes_mapped / BLOCK_SIZE as u64;
