@@ -542,9 +542,10 @@ fn print_stats(v: &Value) {
         human(u("metadata_bytes_on_disk"))
     );
     println!(
-        "journal in use               {} ({} written since start)",
+        "journal in use               {} ({} written since start; checkpoints {})",
         human(u("journal_bytes")),
-        human(u("journal_bytes_written"))
+        human(u("journal_bytes_written")),
+        human(u("checkpoint_bytes_written"))
     );
     println!(
         "index entries                {} ({} in memory)",

@@ -184,6 +184,10 @@ fn print_report(r: &Report) {
         r.data_writes_avoided_percent
     );
     println!("journal bytes (metadata I/O)  {}", human(r.journal_bytes));
+    println!(
+        "checkpoint bytes (in place)   {}",
+        human(r.checkpoint_bytes)
+    );
     let ix = &r.engine.index;
     println!(
         "fingerprint store I/O         {} eviction reads, {} eviction writes, {} lookup reads ({} groups evicted)",

@@ -266,6 +266,8 @@ struct CommitState {
     journal: Option<Journal>,
     checkpoint: CheckpointBuffer,
     durable_changes: u64,
+    /// Bytes the checkpoints since start wrote in place.
+    checkpoint_bytes_written: u64,
 }
 
 /// LBAs released per hold of the metadata lock when a volume is deleted
@@ -559,6 +561,7 @@ impl Engine {
                 journal,
                 checkpoint: CheckpointBuffer::default(),
                 durable_changes: 0,
+                checkpoint_bytes_written: 0,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
@@ -1730,6 +1733,7 @@ impl Engine {
             }
         }
         drop(m);
+        c.checkpoint_bytes_written += c.checkpoint.bytes;
         c.checkpoint = CheckpointBuffer::default();
         if let Some(j) = c.journal.as_mut() {
             j.reset();
@@ -1775,6 +1779,7 @@ impl Engine {
                 zero_blocks_written: c.zero_blocks_written,
                 // (a store's journal replaces this below)
                 journal_bytes_written: m.journal_model.written_bytes,
+                checkpoint_bytes_written: m.journal_model.checkpoint_bytes,
                 duplicate_writes_eliminated: c.duplicate_blocks,
                 duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
                 blocks_trimmed: c.blocks_trimmed,
@@ -1816,6 +1821,7 @@ impl Engine {
             s.journal_bytes = c.journal.as_ref().map_or(0, |j| j.used_bytes());
             if let Some(j) = &c.journal {
                 s.journal_bytes_written = j.written_bytes();
+                s.checkpoint_bytes_written = c.checkpoint_bytes_written;
             }
             s.checkpoint_buffer_bytes = c.checkpoint.bytes;
         }

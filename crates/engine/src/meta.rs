@@ -442,7 +442,8 @@ impl Meta {
         }
         // every commit replaces the state
         let state = crate::store::encode_checked_compact(&self.state(self.commit_generation));
-        lens.push(state.len());
+        let state_len = state.len();
+        lens.push(state_len);
         let bytes = crate::journal::txn_len(lens);
         let model = &mut self.journal_model;
         model.written_bytes += bytes;
@@ -452,6 +453,8 @@ impl Meta {
             || model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 >= journal_size_bytes
         {
             // a checkpoint: pages are logged whole again after it
+            model.checkpoint_bytes +=
+                model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 + state_len as u64;
             model.used_bytes = 0;
             model.pages_logged_whole = 0;
             model.checkpoints += 1;
@@ -644,11 +647,14 @@ pub struct JournalModel {
     pub pages_logged_whole: u64,
     /// Modelled checkpoints.
     pub checkpoints: u64,
+    /// Bytes those checkpoints wrote in place: each page logged since the
+    /// one before, once, and the state.
+    pub checkpoint_bytes: u64,
 }
 
 /// Counts what [`log_pages`] would log for `array`'s dirty pages (one
-/// record data length per page into `lens`; whole images into `images`),
-/// forgetting them.
+/// record data length per page into `lens`; pages logged whole for the
+/// first time since the checkpoint into `images`), forgetting them.
 fn model_log_pages(array: &mut CachedArray, lens: &mut Vec<usize>, images: &mut u64) {
     let mut changed = Vec::new();
     array.clear_dirty(|page, n| changed.push((page, n)));
@@ -656,9 +662,13 @@ fn model_log_pages(array: &mut CachedArray, lens: &mut Vec<usize>, images: &mut 
         if n > 0 && n <= PATCH_MAX_BYTES && array.is_logged(page) {
             lens.push(n);
         } else {
-            array.set_logged(page, true);
+            // a page's first image since the checkpoint pins it; a later
+            // one replaces it
+            if !array.is_logged(page) {
+                array.set_logged(page, true);
+                *images += 1;
+            }
             lens.push(crate::paged::PAGE_SIZE);
-            *images += 1;
         }
     }
 }

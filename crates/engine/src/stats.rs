@@ -88,6 +88,10 @@ pub struct Stats {
     /// modelled whenever a store's would happen.
     #[serde(default)]
     pub journal_bytes_written: u64,
+    /// Bytes the checkpoints since the engine started wrote in place
+    /// (metadata pages and state); modelled likewise without a journal.
+    #[serde(default)]
+    pub checkpoint_bytes_written: u64,
     /// Fingerprints in the index, in memory and on disk (the on-disk count
     /// may include stale entries awaiting a rewrite).
     pub index_entries: u64,

@@ -229,4 +229,15 @@ fn an_in_memory_engine_models_the_journal_a_store_writes() {
         diff < 0.02,
         "modelled {modelled} journal bytes, the store wrote {real}"
     );
+    let (real, modelled) = (
+        store.stats().checkpoint_bytes_written,
+        sim.stats().checkpoint_bytes_written,
+    );
+    eprintln!("checkpoints: store {real} bytes, modelled {modelled}");
+    assert!(real > 1 << 20, "the store's checkpoints wrote {real} bytes");
+    let diff = real.abs_diff(modelled) as f64 / real as f64;
+    assert!(
+        diff < 0.02,
+        "modelled {modelled} checkpoint bytes, the store wrote {real}"
+    );
 }

@@ -416,6 +416,9 @@ pub struct Report {
     /// images and patches, the state, checkpoints as a store makes them),
     /// modelled by the simulated engine, which has no journal.
     pub journal_bytes: u64,
+    /// Metadata I/O: bytes a store's checkpoints would have written in
+    /// place for the same commits (modelled likewise).
+    pub checkpoint_bytes: u64,
     /// Peak bytes of the fingerprint index in memory (sampled at each flush
     /// and at the end).
     pub peak_index_bytes_in_memory: u64,
@@ -853,6 +856,7 @@ pub fn replay(
     r.data_writes_avoided_bytes = r.data_writes_avoided_blocks * BLOCK_SIZE as u64;
     r.data_writes_avoided_percent = pct(r.data_writes_avoided_blocks, st.blocks_written);
     r.journal_bytes = st.journal_bytes_written;
+    r.checkpoint_bytes = st.checkpoint_bytes_written;
     r.peak_index_bytes_in_memory = r.peak_index_bytes_in_memory.max(st.index_bytes_in_memory);
     r.index_entries = st.index_entries;
     r.mapped_blocks = st.logical_bytes_mapped / BLOCK_SIZE as u64;
