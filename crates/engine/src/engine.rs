@@ -1712,7 +1712,13 @@ impl Engine {
     }
 
     fn checkpoint_locked(&self, c: &mut CommitState) -> Result<()> {
-        let Some(dir) = &self.dir else { return Ok(()) };
+        let Some(dir) = &self.dir else {
+            if c.journal.is_none() {
+                // in memory: count what a store's checkpoint would write
+                lock(&self.meta).model_checkpoint();
+            }
+            return Ok(());
+        };
         // every change being put in place was taken from the metadata
         // before now (commits hold `c`), so this copy of the skipped buffer
         // covers all of them; later changes stay in the journal

@@ -442,27 +442,17 @@ impl Meta {
         }
         // every commit replaces the state
         let state = crate::store::encode_checked_compact(&self.state(self.commit_generation));
-        let state_len = state.len();
-        lens.push(state_len);
+        lens.push(state.len());
         let bytes = crate::journal::txn_len(lens);
         let model = &mut self.journal_model;
         model.written_bytes += bytes;
         model.used_bytes += bytes;
         model.pages_logged_whole += images;
+        model.state_bytes = state.len() as u64;
         if model.used_bytes >= journal_size_bytes
             || model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 >= journal_size_bytes
         {
-            // a checkpoint: pages are logged whole again after it
-            model.checkpoint_bytes +=
-                model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 + state_len as u64;
-            model.used_bytes = 0;
-            model.pages_logged_whole = 0;
-            model.checkpoints += 1;
-            self.refcounts.clear_logged();
-            self.fingerprints.cached_mut().clear_logged();
-            for v in self.volumes.values_mut() {
-                v.map.clear_logged();
-            }
+            self.model_checkpoint();
         }
         self.state_dirty = false;
         CommitBatch {
@@ -470,6 +460,27 @@ impl Meta {
             frees: std::mem::take(&mut self.pending_free),
             change_count: self.change_count,
             generation: self.commit_generation,
+        }
+    }
+
+    /// Counts a checkpoint in the [`JournalModel`] (an engine without a
+    /// journal, at the point a store would checkpoint): it writes each page
+    /// logged since the previous one and the state, after which pages are
+    /// logged whole again. Nothing if nothing was committed since.
+    pub fn model_checkpoint(&mut self) {
+        let model = &mut self.journal_model;
+        if model.used_bytes == 0 {
+            return;
+        }
+        model.checkpoint_bytes +=
+            model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 + model.state_bytes;
+        model.used_bytes = 0;
+        model.pages_logged_whole = 0;
+        model.checkpoints += 1;
+        self.refcounts.clear_logged();
+        self.fingerprints.cached_mut().clear_logged();
+        for v in self.volumes.values_mut() {
+            v.map.clear_logged();
         }
     }
 
@@ -650,6 +661,8 @@ pub struct JournalModel {
     /// Bytes those checkpoints wrote in place: each page logged since the
     /// one before, once, and the state.
     pub checkpoint_bytes: u64,
+    /// Length of the state the last commit carried.
+    pub state_bytes: u64,
 }
 
 /// Counts what [`log_pages`] would log for `array`'s dirty pages (one

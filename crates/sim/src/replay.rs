@@ -829,7 +829,8 @@ pub fn replay(
     if let Some(e) = ahead.read_error {
         return Err(e);
     }
-    engine.flush()?;
+    // as a store's shutdown: flush, then a (modelled) checkpoint
+    engine.close()?;
     let st = engine.stats();
     progress(&Progress {
         bytes_read: consumed.load(Ordering::Relaxed),
