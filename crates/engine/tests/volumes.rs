@@ -218,34 +218,21 @@ fn an_in_memory_engine_models_the_journal_a_store_writes() {
         }
         e.flush().unwrap();
     }
-    let (real, modelled) = (
-        store.stats().journal_bytes_written,
-        sim.stats().journal_bytes_written,
-    );
-    eprintln!("journal: store {real} bytes, modelled {modelled}");
-    assert!(real > 1 << 20, "the store wrote {real} journal bytes");
-    let diff = real.abs_diff(modelled) as f64 / real as f64;
-    assert!(
-        diff < 0.02,
-        "modelled {modelled} journal bytes, the store wrote {real}"
-    );
-    eprintln!(
-        "before close: store {} modelled {}",
-        store.stats().checkpoint_bytes_written,
-        sim.stats().checkpoint_bytes_written
-    );
+    // more than 1 MiB each, and within 2 %
+    let close = |what: &str, real: u64, modelled: u64| {
+        eprintln!("{what}: store {real} bytes, modelled {modelled}");
+        assert!(real > 1 << 20, "the store wrote {real} {what} bytes");
+        let diff = real.abs_diff(modelled) as f64 / real as f64;
+        assert!(
+            diff < 0.02,
+            "modelled {modelled} {what} bytes, the store wrote {real}"
+        );
+    };
+    let j = |e: &Engine| e.stats().journal_bytes_written;
+    close("journal", j(&store), j(&sim));
     // a store's shutdown checkpoints what is left
     store.close().unwrap();
     sim.close().unwrap();
-    let (real, modelled) = (
-        store.stats().checkpoint_bytes_written,
-        sim.stats().checkpoint_bytes_written,
-    );
-    eprintln!("checkpoints: store {real} bytes, modelled {modelled}");
-    assert!(real > 1 << 20, "the store's checkpoints wrote {real} bytes");
-    let diff = real.abs_diff(modelled) as f64 / real as f64;
-    assert!(
-        diff < 0.02,
-        "modelled {modelled} checkpoint bytes, the store wrote {real}"
-    );
+    let c = |e: &Engine| e.stats().checkpoint_bytes_written;
+    close("checkpoint", c(&store), c(&sim));
 }
