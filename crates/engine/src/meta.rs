@@ -672,7 +672,7 @@ fn model_log_pages(array: &mut CachedArray, lens: &mut Vec<usize>, images: &mut 
     let mut changed = Vec::new();
     array.clear_dirty(|page, n| changed.push((page, n)));
     for (page, n) in changed {
-        if n > 0 && n <= PATCH_MAX_BYTES && array.is_logged(page) {
+        if logs_as_patch(array, page, n) {
             lens.push(n);
         } else {
             // a page's first image since the checkpoint pins it; a later
@@ -690,6 +690,13 @@ fn model_log_pages(array: &mut CachedArray, lens: &mut Vec<usize>, images: &mut 
 /// logged whole (its image is 4 KiB).
 const PATCH_MAX_BYTES: usize = 1024;
 
+/// True if a change of `n` payload bytes to `page` is logged as a patch:
+/// small, and the page's whole image is in the journal since the last
+/// checkpoint.
+fn logs_as_patch(array: &CachedArray, page: u64, n: usize) -> bool {
+    n > 0 && n <= PATCH_MAX_BYTES && array.is_logged(page)
+}
+
 /// Takes `array`'s dirty pages (pinned until the checkpoint of commit
 /// `generation`) into `ops`: a page's first change since the last
 /// checkpoint as its whole image, later ones as patches of the bytes that
@@ -698,8 +705,7 @@ fn log_pages(array: &mut CachedArray, file: MetaFile, generation: u64, ops: &mut
     let page_bytes = crate::paged::PAGE_SIZE as u64;
     let payload = crate::paged::PAYLOAD_SIZE as u64;
     for d in array.take_dirty(generation) {
-        let n = d.changed.len();
-        if n > 0 && n <= PATCH_MAX_BYTES && array.is_logged(d.page) {
+        if logs_as_patch(array, d.page, d.changed.len()) {
             ops.push(Op::Patch {
                 file,
                 offset: d.page * payload + d.changed.start as u64,
