@@ -39,9 +39,10 @@
 //! is about g² / 2^65 per group (g = 256: ≈ 2^-49). `--verify` still
 //! byte-compares every hit.
 //!
-//! Deletions remove the entry from memory; an on-disk entry is left stale and
-//! dropped the next time its group is rewritten (stale entries fail
-//! validation). The on-disk store is derived data: it is rebuilt from the
+//! Deletions remove the entry from memory; an on-disk entry is left stale
+//! (it fails validation) and the prefix is flagged, so the next rewrite of
+//! its group validates every entry and drops the stale ones. Rewrites of
+//! unflagged groups skip that validation. The on-disk store is derived data: it is rebuilt from the
 //! journaled reverse index each time the store opens, so it needs no journal.
 
 use std::cmp::Reverse;
@@ -262,8 +263,20 @@ struct Leaf {
     mem: u32,
     disk_page: u32,
     disk_pages: u32,
+    /// Entries of the on-disk group (low 31 bits) and, in the top bit
+    /// ([`MAY_BE_STALE`]), whether an entry of this prefix was removed
+    /// since the on-disk group was last validated.
     disk_count: u32,
 }
+
+/// [`Leaf::disk_count`] flag: a fingerprint of this prefix was removed
+/// while the prefix had an on-disk group, so that group may hold a stale
+/// entry, which the next read-merge-write validates away. Without it a
+/// merge skips the validation (one reverse-index probe per entry): with
+/// every removal going through [`FingerprintIndex::remove`], nothing in the
+/// group can be stale. Stale entries are only ever garbage, never a wrong
+/// answer: every hit is validated again by the caller.
+const MAY_BE_STALE: u32 = 1 << 31;
 
 impl Default for Leaf {
     fn default() -> Self {
@@ -279,6 +292,13 @@ impl Default for Leaf {
 impl Leaf {
     fn is_empty(&self) -> bool {
         self.mem == NONE && self.disk_pages == 0
+    }
+    /// Entries in the on-disk group (stale ones included).
+    fn disk_entries(&self) -> u64 {
+        u64::from(self.disk_count & !MAY_BE_STALE)
+    }
+    fn may_be_stale(&self) -> bool {
+        self.disk_count & MAY_BE_STALE != 0
     }
 }
 
@@ -1121,6 +1141,9 @@ impl FingerprintIndex {
         let Some(leaf) = self.leaf(prefix).copied() else {
             return;
         };
+        if leaf.disk_pages > 0 {
+            self.leaf_mut(prefix).disk_count |= MAY_BE_STALE;
+        }
         if leaf.mem == NONE {
             return;
         }
@@ -1280,7 +1303,8 @@ impl FingerprintIndex {
     }
 
     /// Read-merge-write of the on-disk group of `prefix` with `add`
-    /// (sorted); entries failing `live` are dropped.
+    /// (sorted). If the prefix [`Leaf::may_be_stale`], entries failing
+    /// `live` are dropped and the flag clears with the write.
     fn merge_to_disk(&mut self, prefix: u32, add: &[Entry], live: Live<'_>) -> io::Result<()> {
         let leaf = *self.leaf_mut(prefix);
         let mut merged: Vec<Entry> = Vec::new();
@@ -1321,9 +1345,11 @@ impl FingerprintIndex {
         } else {
             merged.extend_from_slice(add);
         }
-        merged.retain(|&(k, p)| live(k, Pba(p)));
+        if leaf.may_be_stale() {
+            merged.retain(|&(k, p)| live(k, Pba(p)));
+        }
         self.stats.entries_on_disk =
-            self.stats.entries_on_disk + merged.len() as u64 - leaf.disk_count as u64;
+            self.stats.entries_on_disk + merged.len() as u64 - leaf.disk_entries();
         self.write_group(prefix, leaf, &merged)
     }
 
@@ -1357,6 +1383,7 @@ impl FingerprintIndex {
             )?;
             new_leaf.disk_page = page;
             new_leaf.disk_pages = pages;
+            debug_assert!(entries.len() < MAY_BE_STALE as usize);
             new_leaf.disk_count = entries.len() as u32;
         }
         let mem = self.leaf_mut(prefix).mem;
