@@ -1682,6 +1682,54 @@ mod tests {
     }
 
     #[test]
+    fn removals_flag_their_group_and_the_next_merge_drops_the_stale_entries() {
+        // 2 prefix groups' worth of keys, a budget that keeps evicting
+        let mut live_set: HashMap<u64, u64> = HashMap::new();
+        let mut idx = index(8 << 10, EvictionPolicy::GroupLru, LookupMode::Disk);
+        let put = |idx: &mut FingerprintIndex, live_set: &mut HashMap<u64, u64>, i: u64| {
+            live_set.insert(key_of(&fp(i)), i);
+            let live = |k: u64, p: Pba| live_set.get(&k) == Some(&p.0);
+            idx.insert(&fp(i), Pba(i), &live).unwrap();
+        };
+        for i in 0..4_000u64 {
+            put(&mut idx, &mut live_set, i);
+        }
+        // flush every group to disk: what is on disk is then all of it
+        let everything = |_: u64, _: Pba| true;
+        while idx.tail != NONE {
+            idx.evict_group(idx.tail, &everything).unwrap();
+        }
+        assert_eq!(idx.stats().entries_on_disk, 4_000);
+        // remove 100 fingerprints (their blocks freed): flagged, still on disk
+        for i in 0..100u64 {
+            live_set.remove(&key_of(&fp(i)));
+            idx.remove(&fp(i), Pba(i));
+        }
+        assert_eq!(idx.stats().entries_on_disk, 4_000);
+        let flagged: Vec<u32> = (0..100u64).map(|i| idx.prefix_of(key_of(&fp(i)))).collect();
+        assert!(flagged
+            .iter()
+            .all(|&p| idx.leaf(p).is_some_and(|l| l.may_be_stale())));
+        // new fingerprints in every group, then merged: each flagged group
+        // is validated (its stale entries dropped) and unflagged
+        for i in 4_000..8_000u64 {
+            put(&mut idx, &mut live_set, i);
+        }
+        let live = |k: u64, p: Pba| live_set.get(&k) == Some(&p.0);
+        while idx.tail != NONE {
+            idx.evict_group(idx.tail, &live).unwrap();
+        }
+        assert_eq!(idx.stats().entries_on_disk, 7_900);
+        assert!(flagged
+            .iter()
+            .all(|&p| idx.leaf(p).is_some_and(|l| !l.may_be_stale())));
+        for i in 0..100u64 {
+            assert_eq!(idx.lookup(&fp(i), &live).unwrap(), None);
+        }
+        assert_eq!(idx.lookup(&fp(100), &live).unwrap(), Some(Pba(100)));
+    }
+
+    #[test]
     fn memory_mode_never_reads_disk_and_removed_entries_stay_gone() {
         let mut live_set: HashMap<u64, u64> = HashMap::new();
         let mut idx = index(16 << 10, EvictionPolicy::GroupLru, LookupMode::Memory);
