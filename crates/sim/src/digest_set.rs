@@ -134,10 +134,13 @@ impl DigestSet {
     }
 
     /// Hints that the bucket of the digest hashing to `hash` will be
-    /// probed soon.
+    /// probed soon, and the one after it (where a probe overflows to).
     #[inline]
     pub fn prefetch(&self, hash: u64) {
-        dedupd_engine::prefetch::prefetch_read(&self.table.buckets()[self.bucket_of(hash)]);
+        let b = self.bucket_of(hash);
+        let buckets = self.table.buckets();
+        dedupd_engine::prefetch::prefetch_read(&buckets[b]);
+        dedupd_engine::prefetch::prefetch_read(&buckets[(b + 1) & (buckets.len() - 1)]);
     }
 
     /// Inserts `d`, whose [`digest_hash`] is `hash`; true if it was not in
