@@ -274,66 +274,6 @@ struct CommitState {
 /// or shrunk (32 MiB of volume).
 pub const RELEASE_PIECE_BLOCKS: u64 = 8192;
 
-/// A write's inline dedup decided under the metadata lock (phase 1 of
-/// [`Engine::place_blocks`]), to be finished by [`Engine::finish_blocks`].
-struct Plan {
-    /// Per block of the write.
-    placement: SmallVec<[Placement; 4]>,
-    /// Blocks looked up inline, and those found duplicate (for adaptive
-    /// selectivity).
-    selected_blocks: u64,
-    inline_dups: u64,
-    /// `Meta::index_inserts` when the plan was made: if it moved by the
-    /// time the plan is finished, a miss is looked up again.
-    inserts_seen: u64,
-}
-
-/// Writes of fingerprints without data, as [`Engine::write_fingerprinted`]
-/// does them, holding the engine's metadata lock from one write to the
-/// next instead of taking it for each: a replay driving the engine alone
-/// spends no atomic operations between requests. Made by
-/// [`Engine::fingerprint_writer`]; the lock is taken at the first call and
-/// held until [`FingerprintWriter::release`] or the writer's drop. With CAFTL's filters configured
-/// (pre-hashing, sampling), which look the index up under the lock of
-/// their own, each write takes the lock itself as
-/// [`Engine::write_fingerprinted`] does.
-pub struct FingerprintWriter<'a> {
-    engine: &'a Engine,
-    meta: Option<MutexGuard<'a, Meta>>,
-}
-
-impl FingerprintWriter<'_> {
-    /// [`Engine::write_fingerprinted`]: the same effects, results and
-    /// errors.
-    pub fn write(&mut self, vol: VolumeId, first: Lba, fps: &[Option<Fingerprint>]) -> Result<()> {
-        let engine = self.engine;
-        if engine.config.prehash_bytes > 0 || engine.config.sampling {
-            self.meta = None;
-            return engine.write_fingerprinted(vol, first, fps);
-        }
-        let m = self.meta.get_or_insert_with(|| lock(&engine.meta));
-        let plan = engine.plan_blocks(m, vol, first.0, fps, None, None)?;
-        let (selected_blocks, inline_dups) = (plan.selected_blocks, plan.inline_dups);
-        engine.finish_blocks(m, vol, first.0, plan)?;
-        engine.selectivity.observe(selected_blocks, inline_dups);
-        Ok(())
-    }
-
-    /// Releases the metadata lock (the next write or prefetch takes it
-    /// again), so other calls on the engine can run.
-    pub fn release(&mut self) {
-        self.meta = None;
-    }
-
-    /// [`Engine::prefetch_fingerprints`] under the writer's lock.
-    pub fn prefetch(&mut self, fps: &[Fingerprint]) {
-        let engine = self.engine;
-        self.meta
-            .get_or_insert_with(|| lock(&engine.meta))
-            .prefetch_lookups(fps);
-    }
-}
-
 /// Where a block of a write ends up, decided under the metadata lock.
 enum Placement {
     Done,
@@ -1381,17 +1321,6 @@ impl Engine {
         self.place_blocks(vol, first.0, fps, None, Some(&inline))
     }
 
-    /// A [`FingerprintWriter`]: fingerprint-only writes under one hold of
-    /// the metadata lock, for a single-threaded trace replay. While it
-    /// holds the lock, every other call on this engine waits for it (from
-    /// the same thread: forever); release it first.
-    pub fn fingerprint_writer(&self) -> FingerprintWriter<'_> {
-        FingerprintWriter {
-            engine: self,
-            meta: None,
-        }
-    }
-
     /// Hints that blocks with fingerprints `fps` are about to be written
     /// (a replay's next requests): the fingerprint index entries and
     /// reverse-index records their lookups read are brought into the CPU
@@ -1414,89 +1343,13 @@ impl Engine {
         data: Option<&[u8]>,
         inline: Option<&[bool]>,
     ) -> Result<()> {
-        let mut m = lock(&self.meta);
-        let plan = self.plan_blocks(&mut m, vol, first, fps, data, inline)?;
-        let placement = &plan.placement;
-
-        // phase 2: write new data without the metadata lock, coalescing
-        // runs of consecutive PBAs (nothing to write without data, as in a
-        // replay of fingerprints: then the lock is kept throughout)
-        if let Some(data) = data {
-            drop(m);
-            let new: Vec<(usize, Pba)> = placement
-                .iter()
-                .enumerate()
-                .filter_map(|(i, p)| {
-                    if let Placement::New { pba, .. } = p {
-                        Some((i, *pba))
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            let mut k = 0;
-            let mut failure = None;
-            while k < new.len() {
-                let (i0, p0) = new[k];
-                let mut j = k + 1;
-                while j < new.len()
-                    && new[j].0 == i0 + (j - k)
-                    && new[j].1 .0 == p0.0 + (j - k) as u64
-                {
-                    j += 1;
-                }
-                if let Err(e) = self
-                    .backend
-                    .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
-                {
-                    failure = Some(EngineError::io(format!("writing PBA {}", p0.0), e));
-                    break;
-                }
-                k = j;
-            }
-            m = lock(&self.meta);
-            if let Some(e) = failure {
-                for (_, p) in new {
-                    m.unreserve(p);
-                }
-                return Err(e);
-            }
-            if !m.volumes.contains_key(&vol) {
-                // deleted meanwhile: nothing to map, the reserved PBAs go back
-                for p in placement {
-                    if let Placement::New { pba, .. } = p {
-                        m.unreserve(*pba);
-                    }
-                }
-                return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
-            }
-        }
-
-        let (selected_blocks, inline_dups) = (plan.selected_blocks, plan.inline_dups);
-        self.finish_blocks(&mut m, vol, first, plan)?;
-        drop(m);
-        self.selectivity.observe(selected_blocks, inline_dups);
-        Ok(())
-    }
-
-    /// Phase 1 of [`Engine::place_blocks`], under the metadata lock: looks
-    /// every block up; hits and zeros are mapped at once (after the
-    /// sequence threshold has had its say); misses get a reserved PBA.
-    ///
-    /// Errors: an unknown volume, a range past its end, or a failed read
-    /// of the on-disk fingerprint store (`disk` lookup mode).
-    fn plan_blocks(
-        &self,
-        m: &mut Meta,
-        vol: VolumeId,
-        first: u64,
-        fps: &[Option<Fingerprint>],
-        data: Option<&[u8]>,
-        inline: Option<&[bool]>,
-    ) -> Result<Plan> {
         let n = fps.len();
+        // phase 1: look every block up; hits and zeros are mapped at once
+        // (after the sequence threshold has had its say); misses get a
+        // reserved PBA
         let mut placement: SmallVec<[Placement; 4]> = SmallVec::with_capacity(n);
         let (mut selected_blocks, mut inline_dups) = (0u64, 0u64);
+        let mut m = lock(&self.meta);
         let Some(volume) = m.volumes.get(&vol) else {
             return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
         };
@@ -1534,7 +1387,7 @@ impl Engine {
                         .lookup(fp)
                         .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
                     let same_request = first_of.get(fp).copied();
-                    if let Some(p) = hit.filter(|&p| self.verified(p, block(i), m)) {
+                    if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
                         Candidate::Stored(p.0)
                     } else if let Some(j) =
                         same_request.filter(|&j| !self.config.verify || block(i) == block(j))
@@ -1582,7 +1435,7 @@ impl Engine {
             // stored copy (overwriting its last reference): then store anew
             let live = |m: &Meta, p: u64| m.refcounts.get_u32(p) > 0;
             match (cands[i], keep(i)) {
-                (Candidate::Stored(p), true) if live(m, p) => {
+                (Candidate::Stored(p), true) if live(&m, p) => {
                     m.remap(vol, lba, Some(Pba(p)));
                     m.counters.duplicate_blocks += 1;
                     placement.push(Placement::Done);
@@ -1607,20 +1460,62 @@ impl Engine {
                 }
             }
         }
-        Ok(Plan {
-            placement,
-            selected_blocks,
-            inline_dups,
-            inserts_seen: m.index_inserts,
-        })
-    }
+        let inserts_seen = m.index_inserts;
 
-    /// Phase 3 of [`Engine::place_blocks`]: indexes and maps the new
-    /// blocks of `plan` (their data, if any, written), shares copies
-    /// within the request, and counts what was fingerprinted.
-    fn finish_blocks(&self, m: &mut Meta, vol: VolumeId, first: u64, plan: Plan) -> Result<()> {
-        let placement = plan.placement;
-        let n = placement.len();
+        // phase 2: write new data without the metadata lock, coalescing
+        // runs of consecutive PBAs (nothing to write without data, as in a
+        // replay of fingerprints: then the lock is kept throughout)
+        if let Some(data) = data {
+            drop(m);
+            let new: Vec<(usize, Pba)> = placement
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| {
+                    if let Placement::New { pba, .. } = p {
+                        Some((i, *pba))
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            let mut k = 0;
+            let mut failure = None;
+            while k < new.len() {
+                let (i0, p0) = new[k];
+                let mut j = k + 1;
+                while j < new.len()
+                    && new[j].0 == i0 + (j - k)
+                    && new[j].1 .0 == p0.0 + (j - k) as u64
+                {
+                    j += 1;
+                }
+                if let Err(e) = self
+                    .backend
+                    .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
+                {
+                    failure = Some(EngineError::io(format!("writing PBA {}", p0.0), e));
+                    break;
+                }
+                k = j;
+            }
+            m = lock(&self.meta);
+            if let Some(e) = failure {
+                for (_, p) in new {
+                    m.unreserve(p);
+                }
+                return Err(e);
+            }
+            if !m.volumes.contains_key(&vol) {
+                // deleted meanwhile: nothing to map, the reserved PBAs go back
+                for p in &placement {
+                    if let Placement::New { pba, .. } = p {
+                        m.unreserve(*pba);
+                    }
+                }
+                return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
+            }
+        }
+
         // phase 3: index and map the new blocks (another writer may have
         // stored the same content meanwhile: then share its copy)
         // where each new block ended up, for the copies of it in this
@@ -1651,7 +1546,7 @@ impl Engine {
                     continue;
                 }
                 // a miss in phase 1 still holds if nothing was indexed since
-                let raced = if m.index_inserts == plan.inserts_seen {
+                let raced = if m.index_inserts == inserts_seen {
                     None
                 } else {
                     match m.lookup(fp) {
@@ -1694,8 +1589,10 @@ impl Engine {
                 m.counters.duplicate_blocks += 1;
             }
         }
-        m.fingerprinted_inline += plan.selected_blocks;
-        self.note_change(m);
+        m.fingerprinted_inline += selected_blocks;
+        self.note_change(&m);
+        drop(m);
+        self.selectivity.observe(selected_blocks, inline_dups);
         Ok(())
     }
 

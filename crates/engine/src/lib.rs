@@ -37,7 +37,7 @@ pub mod stats;
 pub mod store;
 
 pub use block::{Lba, Pba, VolumeId, BLOCK_SIZE};
-pub use engine::{Engine, EngineConfig, FingerprintWriter, VolumeInfo};
+pub use engine::{Engine, EngineConfig, VolumeInfo};
 pub use error::{EngineError, Result};
 pub use fingerprint::{Fingerprint, HashAlgorithm};
 pub use stats::Stats;

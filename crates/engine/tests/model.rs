@@ -308,69 +308,6 @@ fn simulated_engine_dedups_by_fingerprint() {
 }
 
 #[test]
-fn fingerprint_writer_does_what_write_fingerprinted_does() {
-    use dedupd_engine::{Fingerprint, Lba};
-    let fp = |i: u64| {
-        // 97 contents, keys spread over the prefix tree
-        let k = (i % 97 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        Some(Fingerprint::from_digest(&k.to_be_bytes()))
-    };
-    let writes: Vec<(u64, Vec<Option<Fingerprint>>)> = (0..2000u64)
-        .map(|i| {
-            let first = (i * 7919) % 4096;
-            let n = 1 + i % 3;
-            let fps = (0..n)
-                .map(|k| {
-                    if (i + k) % 11 == 0 {
-                        None
-                    } else {
-                        fp(i * 3 + k)
-                    }
-                })
-                .collect();
-            (first, fps)
-        })
-        .collect();
-    // a tiny budget (groups evicted), the sequence threshold, CAFTL
-    // pre-hashing (the writer then locks per write)
-    for which in [12, 7, 8] {
-        let cfg = config(which);
-        let plain = Engine::simulated_with(HashAlgorithm::Sha256, cfg.clone());
-        let held = Engine::simulated_with(HashAlgorithm::Sha256, cfg);
-        let pv = plain.create_volume("t", 16 << 20).unwrap();
-        let hv = held.create_volume("t", 16 << 20).unwrap();
-        let mut w = held.fingerprint_writer();
-        for (i, (first, fps)) in writes.iter().enumerate() {
-            plain.write_fingerprinted(pv, Lba(*first), fps).unwrap();
-            w.write(hv, Lba(*first), fps).unwrap();
-            if i % 500 == 499 {
-                // released, the engine serves other calls (then the writer
-                // takes the lock again)
-                w.release();
-                plain.flush().unwrap();
-                held.flush().unwrap();
-            }
-        }
-        // refused like write_fingerprinted: past the end, unknown volume
-        assert!(w.write(hv, Lba((16 << 20) / 4096), &[fp(1)]).is_err());
-        assert!(w.write(VolumeId(999), Lba(0), &[fp(1)]).is_err());
-        drop(w);
-        let (a, b) = (plain.stats(), held.stats());
-        assert_eq!(a.blocks_written, b.blocks_written);
-        assert_eq!(a.duplicate_writes_eliminated, b.duplicate_writes_eliminated);
-        assert_eq!(a.physical_blocks_stored, b.physical_blocks_stored);
-        assert_eq!(a.logical_bytes_mapped, b.logical_bytes_mapped);
-        assert!(
-            // (runs of 3 duplicates, which the threshold asks, are too rare here)
-            (which == 7 || b.duplicate_writes_eliminated > 0) && b.zero_blocks_written > 0,
-            "config {which}: {b:?}"
-        );
-        assert_eq!(plain.extents(pv), held.extents(hv));
-        assert!(held.check().is_empty());
-    }
-}
-
-#[test]
 fn out_of_line_dedup_finds_what_a_tiny_memory_budget_missed() {
     let cfg = config(3); // 4 KiB budget, memory-only lookups
     let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);

@@ -31,8 +31,7 @@ use dedupd_engine::fingerprint::FINGERPRINT_SIZE;
 use dedupd_engine::index::EvictionPolicy;
 use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
 use dedupd_engine::{
-    Engine, EngineConfig, Fingerprint, FingerprintWriter, HashAlgorithm, Lba, Stats, VolumeId,
-    BLOCK_SIZE,
+    Engine, EngineConfig, Fingerprint, HashAlgorithm, Lba, Stats, VolumeId, BLOCK_SIZE,
 };
 
 use crate::digest_set::{digest_hash, DigestSet};
@@ -607,7 +606,7 @@ impl Lookahead {
     /// Once fewer than half the waiting requests are prefetched, hands the
     /// next batch's fingerprints to the engine and fetches their
     /// exact-set slots.
-    fn prefetch(&mut self, writer: &mut FingerprintWriter<'_>, exact: &DigestSet) {
+    fn prefetch(&mut self, engine: &Engine, exact: &DigestSet) {
         if self.prefetched >= LOOKAHEAD_REQUESTS / 2 {
             return;
         }
@@ -622,7 +621,7 @@ impl Lookahead {
             self.prefetched += 1;
         }
         if !self.batch.is_empty() {
-            writer.prefetch(&self.batch);
+            engine.prefetch_fingerprints(&self.batch);
         }
     }
 
@@ -688,12 +687,9 @@ pub fn replay(
     let max_blocks = VOLUME_BYTES / BLOCK_SIZE as u64;
     let mut last_ts_ns: Option<u64> = None;
     let mut ahead = Lookahead::new();
-    // holds the metadata lock from one write to the next; released before
-    // any other call on the engine
-    let mut writer = engine.fingerprint_writer();
     loop {
         ahead.fill(&mut inputs);
-        ahead.prefetch(&mut writer, &exact);
+        ahead.prefetch(&engine, &exact);
         let Some(pending) = ahead.pop() else {
             break;
         };
@@ -728,7 +724,6 @@ pub fn replay(
                         let s = streams.len();
                         let base = label.rsplit('/').next().unwrap_or(&label).to_string();
                         let volume = volume_name(s, &base);
-                        writer.release();
                         let id = engine.create_volume(&volume, VOLUME_BYTES)?;
                         streams.push(Stream {
                             report: StreamReport {
@@ -774,8 +769,8 @@ pub fn replay(
                     stream.report.writes += 1;
                     stream.report.blocks_written += n;
                     r.blocks_written += n;
-                    writer
-                        .write(stream.volume, Lba(first), &pending.fps)
+                    engine
+                        .write_fingerprinted(stream.volume, Lba(first), &pending.fps)
                         .map_err(|e| TraceError::Request {
                             location: location(inp),
                             msg: e.to_string(),
@@ -788,7 +783,6 @@ pub fn replay(
                 }
                 Some(Op::Trim) => {
                     r.trims += 1;
-                    writer.release();
                     engine
                         .trim(
                             stream.volume,
@@ -805,21 +799,18 @@ pub fn replay(
             }
             match cfg.out_of_line {
                 OutOfLine::EveryRequests(n) if r.requests.is_multiple_of(n) => {
-                    writer.release();
                     engine.dedup_pass(4096)?;
                 }
                 OutOfLine::IdleGapMs(gap_ms)
                     if last_ts_ns
                         .is_some_and(|t| req.ts_ns.saturating_sub(t) >= gap_ms * 1_000_000) =>
                 {
-                    writer.release();
                     drain_out_of_line(&engine)?;
                 }
                 _ => {}
             }
             last_ts_ns = Some(req.ts_ns);
             if r.requests.is_multiple_of(FLUSH_EVERY_REQUESTS) {
-                writer.release();
                 engine.flush()?;
                 r.peak_index_bytes_in_memory = r
                     .peak_index_bytes_in_memory
@@ -838,7 +829,6 @@ pub fn replay(
     if let Some(e) = ahead.read_error {
         return Err(e);
     }
-    drop(writer);
     // as a store's shutdown: flush, then a (modelled) checkpoint
     engine.close()?;
     let st = engine.stats();
