@@ -2,8 +2,8 @@
 //! with G-LRU and an 8 MiB index budget (throughput in requests), twice:
 //! 200 000 requests, whose 100 000 distinct fingerprints fit in the budget,
 //! and 2 000 000 requests, whose million do not (groups are evicted to the
-//! on-disk store and read back: the steady state of a long trace); and FIU
-//! text parsing (throughput in lines). Run: `cargo bench -p dedupd-sim`.
+//! on-disk store and read back: the steady state of a long trace); FIU
+//! text parsing (throughput in lines) and native parsing (requests). Run: `cargo bench -p dedupd-sim`.
 
 use std::io::Write;
 use std::path::Path;
@@ -109,6 +109,24 @@ fn bench(c: &mut Criterion) {
                 n += 1;
             }
             assert_eq!(n, FIU_LINES);
+        })
+    });
+    g.throughput(Throughput::Elements(REQUESTS_EVICTING));
+    g.bench_function("native (requests)", |b| {
+        b.iter(|| {
+            let mut r = TraceReader::open(
+                &evicting,
+                Some(Format::Native),
+                false,
+                Arc::new(AtomicU64::new(0)),
+            )
+            .expect("open");
+            let mut req = Request::default();
+            let mut n = 0u64;
+            while r.next_into(&mut req).expect("parse") {
+                n += 1;
+            }
+            assert_eq!(n, REQUESTS_EVICTING);
         })
     });
     g.finish();
