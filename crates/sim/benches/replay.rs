@@ -62,6 +62,18 @@ fn fiu_trace(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// Parses the whole trace at `path`, returning its number of requests.
+fn parse_all(path: &Path, format: Format) -> u64 {
+    let mut r =
+        TraceReader::open(path, Some(format), false, Arc::new(AtomicU64::new(0))).expect("open");
+    let mut req = Request::default();
+    let mut n = 0u64;
+    while r.next_into(&mut req).expect("parse") {
+        n += 1;
+    }
+    n
+}
+
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     let native = native_trace(dir.path(), REQUESTS);
@@ -99,35 +111,11 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10);
     g.throughput(Throughput::Elements(FIU_LINES));
     g.bench_function("fiu text (lines)", |b| {
-        b.iter(|| {
-            let mut r =
-                TraceReader::open(&fiu, Some(Format::Fiu), false, Arc::new(AtomicU64::new(0)))
-                    .expect("open");
-            let mut req = Request::default();
-            let mut n = 0u64;
-            while r.next_into(&mut req).expect("parse") {
-                n += 1;
-            }
-            assert_eq!(n, FIU_LINES);
-        })
+        b.iter(|| assert_eq!(parse_all(&fiu, Format::Fiu), FIU_LINES))
     });
     g.throughput(Throughput::Elements(REQUESTS_EVICTING));
     g.bench_function("native (requests)", |b| {
-        b.iter(|| {
-            let mut r = TraceReader::open(
-                &evicting,
-                Some(Format::Native),
-                false,
-                Arc::new(AtomicU64::new(0)),
-            )
-            .expect("open");
-            let mut req = Request::default();
-            let mut n = 0u64;
-            while r.next_into(&mut req).expect("parse") {
-                n += 1;
-            }
-            assert_eq!(n, REQUESTS_EVICTING);
-        })
+        b.iter(|| assert_eq!(parse_all(&evicting, Format::Native), REQUESTS_EVICTING))
     });
     g.finish();
 }
