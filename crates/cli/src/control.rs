@@ -1,7 +1,10 @@
 //! The control socket `<store>/control.sock`: lets `dedupd stats` and
 //! `dedupd volume …` reach a running `dedupd serve`, which holds the store.
 //!
-//! Protocol: one JSON request line, one JSON reply line.
+//! Protocol: one JSON request line; then, for long operations (volume
+//! delete and resize, offline dedup), progress lines
+//! `{"progress":{"done":D,"total":T}}` at most every 250 ms (blocks done
+//! of all); then one JSON reply line.
 //! Requests: `{"cmd":"stats"}`, `{"cmd":"volume_list"}`,
 //! `{"cmd":"volume_create","name":N,"size_bytes":S}`,
 //! `{"cmd":"volume_resize","name":N,"size_bytes":S}`,
@@ -15,9 +18,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context};
+use anyhow::{anyhow, bail, Context};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -49,31 +52,60 @@ pub fn socket_path(store: &Path) -> PathBuf {
     store.join("control.sock")
 }
 
-/// Sends `req` to the server of `store`; the reply's result or its error.
-pub fn call(store: &Path, req: &Request) -> anyhow::Result<Value> {
+/// Longest wait for the next line from the server: a long operation
+/// sends progress lines well within it.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
+/// Least time between two progress lines.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// Sends `req` to the server of `store`, passing each progress line
+/// (blocks done, of all) to `progress` while the server works; the
+/// reply's result or its error.
+///
+/// Errors: no server listening, no line for [`REPLY_TIMEOUT`], a malformed
+/// line, or the server's error.
+pub fn call(
+    store: &Path,
+    req: &Request,
+    progress: &mut dyn FnMut(u64, u64),
+) -> anyhow::Result<Value> {
     let path = socket_path(store);
     let mut s = UnixStream::connect(&path)
         .with_context(|| format!("connecting to the running server at {}", path.display()))?;
-    s.set_read_timeout(Some(Duration::from_secs(600)))?;
+    s.set_read_timeout(Some(REPLY_TIMEOUT))?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
     s.write_all(line.as_bytes())?;
-    let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply)?;
-    let v: Value = serde_json::from_str(&reply).context("malformed reply from the server")?;
-    if v["ok"].as_bool() == Some(true) {
-        Ok(v["result"].clone())
-    } else {
-        Err(anyhow!("{}", v["error"].as_str().unwrap_or("server error")))
+    let mut lines = BufReader::new(s);
+    loop {
+        let mut reply = String::new();
+        if lines.read_line(&mut reply)? == 0 {
+            bail!("the server closed the control connection without a reply");
+        }
+        let v: Value = serde_json::from_str(&reply).context("malformed reply from the server")?;
+        if let Some(p) = v.get("progress") {
+            let n = |k: &str| p[k].as_u64().unwrap_or(0);
+            progress(n("done"), n("total"));
+            continue;
+        }
+        return if v["ok"].as_bool() == Some(true) {
+            Ok(v["result"].clone())
+        } else {
+            Err(anyhow!("{}", v["error"].as_str().unwrap_or("server error")))
+        };
     }
 }
 
+/// What answers a request: given it and a progress callback (blocks done,
+/// of all), the reply's result.
+pub type Handler = dyn Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value> + Send + Sync;
+
 /// Serves control requests on `listener` until `stop` is set, answering
-/// each with `handle`.
+/// each with `handle` (one thread per connection).
 pub fn serve(
     listener: UnixListener,
     stop: Arc<AtomicBool>,
-    handle: impl Fn(Request) -> anyhow::Result<Value> + Send + Sync + 'static,
+    handle: impl Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value> + Send + Sync + 'static,
 ) {
     let handle = Arc::new(handle);
     listener.set_nonblocking(true).ok();
@@ -93,24 +125,32 @@ pub fn serve(
     }
 }
 
-fn answer(
-    stream: UnixStream,
-    handle: &dyn Fn(Request) -> anyhow::Result<Value>,
-) -> std::io::Result<()> {
+fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut line = String::new();
     BufReader::new(stream.try_clone()?).take_line(&mut line)?;
+    let mut out = &stream;
+    let mut last: Option<Instant> = None;
+    // a client gone meanwhile only loses its progress lines: the
+    // operation runs to its end
+    let mut progress = |done: u64, total: u64| {
+        if last.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
+            last = Some(Instant::now());
+            let p = serde_json::json!({"progress": {"done": done, "total": total}});
+            let _ = writeln!(out, "{p}");
+        }
+    };
     let reply = match serde_json::from_str::<Request>(&line) {
-        Ok(req) => match handle(req) {
+        Ok(req) => match handle(req, &mut progress) {
             Ok(result) => serde_json::json!({"ok": true, "result": result}),
             Err(e) => serde_json::json!({"ok": false, "error": format!("{e:#}")}),
         },
         Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
     };
-    let mut out = serde_json::to_vec(&reply).unwrap_or_default();
-    out.push(b'\n');
-    (&stream).write_all(&out)
+    let mut bytes = serde_json::to_vec(&reply).unwrap_or_default();
+    bytes.push(b'\n');
+    out.write_all(&bytes)
 }
 
 trait TakeLine {
@@ -122,5 +162,77 @@ impl<R: std::io::Read> TakeLine for BufReader<R> {
     fn take_line(self, out: &mut String) -> std::io::Result<usize> {
         use std::io::Read;
         BufReader::new(self.take(64 * 1024)).read_line(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// A server whose handler reports `steps` progress steps 100 ms apart
+    /// for `volume_delete`, then answers; `stats` fails.
+    fn start(dir: &Path, finished: Arc<AtomicU64>) -> Arc<AtomicBool> {
+        let listener = UnixListener::bind(socket_path(dir)).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        std::thread::spawn(move || {
+            serve(listener, s, move |req, progress| match req {
+                Request::VolumeDelete { name } => {
+                    for done in 0..=8u64 {
+                        progress(done, 8);
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    finished.fetch_add(1, Ordering::SeqCst);
+                    Ok(Value::String(name))
+                }
+                _ => bail!("no such thing"),
+            })
+        });
+        stop
+    }
+
+    #[test]
+    fn progress_lines_come_before_the_reply_and_errors_come_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let finished = Arc::new(AtomicU64::new(0));
+        let stop = start(dir.path(), finished.clone());
+        let mut seen = Vec::new();
+        let req = Request::VolumeDelete { name: "v".into() };
+        let r = call(dir.path(), &req, &mut |d, t| seen.push((d, t))).unwrap();
+        assert_eq!(r, Value::String("v".into()));
+        assert_eq!(finished.load(Ordering::SeqCst), 1);
+        // about 900 ms of work, a line at most every 250 ms
+        assert!((2..=5).contains(&seen.len()), "{seen:?}");
+        assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
+        assert!(seen.iter().all(|&(d, t)| t == 8 && d <= 8), "{seen:?}");
+        let e = call(dir.path(), &Request::Stats, &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("no such thing"), "{e}");
+        stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_client_that_leaves_does_not_stop_the_operation() {
+        let dir = tempfile::tempdir().unwrap();
+        let finished = Arc::new(AtomicU64::new(0));
+        let stop = start(dir.path(), finished.clone());
+        {
+            let mut s = UnixStream::connect(socket_path(dir.path())).unwrap();
+            let req = serde_json::to_string(&Request::VolumeDelete { name: "v".into() });
+            writeln!(s, "{}", req.unwrap()).unwrap();
+            // read the first progress line, then go away
+            let mut first = String::new();
+            BufReader::new(&s).read_line(&mut first).unwrap();
+            assert!(first.contains("progress"), "{first}");
+        }
+        let t = Instant::now();
+        while finished.load(Ordering::SeqCst) == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the operation stopped"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        stop.store(true, Ordering::Relaxed);
     }
 }

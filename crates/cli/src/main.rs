@@ -215,11 +215,30 @@ fn with_store(
             e.close()?;
             Ok(v)
         }
-        Err(EngineError::Locked(_)) => {
-            control::call(store, &req).context("the store is in use by `dedupd serve`")
-        }
+        Err(EngineError::Locked(_)) => remote(store, &req),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Runs `req` on the server that holds the store, showing the progress
+/// it reports (volume delete and resize, offline dedup) as a bar.
+fn remote(store: &Path, req: &Request) -> anyhow::Result<Value> {
+    let label = match req {
+        Request::VolumeDelete { name } => format!("delete {name}"),
+        Request::VolumeResize { name, .. } => format!("resize {name}"),
+        Request::DedupOffline { .. } => "dedup --offline".to_string(),
+        _ => String::new(),
+    };
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let result = control::call(store, req, &mut |done, all| {
+        let bar = bar.get_or_insert_with(|| progress_bar(&label));
+        bar.set_length(all);
+        bar.set_position(done);
+    });
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    result.context("the store is in use by `dedupd serve`")
 }
 
 fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
@@ -360,8 +379,7 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
             e.close()?;
             serde_json::to_value(r)?
         }
-        Err(EngineError::Locked(_)) => control::call(store, &Request::DedupOffline { volume })
-            .context("the store is in use by `dedupd serve`")?,
+        Err(EngineError::Locked(_)) => remote(store, &Request::DedupOffline { volume })?,
         Err(e) => return Err(e.into()),
     };
     let after = with_store(store, Request::Stats, |e| {

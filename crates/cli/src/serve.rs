@@ -325,7 +325,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
             let server = server.clone();
             let stop = stop.clone();
             s.spawn(move || {
-                control::serve(ctl, stop, move |req| answer(&engine, &server, req));
+                control::serve(ctl, stop, move |req, progress| {
+                    answer(&engine, &server, req, progress)
+                });
             });
         }
         if args.commit_interval_ms > 0 {
@@ -392,7 +394,12 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn answer(engine: &Engine, server: &Server, req: Request) -> anyhow::Result<Value> {
+fn answer(
+    engine: &Engine,
+    server: &Server,
+    req: Request,
+    progress: &mut dyn FnMut(u64, u64),
+) -> anyhow::Result<Value> {
     Ok(match req {
         Request::Stats => {
             let mut v = serde_json::to_value(engine.stats())?;
@@ -409,11 +416,11 @@ fn answer(engine: &Engine, server: &Server, req: Request) -> anyhow::Result<Valu
             Value::Null
         }
         Request::VolumeResize { name, size_bytes } => {
-            engine.resize_volume(&name, size_bytes)?;
+            engine.resize_volume_with_progress(&name, size_bytes, progress)?;
             Value::Null
         }
         Request::VolumeDelete { name } => {
-            engine.delete_volume(&name)?;
+            engine.delete_volume_with_progress(&name, progress)?;
             Value::Null
         }
         Request::VolumeSet {
@@ -424,7 +431,7 @@ fn answer(engine: &Engine, server: &Server, req: Request) -> anyhow::Result<Valu
             Value::Null
         }
         Request::DedupOffline { volume } => {
-            let r = engine.dedup_offline(volume.as_deref(), &mut |_, _| {})?;
+            let r = engine.dedup_offline(volume.as_deref(), progress)?;
             engine.flush()?;
             serde_json::to_value(r)?
         }

@@ -83,6 +83,22 @@ fn qemu_img_convert_in_and_out_is_byte_identical() {
         .arg(server.uri("img"))
         .arg(server.uri("img2")));
     assert!(String::from_utf8_lossy(&out.stdout).contains("identical"));
+
+    // through the running server (progress lines before each reply): an
+    // offline pass, then deleting the copy frees nothing the first uses
+    let out = dedupd(&store, &["dedup", "--offline"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("examined"));
+    let out = dedupd(&store, &["volume", "delete", "img2"]);
+    assert!(out.status.success(), "{out:?}");
+    let s = stats(&store);
+    assert_eq!(s["physical_blocks_stored"].as_u64().unwrap(), before);
+    assert_eq!(s["volumes"].as_u64().unwrap(), 2, "{s}"); // default, img
+    let out = run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&img)
+        .arg(server.uri("img")));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("identical"));
     server.stop();
 }
 
