@@ -25,10 +25,12 @@ pub struct KeySorter {
     buffers: Vec<Vec<(u64, u64)>>,
     /// Offsets in `scratch` of each bucket's spilled chunks.
     chunks: Vec<Vec<u64>>,
-    /// Where chunks go; `None`: kept in `buffers` (no scratch file, or it
-    /// could not be written).
+    /// Where chunks go; `None`: kept in `buffers` (no scratch file).
     scratch: Option<File>,
     scratch_len: u64,
+    /// Full buffers are spilled; false once a spill failed (the chunks
+    /// spilled before it are still read back from `scratch`).
+    spilling: bool,
 }
 
 impl KeySorter {
@@ -57,6 +59,7 @@ impl KeySorter {
             bits,
             buffers: (0..n).map(|_| Vec::new()).collect(),
             chunks: (0..n).map(|_| Vec::new()).collect(),
+            spilling: bits > 0 && scratch.is_some(),
             scratch: if bits == 0 { None } else { scratch },
             scratch_len: 0,
         }
@@ -75,12 +78,13 @@ impl KeySorter {
         }
     }
 
-    /// Adds a pair. A failed spill keeps the chunk in memory (the sort
-    /// still completes, over its memory bound).
+    /// Adds a pair. After a failed spill (no room for the scratch file)
+    /// the pairs stay in memory: the sort still completes, with every pair,
+    /// over its memory bound.
     pub fn push(&mut self, key: u64, pba: u64) {
         let b = self.bucket(key);
         self.buffers[b].push((key, pba));
-        if self.buffers[b].len() == CHUNK_PAIRS && self.scratch.is_some() {
+        if self.buffers[b].len() == CHUNK_PAIRS && self.spilling {
             self.spill(b);
         }
     }
@@ -95,8 +99,9 @@ impl KeySorter {
             bytes[i * PAIR_BYTES + 8..(i + 1) * PAIR_BYTES].copy_from_slice(&p.to_le_bytes());
         }
         if f.write_all_at(&bytes, self.scratch_len).is_err() {
-            // no room for the scratch file: keep everything in memory
-            self.scratch = None;
+            // no room for the scratch file: keep the rest in memory (what
+            // was spilled is read back as usual)
+            self.spilling = false;
             return;
         }
         self.chunks[b].push(self.scratch_len);
@@ -188,6 +193,53 @@ mod tests {
         let mut pbas: Vec<u64> = a.iter().map(|p| p.1).collect();
         pbas.sort_unstable();
         assert!(pbas.iter().copied().eq(0..100_000));
+    }
+
+    #[test]
+    fn a_spill_that_fails_midway_loses_no_pair() {
+        use std::os::fd::FromRawFd;
+        // a memfd that refuses to grow once sealed: the spills after the
+        // seal fail (as on a full file system), those before it stand
+        // SAFETY: a fresh memfd, owned by the File made from it.
+        let fd = unsafe { libc::memfd_create(c"keysort".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` is open and owned by nothing else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let seal = file.try_clone().unwrap();
+        let n = 20_000u64;
+        let mut s = KeySorter::new(n, 64 << 10, 20, Some(file));
+        assert!(s.buckets() > 1);
+        let key = |i: u64| (i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for i in 0..n / 2 {
+            s.push(key(i), i);
+        }
+        assert!(s.scratch_len > 0, "nothing was spilled before the seal");
+        let spilled = s.scratch_len;
+        // SAFETY: fcntl on an open descriptor.
+        let r = unsafe {
+            libc::fcntl(
+                std::os::fd::AsRawFd::as_raw_fd(&seal),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_GROW,
+            )
+        };
+        assert_eq!(r, 0);
+        for i in n / 2..n {
+            s.push(key(i), i);
+        }
+        assert_eq!(s.scratch_len, spilled, "a spill grew the sealed file");
+        assert!(!s.spilling);
+        let mut out = Vec::new();
+        s.for_each_sorted::<io::Error>(|pairs| {
+            out.extend_from_slice(pairs);
+            Ok(())
+        })
+        .unwrap();
+        assert!(out.windows(2).all(|w| w[0].0 <= w[1].0));
+        let mut want: Vec<(u64, u64)> = (0..n).map(|i| (key(i), i)).collect();
+        want.sort_unstable();
+        out.sort_unstable();
+        assert_eq!(out, want);
     }
 
     #[test]
