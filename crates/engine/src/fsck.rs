@@ -132,13 +132,14 @@ impl Engine {
         }
 
         // maps: entries inside the data file; every reference as a pair
-        // (key, PBA) whose key orders by PBA, sorted through a scratch file,
+        // (key, 1) whose key orders by PBA, counted through a scratch file,
         // so memory stays about the index budget whatever the store's size
-        // (not 4 bytes per PBA)
+        // (not 4 bytes per PBA), even with a block shared by millions of LBAs
         let pba_bits = (64 - data_blocks.leading_zeros()).max(1);
+        let pba_of_key = |key: u64| key >> (64 - pba_bits);
         let budget = m.index.config().memory_budget_bytes;
         let scratch = || self.dir.as_ref().and_then(|d| d.scratch_file());
-        let mut refs = KeySorter::new(m.mapped_blocks, budget, 16, scratch());
+        let mut refs = KeySorter::counting(m.mapped_blocks, budget, 16, scratch());
         let ids: Vec<_> = m.volumes.keys().copied().collect();
         r.volumes = ids.len() as u64;
         let mut outside: Vec<(crate::VolumeId, u64)> = Vec::new();
@@ -156,7 +157,7 @@ impl Engine {
                 let p = raw - 1;
                 r.mapped_blocks += 1;
                 if p < data_blocks {
-                    refs.push(p << (64 - pba_bits), p);
+                    refs.push(p << (64 - pba_bits), 1);
                 } else {
                     outside.push((*id, lba));
                 }
@@ -233,11 +234,10 @@ impl Engine {
         let mut next = 0u64;
         let mut failure = None;
         refs.for_each_sorted::<std::io::Error>(|pairs| {
-            for run in pairs.chunk_by(|a, b| a.1 == b.1) {
-                let p = run[0].1;
-                let counted = (next..p)
-                    .map(|q| (q, 0))
-                    .chain(std::iter::once((p, run.len() as u32)));
+            for &(key, lbas) in pairs {
+                let p = pba_of_key(key);
+                let lbas = u32::try_from(lbas).unwrap_or(u32::MAX);
+                let counted = (next..p).map(|q| (q, 0)).chain(std::iter::once((p, lbas)));
                 for (q, want) in counted {
                     if let Err(e) = check(&mut m, q, want) {
                         failure = Some(e);

@@ -7,6 +7,12 @@
 //! time and sorting it gives every pair in key order with at most one
 //! bucket and the buffers in memory, whatever the number of pairs. With
 //! one bucket (few pairs) nothing is spilled.
+//!
+//! A counting sorter ([`KeySorter::counting`]) treats the second value as a
+//! count and merges pairs with equal keys (adding their counts) whenever a
+//! buffer fills and while a bucket is read back, so one key pushed
+//! millions of times (a block shared by millions of LBAs, to fsck) costs a
+//! pair per spilled chunk, not a pair per push.
 
 use std::fs::File;
 use std::io;
@@ -23,14 +29,17 @@ const MAX_BITS: u32 = 16;
 pub struct KeySorter {
     bits: u32,
     buffers: Vec<Vec<(u64, u64)>>,
-    /// Offsets in `scratch` of each bucket's spilled chunks.
-    chunks: Vec<Vec<u64>>,
+    /// Offset in `scratch` and number of pairs of each bucket's spilled
+    /// chunks.
+    chunks: Vec<Vec<(u64, u32)>>,
     /// Where chunks go; `None`: kept in `buffers` (no scratch file).
     scratch: Option<File>,
     scratch_len: u64,
     /// Full buffers are spilled; false once a spill failed (the chunks
     /// spilled before it are still read back from `scratch`).
     spilling: bool,
+    /// Values are counts; equal keys are merged (see the module docs).
+    counting: bool,
 }
 
 impl KeySorter {
@@ -62,6 +71,22 @@ impl KeySorter {
             spilling: bits > 0 && scratch.is_some(),
             scratch: if bits == 0 { None } else { scratch },
             scratch_len: 0,
+            counting: false,
+        }
+    }
+
+    /// [`KeySorter::new`] for (key, count) pairs: pairs with equal keys are
+    /// merged into one whose count is their sum, and
+    /// [`KeySorter::for_each_sorted`] gives each key once.
+    pub fn counting(
+        expected_pairs: u64,
+        memory_bytes: u64,
+        max_bits: u32,
+        scratch: Option<File>,
+    ) -> Self {
+        KeySorter {
+            counting: true,
+            ..KeySorter::new(expected_pairs, memory_bytes, max_bits, scratch)
         }
     }
 
@@ -81,11 +106,22 @@ impl KeySorter {
     /// Adds a pair. After a failed spill (no room for the scratch file)
     /// the pairs stay in memory: the sort still completes, with every pair,
     /// over its memory bound.
-    pub fn push(&mut self, key: u64, pba: u64) {
+    pub fn push(&mut self, key: u64, value: u64) {
         let b = self.bucket(key);
-        self.buffers[b].push((key, pba));
-        if self.buffers[b].len() == CHUNK_PAIRS && self.spilling {
+        let buf = &mut self.buffers[b];
+        buf.push((key, value));
+        let len = buf.len();
+        if self.spilling && len == CHUNK_PAIRS {
+            if self.counting {
+                combine(buf);
+                // merging made room: no chunk yet
+                if buf.len() <= CHUNK_PAIRS / 2 {
+                    return;
+                }
+            }
             self.spill(b);
+        } else if self.counting && len >= CHUNK_PAIRS && len.is_power_of_two() {
+            combine(buf);
         }
     }
 
@@ -94,17 +130,19 @@ impl KeySorter {
             return;
         };
         let mut bytes = [0u8; CHUNK_PAIRS * PAIR_BYTES];
+        let n = self.buffers[b].len();
+        let bytes = &mut bytes[..n * PAIR_BYTES];
         for (i, (k, p)) in self.buffers[b].iter().enumerate() {
             bytes[i * PAIR_BYTES..i * PAIR_BYTES + 8].copy_from_slice(&k.to_le_bytes());
             bytes[i * PAIR_BYTES + 8..(i + 1) * PAIR_BYTES].copy_from_slice(&p.to_le_bytes());
         }
-        if f.write_all_at(&bytes, self.scratch_len).is_err() {
+        if f.write_all_at(bytes, self.scratch_len).is_err() {
             // no room for the scratch file: keep the rest in memory (what
             // was spilled is read back as usual)
             self.spilling = false;
             return;
         }
-        self.chunks[b].push(self.scratch_len);
+        self.chunks[b].push((self.scratch_len, n as u32));
         self.scratch_len += bytes.len() as u64;
         self.buffers[b].clear();
     }
@@ -122,22 +160,48 @@ impl KeySorter {
             let mut pairs = std::mem::take(&mut self.buffers[b]);
             let chunks = std::mem::take(&mut self.chunks[b]);
             if let Some(scratch) = self.scratch.as_ref().filter(|_| !chunks.is_empty()) {
-                pairs.reserve(chunks.len() * CHUNK_PAIRS);
-                for off in chunks {
-                    scratch.read_exact_at(&mut bytes, off)?;
+                if !self.counting {
+                    pairs.reserve(chunks.len() * CHUNK_PAIRS);
+                }
+                let mut merge_at = pairs.len().max(16 * CHUNK_PAIRS);
+                for (off, n) in chunks {
+                    let bytes = &mut bytes[..n as usize * PAIR_BYTES];
+                    scratch.read_exact_at(bytes, off)?;
                     pairs.extend(bytes.chunks_exact(PAIR_BYTES).map(|c| {
                         (
                             u64::from_le_bytes(c[..8].try_into().expect("8 bytes")),
                             u64::from_le_bytes(c[8..].try_into().expect("8 bytes")),
                         )
                     }));
+                    if self.counting && pairs.len() >= merge_at {
+                        combine(&mut pairs);
+                        merge_at = (2 * pairs.len()).max(16 * CHUNK_PAIRS);
+                    }
                 }
             }
-            pairs.sort_unstable_by_key(|&(k, _)| k);
+            if self.counting {
+                combine(&mut pairs);
+            } else {
+                pairs.sort_unstable_by_key(|&(k, _)| k);
+            }
             f(&pairs)?;
         }
         Ok(())
     }
+}
+
+/// Sorts (key, count) pairs by key and merges equal keys, adding counts
+/// (saturating).
+fn combine(pairs: &mut Vec<(u64, u64)>) {
+    pairs.sort_unstable_by_key(|&(k, _)| k);
+    pairs.dedup_by(|next, kept| {
+        if next.0 == kept.0 {
+            kept.1 = kept.1.saturating_add(next.1);
+            true
+        } else {
+            false
+        }
+    });
 }
 
 /// Calls `f` with each run of two or more pairs with the same key in
@@ -240,6 +304,46 @@ mod tests {
         want.sort_unstable();
         out.sort_unstable();
         assert_eq!(out, want);
+    }
+
+    #[test]
+    fn a_counting_sorter_merges_a_hot_key_instead_of_holding_each_push() {
+        let unique = 20_000u64;
+        let hot_pushes = 500_000u64;
+        let hot = 0x8000_0000_0000_0000u64;
+        let mut s =
+            KeySorter::counting(unique + hot_pushes, 64 << 10, 20, tempfile::tempfile().ok());
+        assert!(s.buckets() > 1);
+        let key = |i: u64| (i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for i in 0..unique {
+            s.push(key(i), 1);
+            for _ in 0..hot_pushes / unique {
+                s.push(hot, 1);
+            }
+        }
+        // the hot key's pushes fold into a pair per chunk at most
+        assert!(
+            s.scratch_len < (unique + hot_pushes / 128) * PAIR_BYTES as u64,
+            "{} bytes spilled",
+            s.scratch_len
+        );
+        let mut seen = std::collections::HashMap::new();
+        let mut largest = 0;
+        s.for_each_sorted::<io::Error>(|pairs| {
+            largest = largest.max(pairs.len());
+            assert!(pairs.windows(2).all(|w| w[0].0 < w[1].0), "a key twice");
+            for &(k, n) in pairs {
+                seen.insert(k, n);
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen.len() as u64, unique + 1);
+        assert_eq!(seen[&hot], hot_pushes);
+        assert!((0..unique).all(|i| seen[&key(i)] == 1));
+        // a bucket comes back with each key once: no bucket holds the
+        // half million pushes
+        assert!(largest < 20_000, "{largest} pairs in one bucket");
     }
 
     #[test]

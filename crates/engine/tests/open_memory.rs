@@ -173,3 +173,57 @@ fn fsck_needs_its_budgets_not_the_store_size() {
         "fsck held {peak} bytes at its peak for {metadata_bytes} bytes of metadata"
     );
 }
+
+#[test]
+fn fsck_memory_stays_bounded_when_one_block_is_shared_by_a_million_lbas() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // nine LBAs in ten map one block: fsck's reference count of that PBA
+    // must not cost a sorted pair per LBA
+    const BLOCKS: u64 = 4 * 1172 * 256;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let v = e.create_volume("v", BLOCKS * 4096).unwrap();
+        for first in (0..BLOCKS).step_by(256) {
+            let fps: Vec<Option<Fingerprint>> = (first..first + 256)
+                .map(|k| Some(fingerprint(if k % 10 == 0 { k } else { u64::MAX })))
+                .collect();
+            e.write_fingerprinted(v, Lba(first), &fps).unwrap();
+        }
+        e.close().unwrap();
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path.join("data"))
+        .unwrap()
+        .set_len(BLOCKS * 4096)
+        .unwrap();
+    let before = IN_USE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let small = EngineConfig {
+        map_cache_bytes: 256 << 10,
+        reverse_index_cache_bytes: 256 << 10,
+        index: IndexConfig {
+            memory_budget_bytes: 1 << 20,
+            ..IndexConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let opts = dedupd_engine::fsck::FsckOptions::default();
+    let r = dedupd_engine::fsck::fsck_with(&path, opts, small).unwrap();
+    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(before);
+    assert!(
+        r.problems.is_empty(),
+        "{:?}",
+        &r.problems[..r.problems.len().min(5)]
+    );
+    assert_eq!(r.mapped_blocks, BLOCKS);
+    assert_eq!(r.referenced_blocks, BLOCKS.div_ceil(10) + 1);
+    eprintln!("fsck with a hot block: heap peak {peak} bytes for {BLOCKS} mapped blocks");
+    // 16 bytes per reference to the hot block would be 17 MB
+    assert!(
+        peak < 8 << 20,
+        "fsck held {peak} bytes at its peak for {BLOCKS} mapped blocks"
+    );
+}
