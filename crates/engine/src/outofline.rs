@@ -269,9 +269,13 @@ impl Engine {
                         }
                         let target = Pba(resolve(p.0));
                         // merge only onto a live copy of the same content
+                        // (a block stored unhashed since the merge was
+                        // planned has no fingerprint to compare)
+                        let fp = m.fingerprint_of(p);
                         if target != p
+                            && fp != crate::engine::UNHASHED
                             && m.refcounts.get_u32(target.0) > 0
-                            && m.fingerprint_of(target) == m.fingerprint_of(p)
+                            && m.fingerprint_of(target) == fp
                         {
                             m.remap(vol, Lba(l), Some(target));
                             m.counters.out_of_line_duplicates += 1;
@@ -358,10 +362,13 @@ impl Engine {
         let merged = sorter.for_each_sorted::<std::io::Error>(|pairs| {
             crate::keysort::for_each_equal_key_run(pairs, |run| {
                 let mut m = lock(&self.meta);
+                // (a PBA freed and reused since the scan may hold a block
+                // stored unhashed: no fingerprint, never merged)
                 let mut run: Vec<(Fingerprint, u64)> = run
                     .iter()
                     .filter(|&&(_, q)| m.refcounts.get_u32(q) > 0)
                     .map(|&(_, q)| (m.fingerprint_of(Pba(q)), q))
+                    .filter(|(fp, _)| *fp != crate::engine::UNHASHED)
                     .collect();
                 run.sort_unstable();
                 // the first (lowest PBA) of each run of equal fingerprints
@@ -476,5 +483,41 @@ impl WorkerHandle {
 impl Drop for WorkerHandle {
     fn drop(&mut self) {
         self.halt();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::block::{Lba, BLOCK_SIZE};
+    use crate::engine::{lock, UNHASHED};
+    use crate::{Engine, EngineConfig, HashAlgorithm};
+
+    #[test]
+    fn a_planned_merge_never_joins_blocks_stored_unhashed() {
+        // CAFTL pre-hashing stores content seen for the first time unhashed
+        let cfg = EngineConfig {
+            prehash_bytes: 4096,
+            ..EngineConfig::default()
+        };
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        e.write(v, 4096, &[2u8; BLOCK_SIZE], false).unwrap();
+        let (a, b) = {
+            let m = lock(&e.meta);
+            let map = &m.volumes[&v];
+            let (a, b) = (map.get(Lba(0)).unwrap(), map.get(Lba(1)).unwrap());
+            assert_eq!(m.fingerprint_of(a), UNHASHED);
+            assert_eq!(m.fingerprint_of(b), UNHASHED);
+            (a, b)
+        };
+        // a merge planned while these PBAs held one content, both since
+        // freed and reused for these blocks
+        lock(&e.meta).pending_merges.insert(b.0, a.0);
+        assert_eq!(e.apply_merges(None, &|| false).unwrap(), 0);
+        let mut got = vec![0u8; BLOCK_SIZE];
+        e.read(v, 4096, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 2), "LBA 1 reads another block");
+        assert!(e.check().is_empty());
     }
 }
