@@ -304,7 +304,8 @@ impl StoreDir {
     /// replacement and removal applied. The state is small (the volume
     /// table and counters).
     ///
-    /// Errors: reading the file.
+    /// Errors: reading the file; [`EngineError::Corrupt`] for a page patch
+    /// of the state (never written: the state is replaced whole).
     pub fn state_bytes<'o>(&self, ops: impl IntoIterator<Item = &'o Op>) -> Result<Vec<u8>> {
         let p = self.path(MetaFile::State);
         let mut bytes = match fs::read(&p) {
@@ -314,7 +315,15 @@ impl StoreDir {
         };
         for op in ops.into_iter().filter(|op| op.file() == MetaFile::State) {
             match op {
-                Op::Write { offset, data, .. } | Op::Patch { offset, data, .. } => {
+                // the state is replaced whole, never patched: a patch's
+                // offset counts page payload bytes, meaningless here
+                Op::Patch { .. } => {
+                    return Err(EngineError::Corrupt {
+                        file: self.root.join("journal"),
+                        detail: "a page patch of state.json".into(),
+                    })
+                }
+                Op::Write { offset, data, .. } => {
                     let (at, end) = (*offset as usize, *offset as usize + data.len());
                     if bytes.len() < end {
                         bytes.resize(end, 0);
@@ -550,6 +559,16 @@ mod tests {
             file: MetaFile::State,
         }];
         assert!(dir.state_bytes(&removed).unwrap().is_empty());
+        // a page patch of the state is refused, not applied as a write
+        let patch = [Op::Patch {
+            file: MetaFile::State,
+            offset: 0,
+            data: b"x".to_vec(),
+        }];
+        assert!(matches!(
+            dir.state_bytes(&patch),
+            Err(EngineError::Corrupt { .. })
+        ));
     }
 
     #[test]
