@@ -16,7 +16,6 @@
 //! Exit codes follow e2fsck: 0 clean, 1 errors corrected, 4 errors left
 //! uncorrected, 8 operational error.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use serde::Serialize;
@@ -180,9 +179,24 @@ impl Engine {
         // duplicate count
         let rc_len = (m.refcounts.logical_len() / 4).max(data_blocks);
         let per_page = (PAYLOAD_SIZE / FINGERPRINT_SIZE) as u64;
-        let mut new_fp: HashMap<u64, Fingerprint> = HashMap::new();
-        let mut dups = KeySorter::new(m.stored_blocks, budget, 16, scratch());
+        // a referenced block whose stored fingerprint cannot be used as it
+        // is (none yet, or on a damaged page) is hashed from its data
+        // wherever its fingerprint is needed, instead of being remembered
+        // (a store of unhashed blocks would need an entry per block)
+        let needs_hash = |p: u64, stored: &Fingerprint| {
+            *stored == crate::engine::UNHASHED || fp_damaged_pages.contains(&(p / per_page))
+        };
         let mut block = vec![0u8; BLOCK_SIZE];
+        let mut hash_of = |p: u64| -> Result<Fingerprint> {
+            self.backend
+                .read_blocks(Pba(p), &mut block)
+                .map_err(|e| crate::error::EngineError::io(format!("reading PBA {p}"), e))?;
+            Ok(self.hash.fingerprint(&block))
+        };
+        // PBAs (ascending) whose stored fingerprint does not match their
+        // data: each a problem (corruption), so this stays short
+        let mut mismatched: Vec<u64> = Vec::new();
+        let mut dups = KeySorter::new(m.stored_blocks, budget, 16, scratch());
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
             let rc = m.refcounts.get_u32(p);
             if rc != want {
@@ -207,27 +221,23 @@ impl Engine {
                 return Ok(());
             }
             r.referenced_blocks += 1;
-            let mut fp = m.fingerprint_of(Pba(p));
-            let damaged = fp_damaged_pages.contains(&(p / per_page));
-            if opts.rehash || damaged || fp.0 == [0u8; FINGERPRINT_SIZE] {
-                self.backend
-                    .read_blocks(Pba(p), &mut block)
-                    .map_err(|e| crate::error::EngineError::io(format!("reading PBA {p}"), e))?;
+            let stored = m.fingerprint_of(Pba(p));
+            let fp = if opts.rehash || needs_hash(p, &stored) {
                 r.blocks_rehashed += 1;
-                let actual = self.hash.fingerprint(&block);
-                if actual != fp {
-                    // an all-zero entry is a block not fingerprinted yet
-                    // (stored without inline dedup): filled in by a repair,
-                    // not an error
-                    if !damaged && fp != crate::engine::UNHASHED {
-                        r.problems.push(format!(
-                            "PBA {p}: stored fingerprint does not match its data"
-                        ));
-                    }
-                    new_fp.insert(p, actual);
-                    fp = actual;
+                let actual = hash_of(p)?;
+                // an all-zero entry is a block not fingerprinted yet
+                // (stored without inline dedup): filled in by a repair,
+                // not an error
+                if actual != stored && !needs_hash(p, &stored) {
+                    r.problems.push(format!(
+                        "PBA {p}: stored fingerprint does not match its data"
+                    ));
+                    mismatched.push(p);
                 }
-            }
+                actual
+            } else {
+                stored
+            };
             dups.push(crate::index::key_of(&fp), p);
             Ok(())
         };
@@ -260,21 +270,37 @@ impl Engine {
         // equal fingerprints on two referenced PBAs: a duplicate copy that
         // inline dedup missed (memory-only lookups under a small budget) —
         // not an inconsistency; out-of-line dedup merges them
-        let fp_of = |m: &crate::meta::Meta, p: u64| {
-            new_fp
-                .get(&p)
-                .copied()
-                .unwrap_or_else(|| m.fingerprint_of(Pba(p)))
+        let mut fp_of = |m: &crate::meta::Meta, p: u64| -> Result<Fingerprint> {
+            let stored = m.fingerprint_of(Pba(p));
+            if needs_hash(p, &stored) || mismatched.binary_search(&p).is_ok() {
+                hash_of(p)
+            } else {
+                Ok(stored)
+            }
         };
+        let mut dup_failure = None;
         dups.for_each_sorted::<std::io::Error>(|pairs| {
             crate::keysort::for_each_equal_key_run(pairs, |run| {
-                let mut fps: Vec<Fingerprint> = run.iter().map(|&(_, p)| fp_of(&m, p)).collect();
-                fps.sort_unstable();
-                r.duplicate_copies += fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
+                if dup_failure.is_some() {
+                    return;
+                }
+                let fps: Result<Vec<Fingerprint>> =
+                    run.iter().map(|&(_, p)| fp_of(&m, p)).collect();
+                match fps {
+                    Ok(mut fps) => {
+                        fps.sort_unstable();
+                        r.duplicate_copies +=
+                            fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
+                    }
+                    Err(e) => dup_failure = Some(e),
+                }
             });
             Ok(())
         })
         .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
+        if let Some(e) = dup_failure {
+            return Err(e);
+        }
 
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);
@@ -286,8 +312,15 @@ impl Engine {
             let v = m.volumes.get_mut(id).expect("listed above");
             v.map.set_u64(*lba, 0);
         }
-        for (p, fp) in &new_fp {
-            m.fingerprints.set(*p, fp);
+        // the fingerprints of referenced blocks: wrong ones, missing ones
+        // (blocks stored unhashed) and those on damaged pages, from the data
+        for p in 0..rc_len {
+            if m.refcounts.get_u32(p) > 0 {
+                let fp = fp_of(&m, p)?;
+                if fp != m.fingerprint_of(Pba(p)) {
+                    m.fingerprints.set(p, &fp);
+                }
+            }
         }
         for page in &fp_damaged_pages {
             m.fingerprints.redirty(*page);
