@@ -725,6 +725,8 @@ impl Engine {
     /// [`Engine::delete_volume`], calling `progress(done, all)` after each
     /// piece, in LBAs of the volume (unmapped stretches count as done when
     /// passed over).
+    ///
+    /// Errors: as [`Engine::delete_volume`].
     pub fn delete_volume_with_progress(
         &self,
         name: &str,
@@ -815,12 +817,18 @@ impl Engine {
     /// Changes a volume's size (a positive multiple of 4096); shrinking
     /// releases the blocks past the new end, in pieces (see
     /// [`Engine::delete_volume`]). Durable on return.
+    ///
+    /// Errors: [`EngineError::InvalidArgument`] for a size that is not a
+    /// positive multiple of 4096 or is over 1 PiB;
+    /// [`EngineError::NoSuchVolume`]; I/O errors of the commits.
     pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<()> {
         self.resize_volume_with_progress(name, size_bytes, &mut |_, _| {})
     }
 
     /// [`Engine::resize_volume`], calling `progress(done, all)` after each
     /// piece of a shrink, in LBAs past the new end.
+    ///
+    /// Errors: as [`Engine::resize_volume`].
     pub fn resize_volume_with_progress(
         &self,
         name: &str,

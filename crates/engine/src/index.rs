@@ -275,7 +275,10 @@ struct Leaf {
 /// merge skips the validation (one reverse-index probe per entry): with
 /// every removal going through [`FingerprintIndex::remove`], nothing in the
 /// group can be stale. Stale entries are only ever garbage, never a wrong
-/// answer: every hit is validated again by the caller.
+/// answer: every hit is validated again by the caller. (A removal whose
+/// fingerprint was read from an unreadable reverse-index page, as zeros,
+/// flags prefix 0 instead: its real group's stale entry then waits for the
+/// rebuild of the on-disk store at the next open.)
 const MAY_BE_STALE: u32 = 1 << 31;
 
 impl Default for Leaf {

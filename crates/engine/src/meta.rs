@@ -214,8 +214,9 @@ impl Meta {
             if p >= rc_blocks {
                 break;
             }
-            if self.refcounts.get_u32(p) > 0 && fp.iter().any(|&b| b != 0) {
-                sorter.push(u64::from_be_bytes(fp[..8].try_into().expect("8 bytes")), p);
+            let fp = Fingerprint(fp.try_into().expect("a fingerprint's bytes"));
+            if self.refcounts.get_u32(p) > 0 && fp != crate::engine::UNHASHED {
+                sorter.push(crate::index::key_of(&fp), p);
             }
         }
     }

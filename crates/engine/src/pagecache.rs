@@ -399,9 +399,11 @@ impl CachedArray {
         out
     }
 
-    /// The first page in `from..end` that may hold a non-zero entry: in
-    /// memory, or evicted to the file. Holes are skipped without a look,
-    /// a chunk of pages or a word of eviction bits at a time.
+    /// The index of the first page in `from..end` (page indexes) that may
+    /// hold a non-zero entry: in memory, or evicted to the file; `None` if
+    /// every page there is a hole (never written: all zeros). Holes are
+    /// skipped without a look, a chunk of pages or a word of eviction bits
+    /// at a time.
     pub fn next_present_page(&self, from: u64, end: u64) -> Option<u64> {
         let i = self.inner.borrow();
         let in_memory = i.array.next_allocated_page(from, end);
