@@ -3,6 +3,7 @@
 //! Thin: parses arguments, opens the store, prints. The work is in the
 //! `dedupd-engine` and `dedupd-nbd` crates.
 
+mod bounds;
 mod control;
 mod exports;
 mod replay;
@@ -78,17 +79,8 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
-        /// Memory for the fingerprint index and for each of fsck's sorts
-        /// (references by PBA, fingerprints), which spill to a scratch file
-        /// in the store beyond it.
-        #[arg(long, default_value = "8M")]
-        index_memory: String,
-        /// Bytes of volume-map and reference-count pages kept in memory.
-        #[arg(long, default_value = "16M")]
-        map_cache: String,
-        /// Bytes of reverse-index pages kept in memory.
-        #[arg(long, default_value = "16M")]
-        reverse_index_cache: String,
+        #[command(flatten)]
+        bounds: bounds::MemoryBounds,
     },
     /// Deduplicate stored data after the fact.
     Dedup {
@@ -169,18 +161,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             repair,
             rehash,
             json,
-            index_memory,
-            map_cache,
-            reverse_index_cache,
+            bounds,
         } => {
-            let config = match fsck_config(&index_memory, &map_cache, &reverse_index_cache) {
-                Ok(c) => c,
-                Err(e) => {
-                    // e2fsck's exit code for a usage error
-                    eprintln!("dedupd: error: {e:#}");
-                    std::process::exit(16);
-                }
-            };
+            let mut config = EngineConfig::default();
+            if let Err(e) = bounds.apply(&mut config) {
+                // e2fsck's exit code for a usage error
+                eprintln!("dedupd: error: {e:#}");
+                std::process::exit(16);
+            }
             fsck(&store, repair, rehash, json, config)
         }
         Command::Dedup {
@@ -393,25 +381,6 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
         after["physical_blocks_stored"]
     );
     Ok(())
-}
-
-/// The memory bounds fsck runs under (sizes with K/M/G suffixes).
-fn fsck_config(
-    index_memory: &str,
-    map_cache: &str,
-    reverse_index_cache: &str,
-) -> anyhow::Result<EngineConfig> {
-    let size =
-        |what: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{what} {s:?}: {e}"));
-    Ok(EngineConfig {
-        index: dedupd_engine::index::IndexConfig {
-            memory_budget_bytes: size("index-memory", index_memory)?,
-            ..dedupd_engine::index::IndexConfig::default()
-        },
-        map_cache_bytes: size("map-cache", map_cache)?,
-        reverse_index_cache_bytes: size("reverse-index-cache", reverse_index_cache)?,
-        ..EngineConfig::default()
-    })
 }
 
 fn fsck(

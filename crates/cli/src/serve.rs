@@ -42,10 +42,8 @@ pub struct ServeArgs {
     /// before sharing it (like ZFS dedup=verify; off by default).
     #[arg(long)]
     pub verify: bool,
-    /// Memory budget of the in-memory fingerprint store (SmartDedup §3.2);
-    /// changeable at every start.
-    #[arg(long, default_value = "8M")]
-    pub index_memory: String,
+    #[command(flatten)]
+    pub bounds: crate::bounds::MemoryBounds,
     /// Eviction policy of the in-memory fingerprint store: glru (whole
     /// prefix groups; SmartDedup) or, for comparison, lru, lfu, arc or
     /// refcount (CAFTL) over single fingerprints.
@@ -91,16 +89,6 @@ pub struct ServeArgs {
     /// override it (`dedupd volume set`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub sequence_threshold: u32,
-    /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per stored
-    /// block) kept in memory; the rest is read from disk on demand (0: keep
-    /// all of it).
-    #[arg(long, default_value = "16M")]
-    pub reverse_index_cache: String,
-    /// Bytes of volume-map and reference-count pages (8 bytes per LBA, 4
-    /// per stored block) kept in memory, for all volumes together; the rest
-    /// is read from disk on demand (0: keep all of them).
-    #[arg(long, default_value = "16M")]
-    pub map_cache: String,
     /// Bytes of CAFTL's pre-hash CRC table: only blocks whose CRC-32C was
     /// seen before are fingerprinted inline (0: off).
     #[arg(long, default_value = "0")]
@@ -186,7 +174,7 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
 
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
-    let config = EngineConfig {
+    let mut config = EngineConfig {
         journal_size_bytes: parse_size(&args.journal_size).map_err(anyhow::Error::msg)?,
         max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
         journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
@@ -203,20 +191,19 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
         sequence_threshold_blocks: args.sequence_threshold,
         prehash_bytes: parse_size(&args.prehash).map_err(anyhow::Error::msg)?,
-        reverse_index_cache_bytes: parse_size(&args.reverse_index_cache)
-            .map_err(anyhow::Error::msg)?,
-        map_cache_bytes: parse_size(&args.map_cache).map_err(anyhow::Error::msg)?,
         sampling: args.sampling,
         skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
             as usize,
         index: dedupd_engine::index::IndexConfig {
-            memory_budget_bytes: parse_size(&args.index_memory).map_err(anyhow::Error::msg)?,
             policy: args.index_policy,
             lookup: args.inline_lookup,
             prefix_bits: args.index_prefix_bits,
+            // (set from the memory bounds below)
+            ..dedupd_engine::index::IndexConfig::default()
         },
         ..EngineConfig::default()
     };
+    args.bounds.apply(&mut config)?;
     let server_config = ServerConfig {
         workers_per_connection: args.workers.max(1),
         inflight_budget_bytes: parse_size(&args.inflight_budget).map_err(anyhow::Error::msg)?

@@ -1,0 +1,42 @@
+//! The memory bounds a store is opened with, shared by `dedupd serve` and
+//! `dedupd fsck`: the fingerprint index budget and the page caches of the
+//! reverse index, volume maps and reference counts.
+
+use clap::Args;
+use dedupd_engine::EngineConfig;
+
+use crate::size::parse_size;
+
+/// Memory bounds (sizes with K/M/G suffixes).
+#[derive(Args, Debug, Clone)]
+pub struct MemoryBounds {
+    /// Memory budget of the in-memory fingerprint store (SmartDedup §3.2);
+    /// changeable at every start. fsck also sorts within it (references by
+    /// PBA, fingerprints), spilling to a scratch file in the store beyond it.
+    #[arg(long, default_value = "8M")]
+    pub index_memory: String,
+    /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per stored
+    /// block) kept in memory; the rest is read from disk on demand (0: keep
+    /// all of it).
+    #[arg(long, default_value = "16M")]
+    pub reverse_index_cache: String,
+    /// Bytes of volume-map and reference-count pages (8 bytes per LBA, 4
+    /// per stored block) kept in memory, for all volumes together; the rest
+    /// is read from disk on demand (0: keep all of them).
+    #[arg(long, default_value = "16M")]
+    pub map_cache: String,
+}
+
+impl MemoryBounds {
+    /// Puts the bounds into `config`.
+    ///
+    /// Errors: a size that does not parse, naming its flag.
+    pub fn apply(&self, config: &mut EngineConfig) -> anyhow::Result<()> {
+        let size =
+            |flag: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{flag} {s:?}: {e}"));
+        config.index.memory_budget_bytes = size("index-memory", &self.index_memory)?;
+        config.reverse_index_cache_bytes = size("reverse-index-cache", &self.reverse_index_cache)?;
+        config.map_cache_bytes = size("map-cache", &self.map_cache)?;
+        Ok(())
+    }
+}
