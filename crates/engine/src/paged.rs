@@ -514,26 +514,19 @@ impl PagedArray {
     /// and the bytes changed) and clears the dirty set.
     pub fn take_dirty(&mut self) -> Vec<DirtyPage> {
         let mut out = Vec::with_capacity(self.dirty.len());
-        for page in std::mem::take(&mut self.dirty) {
-            let i = page as usize % CHUNK_PAGES;
-            let tag = self.tag;
-            let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) else {
-                continue; // truncated away
-            };
-            c.dirty[i / 64] &= !(1 << (i % 64));
-            let (lo, hi) = c.changed[i];
-            let (image, changed) = match &c.pages[i] {
-                Some(p) => (encode_page(p, tag, page), lo as usize..hi as usize),
+        let tag = self.tag;
+        self.drain_dirty(|page, payload, changed| {
+            let image = match payload {
+                Some(p) => encode_page(p, tag, page),
                 // an emptied page: a hole on disk too
-                None => (Box::new([0u8; PAGE_SIZE]), 0..PAYLOAD_SIZE),
+                None => Box::new([0u8; PAGE_SIZE]),
             };
-            self.release_chunk(page);
             out.push(DirtyPage {
                 page,
                 image,
                 changed,
             });
-        }
+        });
         out
     }
 
@@ -543,19 +536,27 @@ impl PagedArray {
     /// changed (the whole payload for a page emptied since), as
     /// [`PagedArray::take_dirty`] would have reported them.
     pub fn clear_dirty(&mut self, mut changed: impl FnMut(u64, usize)) {
+        self.drain_dirty(|page, _, range| changed(page, range.len()));
+    }
+
+    /// Clears the dirty mark of every page dirtied since the last call
+    /// (pages truncated away since are skipped), calling `f(page, payload,
+    /// changed)` for each: its payload (`None` for a page emptied since,
+    /// whose changed range is then the whole payload) and the payload
+    /// bytes changed.
+    fn drain_dirty(&mut self, mut f: impl FnMut(u64, Option<&Page>, std::ops::Range<usize>)) {
         for page in std::mem::take(&mut self.dirty) {
             let i = page as usize % CHUNK_PAGES;
-            if let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) {
-                c.dirty[i / 64] &= !(1 << (i % 64));
-                let (lo, hi) = c.changed[i];
-                let n = if c.pages[i].is_some() {
-                    (hi - lo) as usize
-                } else {
-                    PAYLOAD_SIZE
-                };
-                self.release_chunk(page);
-                changed(page, n);
+            let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) else {
+                continue; // truncated away
+            };
+            c.dirty[i / 64] &= !(1 << (i % 64));
+            let (lo, hi) = c.changed[i];
+            match &c.pages[i] {
+                Some(p) => f(page, Some(p), lo as usize..hi as usize),
+                None => f(page, None, 0..PAYLOAD_SIZE),
             }
+            self.release_chunk(page);
         }
     }
 
