@@ -475,7 +475,7 @@ impl Engine {
                 }
             }
         }
-        let lbas_per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        let lbas_per_page = crate::paged::U64_PER_PAGE;
         for op in &checkpoint.ops {
             let (id, page) = match op {
                 Op::Write {
@@ -781,7 +781,7 @@ impl Engine {
         end: u64,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<()> {
-        const PER_PAGE: u64 = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
         let mut lba = first;
         while lba < end {
             let piece_end;
@@ -1241,6 +1241,12 @@ impl Engine {
         self.place_blocks(vol, first, &fps, Some(data), None)
     }
 
+    /// Whether one of CAFTL's write-path filters (pre-hashing, sampling)
+    /// is configured.
+    fn caftl_active(&self) -> bool {
+        self.config.prehash_bytes > 0 || self.config.sampling
+    }
+
     /// CAFTL's pre-hashing and sampling ([`crate::caftl`]) over the blocks
     /// marked `inline`: clears the mark of each block they turn away.
     /// `crc(i)` gives block `i`'s CRC-32C, `fingerprint(i)` its
@@ -1254,10 +1260,10 @@ impl Engine {
         crc: impl Fn(usize) -> u32,
         fingerprint: impl Fn(usize) -> Fingerprint,
     ) -> Result<Option<(usize, Fingerprint)>> {
-        let prehash = self.config.prehash_bytes > 0;
-        if !prehash && !self.config.sampling {
+        if !self.caftl_active() {
             return Ok(None);
         }
+        let prehash = self.config.prehash_bytes > 0;
         let crcs: Vec<Option<u32>> = inline
             .iter()
             .enumerate()
@@ -1315,7 +1321,7 @@ impl Engine {
         fps: &[Option<Fingerprint>],
     ) -> Result<()> {
         // (place_blocks checks the range under its metadata lock)
-        if self.config.prehash_bytes == 0 && !self.config.sampling {
+        if !self.caftl_active() {
             // no CAFTL filter: every hashed block is looked up inline
             return self.place_blocks(vol, first.0, fps, None, None);
         }
@@ -1862,7 +1868,7 @@ impl Engine {
         let Some(v) = m.volumes.get(&vol) else {
             return 0;
         };
-        let per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        let per_page = crate::paged::U64_PER_PAGE;
         let mut extents = 0;
         let mut prev = 0u64; // map entry of the previous LBA: 0 unmapped, else PBA + 1
         for page in 0..v.map.page_count() {

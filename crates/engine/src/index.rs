@@ -319,8 +319,7 @@ fn find(entries: &[Entry], key: u64, prefix_bits: u32) -> Result<usize, usize> {
     if n < 16 {
         return entries.binary_search_by_key(&key, |e| e.0);
     }
-    let below = key << prefix_bits;
-    let mut i = ((u128::from(below) * n as u128) >> 64) as usize;
+    let mut i = find_start(n, key, prefix_bits);
     if entries[i].0 < key {
         // the first entry ≥ key is right of i
         for _ in 0..8 {
@@ -354,6 +353,17 @@ fn find(entries: &[Entry], key: u64, prefix_bits: u32) -> Result<usize, usize> {
                     Err(j)
                 }
             })
+    }
+}
+
+/// Where [`find`] first looks for `key` among `n` entries: its
+/// interpolated position (the middle, where a binary search starts, below
+/// 16 entries).
+fn find_start(n: usize, key: u64, prefix_bits: u32) -> usize {
+    if n < 16 {
+        n / 2
+    } else {
+        ((u128::from(key << prefix_bits) * n as u128) >> 64) as usize
     }
 }
 
@@ -1033,13 +1043,7 @@ impl FingerprintIndex {
             let entries = &self.groups[g as usize].entries;
             let n = entries.len();
             if n > 0 {
-                // where `find` starts: the interpolated position
-                let i = if n < 16 {
-                    n / 2
-                } else {
-                    ((u128::from(key << self.cfg.prefix_bits) * n as u128) >> 64) as usize
-                };
-                prefetch_read(&entries[i]);
+                prefetch_read(&entries[find_start(n, key, self.cfg.prefix_bits)]);
             }
         }
         for &(key, g) in &pending {

@@ -286,7 +286,7 @@ mod tests {
         assert!(opened.damaged.is_empty());
         assert_eq!(opened.array.page_count(), 4);
         assert_eq!(opened.array.get_u64(0), u64::from_le_bytes([1; 8]));
-        let per_page = (PAYLOAD_SIZE / 8) as u64;
+        let per_page = crate::paged::U64_PER_PAGE;
         assert_eq!(opened.array.get_u64(per_page), u64::from_le_bytes([2; 8]));
         assert_eq!(opened.array.get_u64(2 * per_page), 0);
         assert_eq!(opened.array.get_u64(3 * per_page), 0);

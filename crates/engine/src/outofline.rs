@@ -239,7 +239,7 @@ impl Engine {
                 .collect()
         };
         // scan only allocated map pages (a 1 PiB replay volume is sparse)
-        let per_page = (crate::paged::PAYLOAD_SIZE / 8) as u64;
+        let per_page = crate::paged::U64_PER_PAGE;
         let pages_per_hold = SCAN_CHUNK.div_ceil(per_page);
         let mut applied = 0;
         for vol in volumes {

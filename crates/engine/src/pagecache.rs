@@ -424,7 +424,7 @@ impl CachedArray {
     /// a page at a time (the array is borrowed meanwhile: `f` must not
     /// touch it).
     pub fn for_each_nonzero_u64(&self, range: std::ops::Range<u64>, mut f: impl FnMut(u64, u64)) {
-        const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+        const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
         let end = range.end.min(self.page_count() * PER_PAGE);
         let mut start = range.start;
         while start < end {
@@ -689,7 +689,7 @@ mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
 
-    const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+    const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
 
     /// An array of `pages` pages (entry `i` = `i + 1`), committed and
     /// checkpointed to a temporary file, paging under `group`.

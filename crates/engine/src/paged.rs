@@ -17,6 +17,8 @@
 pub const PAGE_SIZE: usize = 4096;
 /// Bytes of entries per page.
 pub const PAYLOAD_SIZE: usize = 4064;
+/// `u64` entries (volume-map LBAs) in a page's payload: 508.
+pub const U64_PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
 const PAGE_MAGIC: u32 = u32::from_le_bytes(*b"DDPG");
 
 type Page = Box<[u8; PAYLOAD_SIZE]>;
@@ -446,7 +448,7 @@ impl PagedArray {
     /// in order; pages not allocated are skipped whole, so a sparse array
     /// costs in proportion to what is set, not to its length.
     pub fn nonzero_u64(&self, range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
-        const PER_PAGE: u64 = (PAYLOAD_SIZE / 8) as u64;
+        const PER_PAGE: u64 = U64_PER_PAGE;
         let mut out = Vec::new();
         if range.start >= range.end || self.page_count() == 0 {
             return out;
@@ -694,7 +696,7 @@ mod tests {
     #[test]
     fn page_table_follows_pages_in_memory() {
         let mut a = PagedArray::new(1);
-        let per = (PAYLOAD_SIZE / 8) as u64;
+        let per = U64_PER_PAGE;
         // pages 0, 300 and 600: three chunks of the page table
         for p in [0u64, 300, 600] {
             a.set_u64(p * per, p + 1);
