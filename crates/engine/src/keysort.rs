@@ -40,6 +40,9 @@ pub struct KeySorter {
     spilling: bool,
     /// Values are counts; equal keys are merged (see the module docs).
     counting: bool,
+    /// Merges of a full in-memory buffer (tests check they stay rare).
+    #[cfg(test)]
+    memory_merges: u64,
 }
 
 impl KeySorter {
@@ -72,6 +75,8 @@ impl KeySorter {
             scratch: if bits == 0 { None } else { scratch },
             scratch_len: 0,
             counting: false,
+            #[cfg(test)]
+            memory_merges: 0,
         }
     }
 
@@ -120,8 +125,18 @@ impl KeySorter {
                 }
             }
             self.spill(b);
-        } else if self.counting && len >= CHUNK_PAIRS && len.is_power_of_two() {
+        } else if self.counting && len >= CHUNK_PAIRS && len == buf.capacity() {
+            // in memory and full: merge before the buffer grows, and grow
+            // it only if merging freed less than half (so merges stay
+            // apart by at least half a buffer of pushes)
             combine(buf);
+            if buf.len() > buf.capacity() / 2 {
+                buf.reserve(buf.capacity());
+            }
+            #[cfg(test)]
+            {
+                self.memory_merges += 1;
+            }
         }
     }
 
@@ -344,6 +359,36 @@ mod tests {
         // a bucket comes back with each key once: no bucket holds the
         // half million pushes
         assert!(largest < 20_000, "{largest} pairs in one bucket");
+    }
+
+    #[test]
+    fn a_counting_sorter_in_memory_merges_rarely() {
+        // one bucket (no scratch file); just under a power of two distinct
+        // keys, then pushed again and again: a merge per push would sort
+        // the whole buffer each time
+        let distinct = (1u64 << 14) - 1;
+        let mut s = KeySorter::counting(distinct, 64 << 10, 20, None);
+        assert_eq!(s.buckets(), 1);
+        let rounds = 20;
+        for _ in 0..rounds {
+            for k in 0..distinct {
+                s.push(k.wrapping_mul(0x9e37_79b9_7f4a_7c15), 1);
+            }
+        }
+        let pushes = rounds * distinct;
+        assert!(
+            s.memory_merges <= 2 * pushes / distinct + 16,
+            "{} merges for {pushes} pushes",
+            s.memory_merges
+        );
+        let mut seen = 0;
+        s.for_each_sorted::<io::Error>(|pairs| {
+            assert!(pairs.iter().all(|&(_, n)| n == rounds));
+            seen += pairs.len() as u64;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, distinct);
     }
 
     #[test]
