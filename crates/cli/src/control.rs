@@ -4,7 +4,9 @@
 //! Protocol: one JSON request line; then, for long operations (volume
 //! delete and resize, offline dedup), progress lines
 //! `{"progress":{"done":D,"total":T}}` at most every 250 ms (blocks done
-//! of all); then one JSON reply line.
+//! of all), and `{"working":true}` after 30 s without a line, so a client
+//! can tell a busy server from a hung one; then one JSON reply line, the
+//! only one with an `"ok"` member. Clients skip the other lines.
 //! Requests: `{"cmd":"stats"}`, `{"cmd":"volume_list"}`,
 //! `{"cmd":"volume_create","name":N,"size_bytes":S}`,
 //! `{"cmd":"volume_resize","name":N,"size_bytes":S}`,
@@ -53,7 +55,8 @@ pub fn socket_path(store: &Path) -> PathBuf {
 }
 
 /// Longest wait for the next line from the server: a long operation
-/// sends progress lines well within it.
+/// sends a line (progress, or that it is working) at least every
+/// [`KEEPALIVE_EVERY`].
 const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
 /// Least time between two progress lines.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
@@ -86,6 +89,10 @@ pub fn call(
         if let Some(p) = v.get("progress") {
             let n = |k: &str| p[k].as_u64().unwrap_or(0);
             progress(n("done"), n("total"));
+            continue;
+        }
+        if v.get("ok").is_none() {
+            // {"working":true}: the server is still at it
             continue;
         }
         return if v["ok"].as_bool() == Some(true) {
@@ -125,32 +132,81 @@ pub fn serve(
     }
 }
 
+/// Longest time a long operation goes without sending a line.
+#[cfg(not(test))]
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(30);
+#[cfg(test)]
+const KEEPALIVE_EVERY: Duration = Duration::from_millis(300);
+
+/// The lines a long operation sends before its reply. Each is written
+/// whole, with a write timeout; after a failed write (the client left, or
+/// stopped reading) nothing more is sent, and the operation goes on.
+struct InfoLines<'a> {
+    stream: &'a UnixStream,
+    last: Instant,
+    last_progress: Option<Instant>,
+    failed: bool,
+}
+
+impl InfoLines<'_> {
+    fn send(&mut self, line: &Value) {
+        if self.failed {
+            return;
+        }
+        let mut bytes = serde_json::to_vec(line).unwrap_or_default();
+        bytes.push(b'\n');
+        let mut out = self.stream;
+        self.failed = out.write_all(&bytes).is_err();
+        self.last = Instant::now();
+    }
+}
+
 fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(1)))?;
     let mut line = String::new();
     BufReader::new(stream.try_clone()?).take_line(&mut line)?;
-    let mut out = &stream;
-    let mut last: Option<Instant> = None;
-    // a client gone meanwhile only loses its progress lines: the
-    // operation runs to its end
+    let lines = std::sync::Mutex::new(InfoLines {
+        stream: &stream,
+        last: Instant::now(),
+        last_progress: None,
+        failed: false,
+    });
+    let lock = || lines.lock().unwrap_or_else(|e| e.into_inner());
     let mut progress = |done: u64, total: u64| {
-        if last.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
-            last = Some(Instant::now());
-            let p = serde_json::json!({"progress": {"done": done, "total": total}});
-            let _ = writeln!(out, "{p}");
+        let mut l = lock();
+        if l.last_progress
+            .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY)
+        {
+            l.last_progress = Some(Instant::now());
+            l.send(&serde_json::json!({"progress": {"done": done, "total": total}}));
         }
     };
-    let reply = match serde_json::from_str::<Request>(&line) {
-        Ok(req) => match handle(req, &mut progress) {
-            Ok(result) => serde_json::json!({"ok": true, "result": result}),
-            Err(e) => serde_json::json!({"ok": false, "error": format!("{e:#}")}),
-        },
-        Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
-    };
+    let working = AtomicBool::new(true);
+    let reply = std::thread::scope(|s| {
+        s.spawn(|| {
+            while working.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                let mut l = lock();
+                if l.last.elapsed() >= KEEPALIVE_EVERY {
+                    l.send(&serde_json::json!({"working": true}));
+                }
+            }
+        });
+        let reply = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => match handle(req, &mut progress) {
+                Ok(result) => serde_json::json!({"ok": true, "result": result}),
+                Err(e) => serde_json::json!({"ok": false, "error": format!("{e:#}")}),
+            },
+            Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
+        };
+        working.store(false, Ordering::Relaxed);
+        reply
+    });
     let mut bytes = serde_json::to_vec(&reply).unwrap_or_default();
     bytes.push(b'\n');
-    out.write_all(&bytes)
+    (&stream).write_all(&bytes)
 }
 
 trait TakeLine {
@@ -186,6 +242,11 @@ mod tests {
                     finished.fetch_add(1, Ordering::SeqCst);
                     Ok(Value::String(name))
                 }
+                Request::VolumeCreate { .. } => {
+                    // long, without progress
+                    std::thread::sleep(Duration::from_millis(1000));
+                    Ok(Value::Null)
+                }
                 _ => bail!("no such thing"),
             })
         });
@@ -202,12 +263,37 @@ mod tests {
         let r = call(dir.path(), &req, &mut |d, t| seen.push((d, t))).unwrap();
         assert_eq!(r, Value::String("v".into()));
         assert_eq!(finished.load(Ordering::SeqCst), 1);
-        // about 900 ms of work, a line at most every 250 ms
-        assert!((2..=5).contains(&seen.len()), "{seen:?}");
+        // about 900 ms of work (longer on a loaded machine), a line at
+        // most every 250 ms, one per step at most
+        assert!((2..=9).contains(&seen.len()), "{seen:?}");
         assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
         assert!(seen.iter().all(|&(d, t)| t == 8 && d <= 8), "{seen:?}");
         let e = call(dir.path(), &Request::Stats, &mut |_, _| {}).unwrap_err();
         assert!(e.to_string().contains("no such thing"), "{e}");
+        stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_long_operation_without_progress_says_it_is_working() {
+        let dir = tempfile::tempdir().unwrap();
+        let stop = start(dir.path(), Arc::new(AtomicU64::new(0)));
+        let mut s = UnixStream::connect(socket_path(dir.path())).unwrap();
+        let req = Request::VolumeCreate {
+            name: "v".into(),
+            size_bytes: 4096,
+        };
+        writeln!(s, "{}", serde_json::to_string(&req).unwrap()).unwrap();
+        let lines: Vec<Value> = BufReader::new(&s)
+            .lines()
+            .map(|l| serde_json::from_str(&l.unwrap()).unwrap())
+            .collect();
+        let (reply, before) = lines.split_last().unwrap();
+        assert_eq!(reply["ok"], true, "{lines:?}");
+        assert!(!before.is_empty(), "{lines:?}");
+        assert!(before.iter().all(|l| l["working"] == true), "{lines:?}");
+        // and the client takes the reply after them
+        let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
+        assert_eq!(r, Value::Null);
         stop.store(true, Ordering::Relaxed);
     }
 
