@@ -115,12 +115,15 @@ impl Engine {
             .map_err(|e| crate::error::EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
         let mut m = lock(&self.meta);
-        let fp_damaged_pages: Vec<u64> = self
+        // (sorted: looked up for every referenced block)
+        let mut fp_damaged_pages: Vec<u64> = self
             .damage
             .iter()
             .filter(|d| d.file.ends_with("fingerprints"))
             .flat_map(|d| d.pages.iter().copied())
             .collect();
+        fp_damaged_pages.sort_unstable();
+        fp_damaged_pages.dedup();
         for d in &self.damage {
             r.problems.push(format!(
                 "{}: {} page(s) fail their checksum: {:?}",
@@ -184,7 +187,8 @@ impl Engine {
         // wherever its fingerprint is needed, instead of being remembered
         // (a store of unhashed blocks would need an entry per block)
         let needs_hash = |p: u64, stored: &Fingerprint| {
-            *stored == crate::engine::UNHASHED || fp_damaged_pages.contains(&(p / per_page))
+            *stored == crate::engine::UNHASHED
+                || fp_damaged_pages.binary_search(&(p / per_page)).is_ok()
         };
         let mut block = vec![0u8; BLOCK_SIZE];
         let mut hash_of = |p: u64| -> Result<Fingerprint> {
