@@ -177,7 +177,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             all: _,
         } => dedup(&store, offline, volume),
         Command::Stats { json } => {
-            let v = with_store(&store, Request::Stats, |e| {
+            let v = with_store(&store, Request::Stats, |e, _| {
                 Ok(serde_json::to_value(e.stats())?)
             })?;
             if json {
@@ -191,42 +191,47 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Runs `req` on the running server if the store is in use, else opens the
-/// store and runs `local` on it.
+/// store and runs `local` on it. Either way, the progress the operation
+/// reports (volume delete and resize, offline dedup) is shown as a bar.
 fn with_store(
     store: &Path,
     req: Request,
-    local: impl FnOnce(&Engine) -> anyhow::Result<Value>,
+    local: impl FnOnce(&Engine, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value>,
 ) -> anyhow::Result<Value> {
-    match Engine::open(store, EngineConfig::default()) {
-        Ok(e) => {
-            let v = local(&e)?;
-            e.close()?;
-            Ok(v)
-        }
-        Err(EngineError::Locked(_)) => remote(store, &req),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Runs `req` on the server that holds the store, showing the progress
-/// it reports (volume delete and resize, offline dedup) as a bar.
-fn remote(store: &Path, req: &Request) -> anyhow::Result<Value> {
-    let label = match req {
+    let label = match &req {
         Request::VolumeDelete { name } => format!("delete {name}"),
         Request::VolumeResize { name, .. } => format!("resize {name}"),
         Request::DedupOffline { .. } => "dedup --offline".to_string(),
         _ => String::new(),
     };
+    with_bar(&label, |progress| {
+        match Engine::open(store, EngineConfig::default()) {
+            Ok(e) => {
+                let v = local(&e, progress)?;
+                e.close()?;
+                Ok(v)
+            }
+            Err(EngineError::Locked(_)) => control::call(store, &req, progress)
+                .context("the store is in use by `dedupd serve`"),
+            Err(e) => Err(e.into()),
+        }
+    })
+}
+
+/// Runs `f` with a progress callback (blocks done, of all) drawn as a bar
+/// labelled `label`, which appears at the first report and is cleared at
+/// the end.
+fn with_bar<T>(label: &str, f: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) -> T {
     let mut bar: Option<indicatif::ProgressBar> = None;
-    let result = control::call(store, req, &mut |done, all| {
-        let bar = bar.get_or_insert_with(|| progress_bar(&label));
+    let result = f(&mut |done, all| {
+        let bar = bar.get_or_insert_with(|| progress_bar(label));
         bar.set_length(all);
         bar.set_position(done);
     });
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    result.context("the store is in use by `dedupd serve`")
+    result
 }
 
 fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
@@ -239,7 +244,7 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     name: name.clone(),
                     size_bytes,
                 },
-                |e| {
+                |e, _| {
                     e.create_volume(&name, size_bytes)?;
                     Ok(Value::Null)
                 },
@@ -254,13 +259,8 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     name: name.clone(),
                     size_bytes,
                 },
-                |e| {
-                    let bar = progress_bar(&format!("resize {name}"));
-                    e.resize_volume_with_progress(&name, size_bytes, &mut |done, all| {
-                        bar.set_length(all);
-                        bar.set_position(done);
-                    })?;
-                    bar.finish_and_clear();
+                |e, progress| {
+                    e.resize_volume_with_progress(&name, size_bytes, progress)?;
                     Ok(Value::Null)
                 },
             )?;
@@ -282,7 +282,7 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     name: name.clone(),
                     sequence_threshold_blocks: t,
                 },
-                |e| {
+                |e, _| {
                     e.set_sequence_threshold(&name, t)?;
                     Ok(Value::Null)
                 },
@@ -293,19 +293,18 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             }
         }
         VolumeCommand::Delete { name } => {
-            with_store(store, Request::VolumeDelete { name: name.clone() }, |e| {
-                let bar = progress_bar(&format!("delete {name}"));
-                e.delete_volume_with_progress(&name, &mut |done, all| {
-                    bar.set_length(all);
-                    bar.set_position(done);
-                })?;
-                bar.finish_and_clear();
-                Ok(Value::Null)
-            })?;
+            with_store(
+                store,
+                Request::VolumeDelete { name: name.clone() },
+                |e, progress| {
+                    e.delete_volume_with_progress(&name, progress)?;
+                    Ok(Value::Null)
+                },
+            )?;
             println!("deleted volume {name}");
         }
         VolumeCommand::List { json } => {
-            let v = with_store(store, Request::VolumeList, |e| {
+            let v = with_store(store, Request::VolumeList, |e, _| {
                 Ok(serde_json::to_value(e.volumes())?)
             })?;
             if json {
@@ -353,24 +352,21 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
     if !offline {
         bail!("give --offline (the background pass runs inside `dedupd serve`, see --out-of-line-rate)");
     }
-    let before = with_store(store, Request::Stats, |e| {
+    let before = with_store(store, Request::Stats, |e, _| {
         Ok(serde_json::to_value(e.stats())?)
     })?;
-    let report = match Engine::open(store, EngineConfig::default()) {
-        Ok(e) => {
-            let bar = progress_bar("dedup --offline");
-            let r = e.dedup_offline(volume.as_deref(), &mut |done, all| {
-                bar.set_length(all);
-                bar.set_position(done);
-            })?;
-            bar.finish_and_clear();
-            e.close()?;
-            serde_json::to_value(r)?
-        }
-        Err(EngineError::Locked(_)) => remote(store, &Request::DedupOffline { volume })?,
-        Err(e) => return Err(e.into()),
-    };
-    let after = with_store(store, Request::Stats, |e| {
+    let report = with_store(
+        store,
+        Request::DedupOffline {
+            volume: volume.clone(),
+        },
+        |e, progress| {
+            Ok(serde_json::to_value(
+                e.dedup_offline(volume.as_deref(), progress)?,
+            )?)
+        },
+    )?;
+    let after = with_store(store, Request::Stats, |e, _| {
         Ok(serde_json::to_value(e.stats())?)
     })?;
     println!(
