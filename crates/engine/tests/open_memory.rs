@@ -113,21 +113,23 @@ fn opening_a_store_needs_its_budgets_not_its_size() {
     assert_eq!(e.stats().duplicate_writes_eliminated - before, 64);
 }
 
-#[test]
-fn fsck_needs_its_budgets_not_the_store_size() {
-    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // fsck counts references by sorting them through a scratch file, not
-    // in a table of 4 bytes per PBA, and walks the maps without listing
-    // them (16 bytes per mapped block)
-    const BLOCKS: u64 = 4 * 1172 * 256;
+/// Builds a store of `blocks` LBAs, block `k` with content `content(k)`
+/// (fingerprints only; the data file made sparse at its length), then runs
+/// fsck under 256 KiB caches and a 1 MiB index budget: its report and the
+/// heap's peak during it, in bytes.
+fn fsck_peak(
+    blocks: u64,
+    content: impl Fn(u64) -> u64,
+) -> (dedupd_engine::fsck::FsckReport, usize) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     {
         let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
-        let v = e.create_volume("v", BLOCKS * 4096).unwrap();
-        for first in (0..BLOCKS).step_by(256) {
-            let fps: Vec<Option<Fingerprint>> =
-                (first..first + 256).map(|k| Some(fingerprint(k))).collect();
+        let v = e.create_volume("v", blocks * 4096).unwrap();
+        for first in (0..blocks).step_by(256) {
+            let fps: Vec<Option<Fingerprint>> = (first..first + 256)
+                .map(|k| Some(fingerprint(content(k))))
+                .collect();
             e.write_fingerprinted(v, Lba(first), &fps).unwrap();
         }
         e.close().unwrap();
@@ -138,7 +140,7 @@ fn fsck_needs_its_budgets_not_the_store_size() {
         .write(true)
         .open(path.join("data"))
         .unwrap()
-        .set_len(BLOCKS * 4096)
+        .set_len(blocks * 4096)
         .unwrap();
     let before = IN_USE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
@@ -159,6 +161,17 @@ fn fsck_needs_its_budgets_not_the_store_size() {
         "{:?}",
         &r.problems[..r.problems.len().min(5)]
     );
+    (r, peak)
+}
+
+#[test]
+fn fsck_needs_its_budgets_not_the_store_size() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // fsck counts references by sorting them through a scratch file, not
+    // in a table of 4 bytes per PBA, and walks the maps without listing
+    // them (16 bytes per mapped block)
+    const BLOCKS: u64 = 4 * 1172 * 256;
+    let (r, peak) = fsck_peak(BLOCKS, |k| k);
     assert_eq!((r.mapped_blocks, r.referenced_blocks), (BLOCKS, BLOCKS));
     // the map (8 B per block), reference counts (4 B), reverse index (32 B)
     let metadata_bytes = BLOCKS as usize * (8 + 4 + 32);
@@ -180,44 +193,7 @@ fn fsck_memory_stays_bounded_when_one_block_is_shared_by_a_million_lbas() {
     // nine LBAs in ten map one block: fsck's reference count of that PBA
     // must not cost a sorted pair per LBA
     const BLOCKS: u64 = 4 * 1172 * 256;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store");
-    {
-        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
-        let v = e.create_volume("v", BLOCKS * 4096).unwrap();
-        for first in (0..BLOCKS).step_by(256) {
-            let fps: Vec<Option<Fingerprint>> = (first..first + 256)
-                .map(|k| Some(fingerprint(if k % 10 == 0 { k } else { u64::MAX })))
-                .collect();
-            e.write_fingerprinted(v, Lba(first), &fps).unwrap();
-        }
-        e.close().unwrap();
-    }
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(path.join("data"))
-        .unwrap()
-        .set_len(BLOCKS * 4096)
-        .unwrap();
-    let before = IN_USE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    let small = EngineConfig {
-        map_cache_bytes: 256 << 10,
-        reverse_index_cache_bytes: 256 << 10,
-        index: IndexConfig {
-            memory_budget_bytes: 1 << 20,
-            ..IndexConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    let opts = dedupd_engine::fsck::FsckOptions::default();
-    let r = dedupd_engine::fsck::fsck_with(&path, opts, small).unwrap();
-    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(before);
-    assert!(
-        r.problems.is_empty(),
-        "{:?}",
-        &r.problems[..r.problems.len().min(5)]
-    );
+    let (r, peak) = fsck_peak(BLOCKS, |k| if k % 10 == 0 { k } else { u64::MAX });
     assert_eq!(r.mapped_blocks, BLOCKS);
     assert_eq!(r.referenced_blocks, BLOCKS.div_ceil(10) + 1);
     eprintln!("fsck with a hot block: heap peak {peak} bytes for {BLOCKS} mapped blocks");
