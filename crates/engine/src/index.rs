@@ -42,8 +42,9 @@
 //! Deletions remove the entry from memory; an on-disk entry is left stale
 //! (it fails validation) and the prefix is flagged, so the next rewrite of
 //! its group validates every entry and drops the stale ones. Rewrites of
-//! unflagged groups skip that validation. The on-disk store is derived data: it is rebuilt from the
-//! journaled reverse index each time the store opens, so it needs no journal.
+//! unflagged groups skip that validation. The on-disk store is derived
+//! data: it is rebuilt from the journaled reverse index each time the
+//! store opens, so it needs no journal.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
