@@ -185,9 +185,9 @@ fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
     };
     let working = AtomicBool::new(true);
     let reply = std::thread::scope(|s| {
-        s.spawn(|| {
+        let keepalive = s.spawn(|| {
             while working.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::park_timeout(Duration::from_millis(100));
                 let mut l = lock();
                 if l.last.elapsed() >= KEEPALIVE_EVERY {
                     l.send(&serde_json::json!({"working": true}));
@@ -201,7 +201,9 @@ fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
             },
             Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
         };
+        // (woken, so a quick request is not held up by its sleep)
         working.store(false, Ordering::Relaxed);
+        keepalive.thread().unpark();
         reply
     });
     let mut bytes = serde_json::to_vec(&reply).unwrap_or_default();
