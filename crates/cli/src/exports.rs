@@ -18,6 +18,25 @@ impl VolumeExports {
     }
 }
 
+impl VolumeExports {
+    /// The volume name a client's export name stands for: the name itself,
+    /// or for the empty name `default` if that volume exists, else the
+    /// only volume; `None` if the empty name matches no volume.
+    fn resolve(&self, name: &str) -> Option<String> {
+        if !name.is_empty() {
+            return Some(name.to_string());
+        }
+        let vols = self.engine.volumes();
+        if vols.iter().any(|v| v.name == "default") {
+            Some("default".to_string())
+        } else if vols.len() == 1 {
+            Some(vols[0].name.clone())
+        } else {
+            None
+        }
+    }
+}
+
 impl ExportProvider for VolumeExports {
     fn list(&self) -> Vec<ExportInfo> {
         self.engine
@@ -31,24 +50,17 @@ impl ExportProvider for VolumeExports {
     }
 
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
-        let name = if name.is_empty() {
-            let vols = self.engine.volumes();
-            if vols.iter().any(|v| v.name == "default") {
-                "default".to_string()
-            } else if vols.len() == 1 {
-                vols[0].name.clone()
-            } else {
-                return None;
-            }
-        } else {
-            name.to_string()
-        };
+        let name = self.resolve(name)?;
         let (id, size_bytes) = self.engine.volume(&name)?;
         Some(Arc::new(VolumeExport {
             engine: self.engine.clone(),
             id,
             size_bytes,
         }))
+    }
+
+    fn canonical_name(&self, name: &str) -> String {
+        self.resolve(name).unwrap_or_else(|| name.to_string())
     }
 
     fn flush_covers_all_connections(&self) -> bool {

@@ -103,6 +103,10 @@ pub struct ServeArgs {
     /// Bytes of request payload in flight at once, over all connections.
     #[arg(long, default_value = "64M")]
     pub inflight_budget: String,
+    /// NBD connections open at once, over all listeners (each holds a
+    /// 128 KiB read buffer); more are closed at once.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
     /// Journal length that triggers a checkpoint of metadata in place (as
     /// do as many bytes of metadata pages changed since the last one).
     #[arg(long, default_value = "32M")]
@@ -208,6 +212,8 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         workers_per_connection: args.workers.max(1),
         inflight_budget_bytes: parse_size(&args.inflight_budget).map_err(anyhow::Error::msg)?
             as usize,
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        ..ServerConfig::default()
     };
     let engine = Arc::new(open_or_create(store, &args, config)?);
     let server = Arc::new(Server::new(
@@ -395,6 +401,8 @@ fn answer(
             v["connections_total"] = s.connections_total.into();
             v["requests_total"] = s.requests_total.into();
             v["inflight_bytes"] = s.inflight_bytes.into();
+            v["connections_refused"] = s.connections_refused.into();
+            v["connection_read_buffer_bytes"] = s.read_buffer_bytes.into();
             v
         }
         Request::VolumeList => serde_json::to_value(engine.volumes())?,

@@ -65,6 +65,13 @@ pub trait ExportProvider: Send + Sync {
     /// Opens the export `name`; the empty name means the default export.
     /// Returns `None` if there is no such export.
     fn open(&self, name: &str) -> Option<Arc<dyn Export>>;
+    /// The name [`ExportProvider::list`] gives the export that
+    /// [`ExportProvider::open`] opens for `name` (sent as `NBD_INFO_NAME`);
+    /// by default `name` itself. A provider with a default export maps
+    /// the empty name to that export's name.
+    fn canonical_name(&self, name: &str) -> String {
+        name.to_string()
+    }
     /// True if a FLUSH on any connection makes every completed write of
     /// every connection durable, so the server may advertise
     /// `NBD_FLAG_CAN_MULTI_CONN`.

@@ -90,6 +90,13 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
         let hdr = proto::decode_option_header(&hdr)?;
         let option = hdr.option;
 
+        if option == proto::OPT_ABORT {
+            // Acknowledged whatever data it carries, which is not read
+            // (proto.md: the server SHOULD ignore it; the connection's
+            // close drains it). The client may already have gone.
+            let _ = reply(w, option, proto::REP_ACK, &[]).and_then(|()| w.flush());
+            return Ok(Outcome::Closed);
+        }
         if hdr.length > proto::MAX_OPTION_DATA_LEN {
             if option == proto::OPT_EXPORT_NAME {
                 // This option cannot be answered with an error.
@@ -109,7 +116,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
         let mut data = vec![0u8; hdr.length as usize];
         r.read_exact(&mut data)?;
 
-        if stopping.load(Ordering::SeqCst) && option != proto::OPT_ABORT {
+        if stopping.load(Ordering::SeqCst) {
             if option == proto::OPT_EXPORT_NAME {
                 return Ok(Outcome::Closed);
             }
@@ -137,11 +144,6 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 ))?;
                 w.flush()?;
                 return Ok(Outcome::Transmission { export });
-            }
-            proto::OPT_ABORT => {
-                // The client may already have gone; that is fine.
-                let _ = reply(w, option, proto::REP_ACK, &[]).and_then(|()| w.flush());
-                return Ok(Outcome::Closed);
             }
             proto::OPT_LIST => {
                 if data.is_empty() {
@@ -201,13 +203,16 @@ fn answer_info<W: Write + ?Sized>(
     };
     let flags =
         proto::transmission_flags(export.read_only(), provider.flush_covers_all_connections());
+    // The name NBD_REP_SERVER would list (the default export's own name
+    // when the client asked for "").
+    let name = provider.canonical_name(&req.name);
     let mut sent_name = false;
     let mut sent_description = false;
     for t in &req.info_types {
         match *t {
             proto::INFO_NAME if !sent_name => {
                 sent_name = true;
-                let d = proto::encode_info_string(proto::INFO_NAME, &req.name);
+                let d = proto::encode_info_string(proto::INFO_NAME, &name);
                 reply(w, option, proto::REP_INFO, &d)?;
             }
             proto::INFO_DESCRIPTION if !sent_description => {
@@ -215,7 +220,7 @@ fn answer_info<W: Write + ?Sized>(
                 let description = provider
                     .list()
                     .into_iter()
-                    .find(|e| e.name == req.name)
+                    .find(|e| e.name == name)
                     .map(|e| e.description)
                     .unwrap_or_default();
                 if !description.is_empty() && description.len() <= proto::MAX_STRING_LEN {

@@ -33,9 +33,19 @@
 //! answered `NBD_REP_ERR_UNSUP`; no TLS, no structured replies, no metadata
 //! contexts). Transmission with simple replies: `READ`, `WRITE`, `FLUSH`,
 //! `TRIM`, `WRITE_ZEROES` (`NO_HOLE` accepted), `DISC`, and `FUA` on every
-//! command. Requests of more than 32 MiB (the advertised maximum block size)
-//! are refused with `NBD_EINVAL`; a WRITE that long also closes the
-//! connection, since its payload is not read.
+//! command. READs and WRITEs of more than 32 MiB (the advertised maximum
+//! block size) are refused with `NBD_EINVAL`; a WRITE that long also closes
+//! the connection, since its payload is not read. Past the export's end,
+//! READ and TRIM get `NBD_EINVAL`, WRITE and WRITE_ZEROES `NBD_ENOSPC`.
+//! During shutdown, requests already sent get `NBD_ESHUTDOWN`.
+//!
+//! # Bounds against misbehaving clients
+//!
+//! At most [`ServerConfig::max_connections`] connections are open; a
+//! negotiation read that waits 30 s, or a WRITE payload that does not
+//! arrive within 60 s of its header, ends the connection; a reply the
+//! client does not read for 60 s ends it too. Idle connections in
+//! transmission are kept.
 
 #![warn(missing_docs)]
 
@@ -50,4 +60,4 @@ mod transmission;
 mod fuzz_tests;
 
 pub use export::{Export, ExportError, ExportInfo, ExportProvider};
-pub use server::{Server, ServerConfig, ServerStats, ShutdownHandle};
+pub use server::{Server, ServerConfig, ServerStats, ShutdownHandle, READ_BUFFER_BYTES};

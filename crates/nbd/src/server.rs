@@ -29,7 +29,13 @@ const STALLED_CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 /// does not read) fails, and the connection is dropped.
 const SHUTDOWN_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// Read buffer of a connection, in bytes.
-const READ_BUFFER_BYTES: usize = 128 * 1024;
+pub const READ_BUFFER_BYTES: usize = 128 * 1024;
+/// At the end of a connection, bytes the client still sends are read and
+/// dropped for up to this long, so that closing the socket does not reset
+/// it and destroy replies not yet delivered...
+const CLOSE_DRAIN_TIME: Duration = Duration::from_secs(2);
+/// ... until the client closes its side or sends nothing for this long.
+const CLOSE_DRAIN_IDLE: Duration = Duration::from_millis(200);
 
 /// Tunables of a [`Server`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +49,19 @@ pub struct ServerConfig {
     /// request waits for room before its buffer is allocated; a single
     /// request larger than the whole budget runs alone. Default 64 MiB.
     pub inflight_budget_bytes: usize,
+    /// Connections open at once (handshake or transmission), over all
+    /// listeners; one more is accepted and closed at once, and counted in
+    /// [`ServerStats::connections_refused`]. Each open connection holds a
+    /// read buffer of [`READ_BUFFER_BYTES`]. Default 128.
+    pub max_connections: usize,
+    /// A WRITE's payload must arrive within this time of its header (it
+    /// holds its share of the in-flight budget meanwhile), or the
+    /// connection is dropped. Default 60 s.
+    pub payload_timeout: Duration,
+    /// During negotiation, a read that gets nothing for this long ends the
+    /// connection (an idle connection in transmission is kept). Default
+    /// 30 s.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +69,9 @@ impl Default for ServerConfig {
         ServerConfig {
             workers_per_connection: 4,
             inflight_budget_bytes: 64 * 1024 * 1024,
+            max_connections: 128,
+            payload_timeout: Duration::from_secs(60),
+            handshake_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -66,6 +88,12 @@ pub struct ServerStats {
     pub requests_total: u64,
     /// Bytes of payload buffers currently taken from the in-flight budget.
     pub inflight_bytes: u64,
+    /// Connections closed at once because [`ServerConfig::max_connections`]
+    /// were open.
+    pub connections_refused: u64,
+    /// Bytes of the open connections' read buffers
+    /// (`connections_open` × [`READ_BUFFER_BYTES`]).
+    pub read_buffer_bytes: u64,
 }
 
 /// A connected socket of either kind, as the connection code needs it.
@@ -74,6 +102,8 @@ trait Socket: Read + Write + Send + Sync + 'static {
     fn clone_socket(&self) -> io::Result<Box<dyn Socket>>;
     fn shutdown_socket(&self, how: Shutdown) -> io::Result<()>;
     fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+    /// `SO_RCVTIMEO`: a read that gets nothing for `t` fails.
+    fn set_recv_timeout(&self, t: Option<Duration>) -> io::Result<()>;
 }
 
 impl Socket for TcpStream {
@@ -88,6 +118,9 @@ impl Socket for TcpStream {
     }
     fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         self.set_write_timeout(t)
+    }
+    fn set_recv_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)
     }
 }
 
@@ -104,6 +137,9 @@ impl Socket for UnixStream {
     fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         self.set_write_timeout(t)
     }
+    fn set_recv_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)
+    }
 }
 
 impl ReplySink for Box<dyn Socket> {
@@ -112,9 +148,65 @@ impl ReplySink for Box<dyn Socket> {
     }
 }
 
-impl RequestSource for BufReader<Box<dyn Socket>> {
+/// The reading half of a connection: the socket behind a
+/// [`READ_BUFFER_BYTES`] buffer, and the time a WRITE payload may take.
+struct SocketReader {
+    buffered: BufReader<Box<dyn Socket>>,
+    payload_timeout: Duration,
+}
+
+impl SocketReader {
+    fn socket(&self) -> &dyn Socket {
+        self.buffered.get_ref().as_ref()
+    }
+}
+
+impl Read for SocketReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.buffered.read(buf)
+    }
+}
+
+impl RequestSource for SocketReader {
     fn input_pending(&mut self) -> bool {
-        !self.buffer().is_empty() || wait_readable(self.get_ref().raw_fd(), 0).unwrap_or(false)
+        !self.buffered.buffer().is_empty()
+            || wait_readable(self.socket().raw_fd(), 0).unwrap_or(false)
+    }
+
+    /// Reads the payload within the payload timeout of the call: each read
+    /// that has to wait for the socket may wait only for what is left of
+    /// that time. A payload already buffered costs no system call.
+    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        if self.buffered.buffer().len() >= buf.len() {
+            return self.buffered.read_exact(buf);
+        }
+        let deadline = std::time::Instant::now() + self.payload_timeout;
+        let mut done = 0;
+        let result = loop {
+            if done == buf.len() {
+                break Ok(());
+            }
+            if self.buffered.buffer().is_empty() {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "WRITE payload not received in time",
+                    ));
+                }
+                if let Err(e) = self.socket().set_recv_timeout(Some(left)) {
+                    break Err(e);
+                }
+            }
+            match self.buffered.read(&mut buf[done..]) {
+                Ok(0) => break Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e),
+            }
+        };
+        let cleared = self.socket().set_recv_timeout(None);
+        result.and(cleared)
     }
 }
 
@@ -130,6 +222,7 @@ struct Shared {
     next_id: AtomicU64,
     connections_open: AtomicU64,
     connections_total: AtomicU64,
+    connections_refused: AtomicU64,
     requests_total: AtomicU64,
 }
 
@@ -207,6 +300,7 @@ impl Server {
                 next_id: AtomicU64::new(0),
                 connections_open: AtomicU64::new(0),
                 connections_total: AtomicU64::new(0),
+                connections_refused: AtomicU64::new(0),
                 requests_total: AtomicU64::new(0),
             }),
         }
@@ -227,6 +321,9 @@ impl Server {
             connections_total: s.connections_total.load(Ordering::Relaxed),
             requests_total: s.requests_total.load(Ordering::Relaxed),
             inflight_bytes: s.budget.in_use() as u64,
+            connections_refused: s.connections_refused.load(Ordering::Relaxed),
+            read_buffer_bytes: s.connections_open.load(Ordering::Relaxed)
+                * READ_BUFFER_BYTES as u64,
         }
     }
 
@@ -281,6 +378,7 @@ impl Server {
                 Err(e) => break Err(e),
             }
             match accept() {
+                Ok(socket) if !self.admit() => drop(socket),
                 Ok(socket) => match self.spawn_connection(socket) {
                     Ok(t) => threads.push(t),
                     Err(_) => std::thread::sleep(Duration::from_millis(50)),
@@ -298,12 +396,38 @@ impl Server {
         result
     }
 
+    /// Counts a just accepted connection as open, unless
+    /// [`ServerConfig::max_connections`] are open already (then it is
+    /// counted as refused).
+    fn admit(&self) -> bool {
+        let s = &self.shared;
+        let max = s.config.max_connections.max(1) as u64;
+        let admitted = s
+            .connections_open
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok();
+        if admitted {
+            s.connections_total.fetch_add(1, Ordering::Relaxed);
+        } else {
+            s.connections_refused.fetch_add(1, Ordering::Relaxed);
+        }
+        admitted
+    }
+
+    /// Runs an admitted connection on its own thread (uncounting it if the
+    /// thread cannot be started).
     fn spawn_connection(&self, socket: Box<dyn Socket>) -> io::Result<JoinHandle<()>> {
         let shared = Arc::clone(&self.shared);
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-        std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
-            .spawn(move || handle_connection(&shared, id, socket))
+            .spawn(move || handle_connection(&shared, id, socket));
+        if spawned.is_err() {
+            self.shared.connections_open.fetch_sub(1, Ordering::SeqCst);
+        }
+        spawned
     }
 }
 
@@ -339,13 +463,12 @@ struct ConnectionGuard<'a> {
 impl Drop for ConnectionGuard<'_> {
     fn drop(&mut self) {
         self.shared.registry().remove(&self.id);
-        self.shared.connections_open.fetch_sub(1, Ordering::Relaxed);
+        self.shared.connections_open.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
+/// Serves one admitted connection (already counted open) to its end.
 fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
-    shared.connections_total.fetch_add(1, Ordering::Relaxed);
-    shared.connections_open.fetch_add(1, Ordering::Relaxed);
     let _guard = ConnectionGuard { shared, id };
 
     let (Ok(control), Ok(read_half), Ok(hangup_half)) = (
@@ -365,16 +488,32 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         stop_socket(socket.as_ref());
     }
 
-    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
+    let mut reader = SocketReader {
+        buffered: BufReader::with_capacity(READ_BUFFER_BYTES, read_half),
+        payload_timeout: shared.config.payload_timeout,
+    };
     let mut writer: Box<dyn Socket> = socket;
     // Replies of one option leave together (negotiate flushes per option).
     let mut buffered = BufWriter::new(&mut writer);
-    let outcome = handshake::negotiate(
-        &mut reader,
-        &mut buffered,
-        shared.provider.as_ref(),
-        &shared.stopping,
-    );
+    // A client that stops sending during negotiation is dropped; an idle
+    // client in transmission is not (it may send its next request in
+    // hours).
+    let outcome = reader
+        .socket()
+        .set_recv_timeout(Some(shared.config.handshake_timeout))
+        .map_err(handshake::HandshakeError::from)
+        .and_then(|()| {
+            handshake::negotiate(
+                &mut reader,
+                &mut buffered,
+                shared.provider.as_ref(),
+                &shared.stopping,
+            )
+        })
+        .and_then(|o| {
+            reader.socket().set_recv_timeout(None)?;
+            Ok(o)
+        });
     drop(buffered);
     let hangup_half = Arc::new(hangup_half);
     if let Ok(Outcome::Transmission { export }) = outcome {
@@ -393,5 +532,33 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         };
         transmission::run(&mut reader, replies, export, &res);
     }
+    close_gracefully(reader.buffered.get_mut().as_mut());
     let _ = hangup_half.shutdown_socket(Shutdown::Both);
+}
+
+/// Ends a connection without resetting it: sends FIN after the replies
+/// already queued, then reads and drops what the client still sends until
+/// it closes its side, pauses for [`CLOSE_DRAIN_IDLE`], or
+/// [`CLOSE_DRAIN_TIME`] passes. (Closing a socket with unread input makes
+/// the kernel send a reset, which can destroy replies the client has not
+/// read yet.)
+fn close_gracefully(s: &mut dyn Socket) {
+    let _ = s.shutdown_socket(Shutdown::Write);
+    let deadline = std::time::Instant::now() + CLOSE_DRAIN_TIME;
+    let mut scratch = [0u8; 8192];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero()
+            || s.set_recv_timeout(Some(left.min(CLOSE_DRAIN_IDLE)))
+                .is_err()
+        {
+            return;
+        }
+        match s.read(&mut scratch) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }

@@ -62,7 +62,9 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool) -> Plan {
             } else if read_only {
                 Plan::SkipPayloadThenReply(proto::NBD_EPERM)
             } else if !in_range {
-                Plan::SkipPayloadThenReply(proto::NBD_EINVAL)
+                // proto.md "Error values": a write past the end SHOULD get
+                // NBD_ENOSPC (reads and trims get NBD_EINVAL).
+                Plan::SkipPayloadThenReply(proto::NBD_ENOSPC)
             } else {
                 Plan::Dispatch
             }
@@ -76,6 +78,8 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool) -> Plan {
                 Plan::Reply(proto::NBD_EINVAL)
             } else if read_only && req.command != Command::Read {
                 Plan::Reply(proto::NBD_EPERM)
+            } else if !in_range && req.command == Command::WriteZeroes {
+                Plan::Reply(proto::NBD_ENOSPC)
             } else if !in_range {
                 Plan::Reply(proto::NBD_EINVAL)
             } else {
@@ -109,6 +113,13 @@ pub(crate) trait RequestSource: Read + Send {
     /// decide whether queued replies must be pushed out first; `false` when
     /// unsure.
     fn input_pending(&mut self) -> bool;
+
+    /// Reads a WRITE payload whole. A source over a socket bounds the time
+    /// this may take (the payload holds its share of the server's
+    /// in-flight budget meanwhile) and fails once it is exceeded.
+    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        self.read_exact(buf)
+    }
 }
 
 /// The sending half of a connection, shared by its workers, and the count
@@ -290,9 +301,16 @@ pub(crate) struct Resources<'a> {
     pub budget: &'a Arc<Budget>,
     /// Counter of decoded requests.
     pub requests_total: &'a AtomicU64,
-    /// Server shutdown flag: stop reading new requests once set.
+    /// Server shutdown flag: once set, requests already received are
+    /// answered `NBD_ESHUTDOWN` (at most [`SHUTDOWN_REPLIES`] of them) and
+    /// reading stops at the end of what the client has sent.
     pub stopping: &'a AtomicBool,
 }
+
+/// Requests a connection answers with `NBD_ESHUTDOWN` after the server
+/// began to shut down, before it stops reading (a client that keeps
+/// sending cannot hold the shutdown up).
+pub(crate) const SHUTDOWN_REPLIES: usize = 1024;
 
 /// Bytes of payload buffer a worker keeps between requests (reused, so a
 /// request's buffer is neither allocated nor zeroed again); a larger one
@@ -337,6 +355,8 @@ struct Connection<'a, R: ?Sized> {
     size: u64,
     read_only: bool,
     res: &'a Resources<'a>,
+    /// Requests answered `NBD_ESHUTDOWN` so far.
+    shutdown_replies: AtomicUsize,
 }
 
 /// Runs the transmission phase until the client disconnects, breaks the
@@ -356,6 +376,7 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
         size: export.size_bytes(),
         read_only: export.read_only(),
         res,
+        shutdown_replies: AtomicUsize::new(0),
     };
     let workers = res.workers.max(1);
     std::thread::scope(|scope| {
@@ -408,11 +429,11 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
     /// Reads the next request whole; the caller holds the reading half.
     fn next(&self, reader: &mut R, buf: &mut Vec<u8>) -> Next {
         let writer = self.writer;
-        if self.done.load(Ordering::SeqCst)
-            || self.res.stopping.load(Ordering::SeqCst)
-            || writer.is_dead()
-        {
+        if self.done.load(Ordering::SeqCst) || writer.is_dead() {
             return Next::Stop;
+        }
+        if self.res.stopping.load(Ordering::SeqCst) {
+            return self.refuse_during_shutdown(reader);
         }
         // About to wait for the client, which may be waiting for a reply
         // queued behind MSG_MORE: send it now, and queue none meanwhile.
@@ -467,7 +488,7 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                 let mut buf = std::mem::take(buf);
                 if req.command == Command::Write {
                     ensure_len(&mut buf, len);
-                    if reader.read_exact(&mut buf[..len]).is_err() {
+                    if reader.read_payload(&mut buf[..len]).is_err() {
                         return Next::Stop;
                     }
                 }
@@ -478,6 +499,49 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                     _budget: guard,
                 })
             }
+        }
+    }
+}
+
+impl<R: RequestSource + ?Sized> Connection<'_, R> {
+    /// During shutdown: answers the next request the client has already
+    /// sent with `NBD_ESHUTDOWN` (proto.md "Terminating the transmission
+    /// phase"), dropping a WRITE's payload; stops when nothing more has
+    /// arrived (the socket's reading side is shut down, so a read finds
+    /// end of stream), on `NBD_CMD_DISC`, or after [`SHUTDOWN_REPLIES`].
+    fn refuse_during_shutdown(&self, reader: &mut R) -> Next {
+        if self.shutdown_replies.fetch_add(1, Ordering::SeqCst) >= SHUTDOWN_REPLIES
+            || !reader.input_pending()
+        {
+            return Next::Stop;
+        }
+        let mut hdr = [0u8; proto::REQUEST_HEADER_LEN];
+        if reader.read_exact(&mut hdr).is_err() {
+            return Next::Stop;
+        }
+        let Ok(req) = proto::decode_request(&hdr) else {
+            return Next::Stop;
+        };
+        self.res.requests_total.fetch_add(1, Ordering::Relaxed);
+        let unreadable = match req.command {
+            Command::Disc => true,
+            Command::Write => {
+                req.length > proto::BLOCK_SIZE_MAX
+                    || discard(reader, u64::from(req.length)).is_err()
+            }
+            _ => false,
+        };
+        if unreadable {
+            return Next::Stop;
+        }
+        self.writer.begin();
+        if self.writer.reply(&proto::encode_simple_reply(
+            proto::NBD_ESHUTDOWN,
+            req.handle,
+        )) {
+            Next::Handled
+        } else {
+            Next::Stop
         }
     }
 }
@@ -535,7 +599,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proto::{CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, NBD_EINVAL, NBD_EPERM};
+    use proto::{CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, NBD_EINVAL, NBD_ENOSPC, NBD_EPERM};
 
     fn req(command: Command, flags: u16, offset: u64, length: u32) -> Request {
         Request {
@@ -592,7 +656,11 @@ mod tests {
         );
         assert_eq!(
             p(req(Command::Write, 0, size, 1)),
-            Plan::SkipPayloadThenReply(NBD_EINVAL)
+            Plan::SkipPayloadThenReply(NBD_ENOSPC)
+        );
+        assert_eq!(
+            p(req(Command::WriteZeroes, 0, size - 1, 2)),
+            Plan::Reply(NBD_ENOSPC)
         );
         assert_eq!(p(req(Command::Write, 0, size - 1, 1)), Plan::Dispatch);
         assert_eq!(

@@ -73,13 +73,14 @@ fn go_and_basic_io_over_tcp() {
     assert_eq!(c.simple(0, CMD_FLUSH, 0, 0, &[]), 0);
     assert!(*h.provider.disk.flushes.lock().unwrap() >= 1);
 
-    // Past the end -> EINVAL, for every command; WRITE payload is skipped.
+    // Past the end: EINVAL for READ and TRIM, ENOSPC for WRITE and
+    // WRITE_ZEROES (proto.md "Error values"); WRITE payload is skipped.
     let end = DISK_SIZE as u64;
     assert_eq!(c.read(end - 10, 11), Err(NBD_EINVAL));
     assert_eq!(c.read(u64::MAX - 1, 4), Err(NBD_EINVAL));
-    assert_eq!(c.simple(0, CMD_WRITE, end, 3, b"xyz"), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_WRITE, end, 3, b"xyz"), NBD_ENOSPC);
     assert_eq!(c.simple(0, CMD_TRIM, end - 1, 2, &[]), NBD_EINVAL);
-    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, end, 1, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, end, 1, &[]), NBD_ENOSPC);
     // The stream is still in sync after the refused write.
     assert_eq!(c.read(end - 4, 4).unwrap(), vec![0u8; 4]);
 
@@ -89,11 +90,12 @@ fn go_and_basic_io_over_tcp() {
     assert_eq!(c.simple(1 << 7, CMD_WRITE, 0, 2, b"ab"), NBD_EINVAL);
     assert_eq!(c.read(0, 2).unwrap(), vec![0u8; 2]);
 
-    // Longer than 32 MiB -> EINVAL for READ, TRIM, WRITE_ZEROES.
+    // Longer than 32 MiB: EINVAL for READ; TRIM and WRITE_ZEROES that
+    // long are past this 8 MiB export's end.
     let big = BLOCK_SIZE_MAX + 1;
     assert_eq!(c.read(0, big), Err(NBD_EINVAL));
     assert_eq!(c.simple(0, CMD_TRIM, 0, big, &[]), NBD_EINVAL);
-    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, 0, big, &[]), NBD_EINVAL);
+    assert_eq!(c.simple(0, CMD_WRITE_ZEROES, 0, big, &[]), NBD_ENOSPC);
 
     // Zero-length requests succeed.
     assert_eq!(c.read(0, 0).unwrap(), Vec::<u8>::new());
@@ -259,8 +261,27 @@ fn options_list_info_unsupported_abort() {
     c.s.write_all(&vec![0u8; 1 << 20]).unwrap();
     assert_eq!(c.option_reply().kind, REP_ERR_TOO_BIG);
 
+    // INFO_NAME of the default export (empty name) is its canonical name.
+    let (infos, fin) = c.info_or_go(OPT_INFO, "", &[INFO_NAME, INFO_DESCRIPTION]);
+    assert_eq!(fin.kind, REP_ACK);
+    let by_type: HashMap<u16, Vec<u8>> = infos
+        .iter()
+        .map(|i| (u16::from_be_bytes([i[0], i[1]]), i[2..].to_vec()))
+        .collect();
+    assert_eq!(by_type[&INFO_NAME], b"disk");
+    assert_eq!(by_type[&INFO_DESCRIPTION], b"memory disk");
+
     // ABORT: ACK, then the server closes
     c.send_option(OPT_ABORT, &[]);
+    let r = c.option_reply();
+    assert_eq!((r.option, r.kind), (OPT_ABORT, REP_ACK));
+    assert!(c.at_eof());
+
+    // ABORT carrying more data than any option may: still acknowledged
+    // (proto.md: the server SHOULD ignore the data).
+    let mut c = h.tcp();
+    c.greet(proto::FLAG_C_FIXED_NEWSTYLE);
+    c.send_option(OPT_ABORT, &vec![7u8; 70_000]);
     let r = c.option_reply();
     assert_eq!((r.option, r.kind), (OPT_ABORT, REP_ACK));
     assert!(c.at_eof());
@@ -312,10 +333,13 @@ fn protocol_violations_close_the_connection() {
     c.connect_go("disk");
     c.s.write_all(&[0u8; 28]).unwrap();
     assert!(c.at_eof());
-    // WRITE longer than 32 MiB: EINVAL, then closed.
+    // WRITE longer than 32 MiB: EINVAL, then closed; the reply arrives
+    // although part of the payload was sent and is never read.
     let mut c = h.tcp();
     c.connect_go("disk");
     c.send_request(0, CMD_WRITE, 9, 0, BLOCK_SIZE_MAX + 1, &[]);
+    let _ = c.s.write_all(&vec![5u8; 1 << 20]);
+    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(c.reply(), (NBD_EINVAL, 9));
     assert!(c.at_eof());
     wait_until("connections closed", || {
@@ -383,6 +407,7 @@ fn small_budget_still_serves_large_requests_concurrently() {
     let h = Harness::start(ServerConfig {
         workers_per_connection: 2,
         inflight_budget_bytes: 64 * 1024,
+        ..ServerConfig::default()
     });
     let addr = h.addr;
     // Sample the in-flight bytes while the clients run: requests larger than
@@ -542,5 +567,105 @@ fn fast_reply_is_not_held_behind_a_slow_request() {
     );
     assert_eq!(c.reply(), (0, 1));
     c.read_n(512);
+    h.stop();
+}
+
+#[test]
+fn stalled_write_payload_releases_the_budget() {
+    // Two WRITE headers whose payloads never come hold the whole budget;
+    // without a bound every other client would wait for ever.
+    let h = Harness::start(ServerConfig {
+        inflight_budget_bytes: 1 << 20,
+        payload_timeout: Duration::from_millis(700),
+        ..ServerConfig::default()
+    });
+    let mut stalled: Vec<_> = (0..2)
+        .map(|_| {
+            let mut c = h.tcp();
+            c.connect_go("disk");
+            c.send_request(0, CMD_WRITE, 1, 0, 1 << 20, &[1u8; 100]);
+            c
+        })
+        .collect();
+    wait_until("budget taken", || {
+        h.server.stats().inflight_bytes >= 1 << 20
+    });
+    let started = Instant::now();
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    assert_eq!(c.simple(0, CMD_WRITE, 0, 4, b"live"), 0);
+    assert_eq!(c.read(0, 4).unwrap(), b"live");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    for s in &mut stalled {
+        assert!(s.at_eof(), "a stalled WRITE ends its connection");
+    }
+    wait_until("budget returned", || h.server.stats().inflight_bytes == 0);
+    h.stop();
+}
+
+#[test]
+fn connections_are_capped_and_silent_negotiations_dropped() {
+    let h = Harness::start(ServerConfig {
+        max_connections: 2,
+        handshake_timeout: Duration::from_millis(500),
+        ..ServerConfig::default()
+    });
+    let mut a = h.tcp();
+    a.connect_go("disk");
+    let mut b = h.unix();
+    b.connect_go("disk");
+    // A third is closed at once, without a greeting.
+    let mut c = h.tcp();
+    assert!(c.at_eof());
+    wait_until("refusal counted", || {
+        h.server.stats().connections_refused == 1
+    });
+    assert_eq!(h.server.stats().connections_open, 2);
+    assert_eq!(
+        h.server.stats().read_buffer_bytes,
+        2 * dedupd_nbd::READ_BUFFER_BYTES as u64
+    );
+    // The open ones still work; closing one makes room.
+    assert_eq!(a.simple(0, CMD_WRITE, 0, 2, b"ok"), 0);
+    drop(b);
+    wait_until("one closed", || h.server.stats().connections_open == 1);
+    // A client that greets and then says nothing is dropped after the
+    // handshake timeout; one idle in transmission (`a`) is kept.
+    let mut silent = h.tcp();
+    silent.greet(proto::FLAG_C_FIXED_NEWSTYLE);
+    let started = Instant::now();
+    assert!(silent.at_eof());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(a.read(0, 2).unwrap(), b"ok");
+    h.stop();
+}
+
+#[test]
+fn requests_sent_before_shutdown_get_eshutdown() {
+    let h = Harness::start(ServerConfig {
+        workers_per_connection: 1,
+        ..ServerConfig::default()
+    });
+    let mut c = h.tcp();
+    c.connect_go("slow");
+    // The one worker executes the first (slow) read; the rest wait in the
+    // socket, the third a WRITE whose payload must be skipped.
+    c.send_request(0, CMD_READ, 1, 0, 512, &[]);
+    c.send_request(0, CMD_READ, 2, 0, 512, &[]);
+    c.send_request(0, CMD_WRITE, 3, 0, 4, b"abcd");
+    c.send_request(0, CMD_FLUSH, 4, 0, 0, &[]);
+    std::thread::sleep(Duration::from_millis(100));
+    h.shutdown.shutdown();
+    assert_eq!(c.reply(), (0, 1));
+    assert_eq!(c.read_n(512).len(), 512);
+    for handle in 2..=4 {
+        assert_eq!(c.reply(), (NBD_ESHUTDOWN, handle));
+    }
+    assert!(c.at_eof());
     h.stop();
 }

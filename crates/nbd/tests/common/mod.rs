@@ -196,6 +196,9 @@ impl ExportProvider for Provider {
             _ => None,
         }
     }
+    fn canonical_name(&self, name: &str) -> String {
+        if name.is_empty() { "disk" } else { name }.to_string()
+    }
     fn flush_covers_all_connections(&self) -> bool {
         true
     }
