@@ -319,7 +319,7 @@ pub struct Engine {
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
-    config: EngineConfig,
+    pub(crate) config: EngineConfig,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -1519,14 +1519,25 @@ impl Engine {
                 }
                 return Err(e);
             }
-            if !m.volumes.contains_key(&vol) {
-                // deleted meanwhile: nothing to map, the reserved PBAs go back
+            // deleted or shrunk past the request meanwhile: nothing to map
+            // (an LBA past the end would hold a reference no LBA of the
+            // volume accounts for), the reserved PBAs go back
+            let gone = match m.volumes.get(&vol) {
+                None => Some(EngineError::NoSuchVolume(format!("#{}", vol.0))),
+                Some(v) if first + n as u64 > v.size_blocks() => Some(EngineError::OutOfRange {
+                    offset: first * BLOCK_SIZE_U64,
+                    len: n as u64 * BLOCK_SIZE_U64,
+                    size_bytes: v.record.size_bytes,
+                }),
+                Some(_) => None,
+            };
+            if let Some(e) = gone {
                 for p in &placement {
                     if let Placement::New { pba, .. } = p {
                         m.unreserve(*pba);
                     }
                 }
-                return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
+                return Err(e);
             }
         }
 
@@ -1572,10 +1583,16 @@ impl Engine {
                     }
                 };
                 let target = match raced {
-                    Some(existing) => {
+                    Some(existing) if self.verified(existing, block(i), &mut m) => {
                         m.unreserve(*pba);
                         m.counters.duplicate_blocks += 1;
                         existing
+                    }
+                    Some(_) => {
+                        // `verify`: same fingerprint, other bytes: kept
+                        // apart, as a mismatch in phase 1 is
+                        m.record_unindexed(*pba, *fp);
+                        *pba
                     }
                     None => {
                         // (this request's own inserts count too: two of
@@ -1632,18 +1649,23 @@ impl Engine {
     /// concurrent flushes share one journal transaction), then releases the
     /// PBAs freed by the committed changes for reuse.
     ///
-    /// Errors: [`EngineError::NoSpace`] or [`EngineError::Io`] if the data
-    /// file cannot be synced or the journal cannot be written; the changes
-    /// stay pending and the next flush retries them.
+    /// Errors: [`EngineError::NoSpace`] or [`EngineError::Io`] if the
+    /// journal cannot be written (the changes stay pending and the next
+    /// flush retries them) or the data file cannot be synced (then every
+    /// later flush and write fails with [`EngineError::DataSyncFailed`]
+    /// until restart); [`EngineError::MetadataUnreadable`].
     pub fn flush(&self) -> Result<()> {
-        let entry_changes = lock(&self.meta).change_count;
+        let entry_changes = {
+            let m = lock(&self.meta);
+            if let Some(why) = &m.data_sync_failure {
+                return Err(EngineError::DataSyncFailed(why.clone()));
+            }
+            m.change_count
+        };
         let mut c = lock(&self.commit);
         if c.durable_changes >= entry_changes {
             // a flush that started after us committed everything we need
-            return self
-                .backend
-                .sync()
-                .map_err(|e| EngineError::io("syncing the data file", e));
+            return self.sync_data();
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
         let mut batch = {
@@ -1657,9 +1679,7 @@ impl Engine {
             }
         };
         let mut result = self
-            .backend
-            .sync()
-            .map_err(|e| EngineError::io("syncing the data file", e))
+            .sync_data()
             .and_then(|()| self.commit_ops(&mut c, &batch.ops));
         if matches!(result, Err(EngineError::NoSpace { .. }))
             && c.journal.as_ref().is_some_and(|j| j.used_bytes() > 0)
@@ -1676,9 +1696,7 @@ impl Engine {
                     fault_check(&m)?;
                     batch = m.take_commit(seq);
                 }
-                self.backend
-                    .sync()
-                    .map_err(|e| EngineError::io("syncing the data file", e))?;
+                self.sync_data()?;
                 self.commit_ops(&mut c, &batch.ops)
             });
         }
@@ -1713,6 +1731,19 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Syncs the data file. A failure is remembered: from then on writes,
+    /// flushes and out-of-line passes fail with
+    /// [`EngineError::DataSyncFailed`] (a later sync could report success
+    /// for pages the kernel dropped after this one failed).
+    fn sync_data(&self) -> Result<()> {
+        self.backend.sync().map_err(|e| {
+            lock(&self.meta)
+                .data_sync_failure
+                .get_or_insert_with(|| e.to_string());
+            EngineError::io("syncing the data file", e)
+        })
     }
 
     fn commit_ops(&self, c: &mut CommitState, ops: &[Op]) -> Result<()> {
@@ -1899,8 +1930,12 @@ impl Drop for Engine {
 ///
 /// Errors: [`EngineError::NoSuchVolume`].
 /// [`EngineError::MetadataUnreadable`] once a volume-map or reference-count
-/// page could not be read back while running.
+/// page could not be read back while running;
+/// [`EngineError::DataSyncFailed`] once the data file could not be synced.
 pub(crate) fn fault_check(m: &Meta) -> Result<()> {
+    if let Some(why) = &m.data_sync_failure {
+        return Err(EngineError::DataSyncFailed(why.clone()));
+    }
     if m.paging_faults() == 0 {
         return Ok(());
     }

@@ -72,6 +72,16 @@ pub enum EngineError {
         "metadata unreadable: {0}; the store is read-only until restarted (then run `dedupd fsck`)"
     )]
     MetadataUnreadable(String),
+    /// Syncing the data file failed once. Linux may drop the pages whose
+    /// writeback failed and report success to the next sync, so a later
+    /// commit could point maps at blocks never stored: the engine refuses
+    /// writes, flushes and out-of-line dedup from then on (reads keep
+    /// working) until restarted; the restart recovers the last committed
+    /// state (writes not flushed before the failure may read back old).
+    #[error(
+        "the data file could not be synced ({0}); writes are refused until dedupd is restarted, which recovers the last committed state"
+    )]
+    DataSyncFailed(String),
     /// An argument is not acceptable (bad name, size not a multiple of 4 KiB, ...).
     #[error("{0}")]
     InvalidArgument(String),

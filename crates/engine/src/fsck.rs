@@ -31,7 +31,8 @@ use crate::paged::PAYLOAD_SIZE;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FsckOptions {
     /// Fix what is wrong (rebuild reference counts, reverse index, free
-    /// space; unmap entries that point outside the data file; make damaged
+    /// space; unmap entries that point outside the data file or lie past
+    /// their volume's end; make damaged
     /// volumes writable again).
     pub repair: bool,
     /// Re-fingerprint every referenced block (reads all stored data).
@@ -145,6 +146,8 @@ impl Engine {
         let ids: Vec<_> = m.volumes.keys().copied().collect();
         r.volumes = ids.len() as u64;
         let mut outside: Vec<(crate::VolumeId, u64)> = Vec::new();
+        let mut beyond: Vec<(crate::VolumeId, u64)> = Vec::new();
+        let mut beyond_volumes = std::collections::BTreeSet::new();
         for id in &ids {
             let v = &m.volumes[id];
             if v.read_only() {
@@ -155,6 +158,21 @@ impl Engine {
                 );
                 r.data_lost.push(lost);
             }
+            // entries past the volume's end (in its map's last page, or a
+            // map longer than the volume) are not references: they are
+            // problems, unmapped by a repair (a later grow would otherwise
+            // expose them)
+            let map_end = v.map.logical_len() / 8;
+            if map_end > v.size_blocks() {
+                v.map
+                    .for_each_nonzero_u64(v.size_blocks()..map_end, |lba, _| {
+                        // (the first 10 000 named, all unmapped by a repair)
+                        if beyond.len() < 10_000 {
+                            beyond.push((*id, lba));
+                        }
+                        beyond_volumes.insert(*id);
+                    });
+            }
             v.map.for_each_nonzero_u64(0..v.size_blocks(), |lba, raw| {
                 let p = raw - 1;
                 r.mapped_blocks += 1;
@@ -164,6 +182,14 @@ impl Engine {
                     outside.push((*id, lba));
                 }
             });
+        }
+        for (id, lba) in &beyond {
+            let v = &m.volumes[id];
+            r.problems.push(format!(
+                "volume {}: LBA {lba} is past the volume's end ({} blocks) but mapped",
+                v.record.name,
+                v.size_blocks()
+            ));
         }
         for (id, lba) in &outside {
             let name = m.volumes[id].record.name.clone();
@@ -310,11 +336,22 @@ impl Engine {
             return Ok(r);
         }
 
-        // repair: unmap entries outside the data file, rebuild counts and
-        // fingerprints, make damaged volumes writable
+        // repair: unmap entries outside the data file or past the volume's
+        // end, rebuild counts and fingerprints, make damaged volumes
+        // writable
         for (id, lba) in &outside {
             let v = m.volumes.get_mut(id).expect("listed above");
             v.map.set_u64(*lba, 0);
+        }
+        for id in &beyond_volumes {
+            let v = m.volumes.get_mut(id).expect("listed above");
+            let (start, end) = (v.size_blocks(), v.map.logical_len() / 8);
+            // a map page's worth of LBAs at a time (bounded memory)
+            for from in (start..end).step_by(4096) {
+                for (lba, _) in v.map.nonzero_u64(from..(from + 4096).min(end)) {
+                    v.map.set_u64(lba, 0);
+                }
+            }
         }
         // the fingerprints of referenced blocks: wrong ones, missing ones
         // (blocks stored unhashed) and those on damaged pages, from the data
@@ -349,5 +386,55 @@ impl Engine {
         self.flush()?;
         r.repaired = true;
         Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::HashAlgorithm;
+
+    #[test]
+    fn a_mapping_past_the_volume_end_is_reported_and_unmapped() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Engine::create(
+            &dir.path().join("store"),
+            HashAlgorithm::Sha256,
+            EngineConfig::default(),
+        )
+        .unwrap();
+        let vol = e.create_volume("v", 10 * 4096).unwrap();
+        e.write(vol, 0, &[7u8; 4096], false).unwrap();
+        e.flush().unwrap();
+        // LBA 20 lies in the map's one page but past the 10-block volume
+        {
+            let mut m = lock(&e.meta);
+            let raw = m.volumes[&vol].map.get_u64(0);
+            assert_ne!(raw, 0);
+            m.volumes.get_mut(&vol).unwrap().map.set_u64(20, raw);
+        }
+        let r = e.check_and_repair(FsckOptions::default()).unwrap();
+        assert!(
+            r.problems.iter().any(|p| p.contains("LBA 20 is past")),
+            "{:?}",
+            r.problems
+        );
+        let r = e
+            .check_and_repair(FsckOptions {
+                repair: true,
+                ..FsckOptions::default()
+            })
+            .unwrap();
+        assert!(r.repaired);
+        assert_eq!(lock(&e.meta).volumes[&vol].map.get_u64(20), 0);
+        // the block LBA 0 maps is kept, and a grow exposes nothing
+        e.resize_volume("v", 64 * 4096).unwrap();
+        let r = e.check_and_repair(FsckOptions::default()).unwrap();
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        let mut b = vec![0u8; 4096];
+        e.read(vol, 20 * 4096, &mut b).unwrap();
+        assert_eq!(b, vec![0u8; 4096]);
+        e.read(vol, 0, &mut b).unwrap();
+        assert_eq!(b, vec![7u8; 4096]);
     }
 }

@@ -59,6 +59,11 @@ impl Volume {
 pub struct Meta {
     /// Volumes by id.
     pub volumes: BTreeMap<VolumeId, Volume>,
+    /// Set once syncing the data file failed: blocks written since the
+    /// last commit may never reach the disk (the kernel may drop them and
+    /// report success to a later sync), so nothing more is written or
+    /// committed until a restart recovers the last committed state.
+    pub data_sync_failure: Option<String>,
     /// Id the next created volume gets.
     pub next_volume_id: u32,
     /// u32 reference count per PBA; paged from `refcounts` under

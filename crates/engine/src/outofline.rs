@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::block::{Lba, Pba, VolumeId};
+use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE};
 use crate::engine::{lock, Engine};
 use crate::error::{EngineError, Result};
 use crate::fingerprint::Fingerprint;
@@ -174,9 +174,13 @@ impl Engine {
                     m.record_unindexed(p, fp);
                     r.blocks_hashed += 1;
                 }
-                let candidates = m
+                let mut candidates = m
                     .lookup_all(&fp)
                     .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
+                if self.config.verify {
+                    // only copies with the same bytes are merged
+                    candidates = self.same_bytes(&mut m, p, candidates)?;
+                }
                 let canonical = candidates.iter().copied().chain([p]).min().unwrap_or(p);
                 if canonical != p {
                     m.remap(vol, Lba(lba), Some(canonical));
@@ -209,6 +213,34 @@ impl Engine {
         Ok(r)
     }
 
+    /// The `candidates` (other than `p` itself) whose bytes equal `p`'s
+    /// (`verify`); each that differs is counted as a verify mismatch.
+    /// Called under the metadata lock, so no block is released meanwhile.
+    ///
+    /// Errors: reading `p`. (A candidate that cannot be read is left out.)
+    fn same_bytes(
+        &self,
+        m: &mut crate::meta::Meta,
+        p: Pba,
+        candidates: Vec<Pba>,
+    ) -> Result<Vec<Pba>> {
+        let (mut mine, mut other) = (vec![0u8; BLOCK_SIZE], vec![0u8; BLOCK_SIZE]);
+        self.backend
+            .read_blocks(p, &mut mine)
+            .map_err(|e| EngineError::io(format!("reading PBA {}", p.0), e))?;
+        Ok(candidates
+            .into_iter()
+            .filter(|&c| {
+                let same =
+                    c == p || (self.backend.read_blocks(c, &mut other).is_ok() && other == mine);
+                if !same {
+                    m.counters.verify_mismatches += 1;
+                }
+                same
+            })
+            .collect())
+    }
+
     /// Remaps every LBA (of `only`, or of all volumes) mapped to a pending
     /// merge's copy onto the kept PBA, scanning the maps in chunks.
     fn apply_merges(&self, only: Option<VolumeId>, should_yield: &dyn Fn() -> bool) -> Result<u64> {
@@ -230,6 +262,25 @@ impl Engine {
             }
             p
         };
+        // `verify`: a copy is merged only onto a block with the same bytes
+        // (a fingerprint collision, or a copy stored apart because its
+        // bytes differed, stays apart); read under the metadata lock, so
+        // neither block is released meanwhile
+        let mut differ = std::collections::HashSet::new();
+        if self.config.verify {
+            let (mut a, mut b) = (vec![0u8; BLOCK_SIZE], vec![0u8; BLOCK_SIZE]);
+            for &p in merges.keys() {
+                let target = resolve(p);
+                let mut m = lock(&self.meta);
+                let same = self.backend.read_blocks(Pba(p), &mut a).is_ok()
+                    && self.backend.read_blocks(Pba(target), &mut b).is_ok()
+                    && a == b;
+                if !same {
+                    m.counters.verify_mismatches += 1;
+                    differ.insert(p);
+                }
+            }
+        }
         let volumes: Vec<VolumeId> = {
             let m = lock(&self.meta);
             m.volumes
@@ -264,7 +315,7 @@ impl Engine {
                         let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(l))) else {
                             continue;
                         };
-                        if !merges.contains_key(&p.0) {
+                        if !merges.contains_key(&p.0) || differ.contains(&p.0) {
                             continue;
                         }
                         let target = Pba(resolve(p.0));

@@ -1,7 +1,9 @@
 //! Fault injection: EIO and ENOSPC from the block backend at random points.
-//! The caller gets an error, the engine stays consistent (invariants hold,
-//! every block reads back as its last successfully written content or, for
-//! a write that failed, old or new content per block) and keeps serving.
+//! A failed data write: the caller gets an error, the engine stays
+//! consistent (invariants hold, every block reads back as its last
+//! successfully written content or, for a write that failed, old or new
+//! content per block) and keeps serving. A failed sync of the data file:
+//! reads keep working, writes and flushes are refused until restart.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,12 +11,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dedupd_engine::backend::{BlockBackend, MemoryBackend};
 use dedupd_engine::{Engine, EngineConfig, EngineError, HashAlgorithm, Pba, BLOCK_SIZE};
 
-/// Fails every `every`-th data write (EIO or ENOSPC by turns) and every
-/// `every`-th sync with EIO.
+/// Fails every `every`-th data write (EIO or ENOSPC by turns), and with
+/// `fail_syncs` every `every`-th sync too.
 struct Faulty {
     inner: MemoryBackend,
     every: u64,
     ops: AtomicU64,
+    fail_syncs: bool,
 }
 
 impl Faulty {
@@ -42,7 +45,7 @@ impl BlockBackend for Faulty {
         }
     }
     fn sync(&self) -> io::Result<()> {
-        match self.fail() {
+        match self.fail_syncs.then(|| self.fail()).flatten() {
             Some(e) => Err(e),
             None => self.inner.sync(),
         }
@@ -65,6 +68,7 @@ fn eio_and_enospc_at_random_points_leave_the_engine_consistent_and_serving() {
             inner: MemoryBackend::default(),
             every,
             ops: AtomicU64::new(0),
+            fail_syncs: false,
         };
         let e = Engine::in_memory_over(
             HashAlgorithm::Sha256,
@@ -126,4 +130,50 @@ fn eio_and_enospc_at_random_points_leave_the_engine_consistent_and_serving() {
         assert!(flushed, "flush never succeeded after faults");
         assert!(e.check().is_empty());
     }
+}
+
+#[test]
+fn a_failed_data_sync_stops_writes_and_flushes_but_not_reads() {
+    let backend = Faulty {
+        inner: MemoryBackend::default(),
+        every: 50,
+        ops: AtomicU64::new(0),
+        fail_syncs: true,
+    };
+    let e = Engine::in_memory_over(
+        HashAlgorithm::Sha256,
+        EngineConfig::default(),
+        Box::new(backend),
+    );
+    let v = e.create_volume("v", 64 * 4096).unwrap();
+    e.write(v, 0, &block(1), false).unwrap();
+    e.flush().unwrap();
+    // the 50th backend operation (a sync of one of these flushes) fails
+    let mut failed_at = None;
+    for round in 0..100u64 {
+        if e.flush().is_err() {
+            failed_at = Some(round);
+            break;
+        }
+    }
+    assert!(failed_at.is_some(), "no sync failure was injected");
+    // the failure sticks: later syncs would succeed, yet nothing is
+    // written or committed
+    for _ in 0..3 {
+        assert!(matches!(e.flush(), Err(EngineError::DataSyncFailed(_))));
+        assert!(matches!(
+            e.write(v, 4096, &block(2), false),
+            Err(EngineError::DataSyncFailed(_))
+        ));
+        assert!(matches!(
+            e.trim(v, 0, 4096, false),
+            Err(EngineError::DataSyncFailed(_))
+        ));
+    }
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    e.read(v, 0, &mut buf).unwrap();
+    assert_eq!(buf, block(1));
+    e.read(v, 4096, &mut buf).unwrap();
+    assert_eq!(buf, vec![0u8; BLOCK_SIZE]);
+    assert!(e.check().is_empty(), "{:?}", e.check());
 }
