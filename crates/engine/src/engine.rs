@@ -1577,7 +1577,13 @@ impl Engine {
                     match m.lookup(fp) {
                         Ok(r) => r,
                         Err(e) => {
-                            m.unreserve(*pba);
+                            // this block's PBA and those of the new blocks
+                            // after it are not mapped yet: they go back
+                            for later in &placement[i..] {
+                                if let Placement::New { pba, .. } = later {
+                                    m.unreserve(*pba);
+                                }
+                            }
                             return Err(EngineError::io("reading the fingerprint store", e));
                         }
                     }
