@@ -1,6 +1,5 @@
 //! Conversion of any readable trace to the native format.
 
-use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
@@ -8,6 +7,7 @@ use std::sync::Arc;
 
 use crate::error::{io_err, Result};
 use crate::native::NativeWriter;
+use crate::output::OutputFile;
 use crate::reader::{Format, TraceReader};
 use crate::request::Request;
 
@@ -26,6 +26,10 @@ pub struct ConvertSummary {
 /// in the native format, streaming. Per-sector FIU digests become per-block
 /// digests as the reader derives them (see [`crate::text`]).
 ///
+/// The output replaces `output` only once complete (a temporary file
+/// beside it is renamed over it), so a failed conversion leaves an
+/// existing file as it was, and `output` may be the input itself.
+///
 /// Errors: reading the input (as [`TraceReader::next_into`]) or writing
 /// the output fails.
 pub fn convert(
@@ -35,10 +39,10 @@ pub fn convert(
     output: &Path,
 ) -> Result<ConvertSummary> {
     let mut reader = TraceReader::open(input, format, skip_bad, Arc::new(AtomicU64::new(0)))?;
-    let out_name = output.display().to_string();
-    let file = File::create(output).map_err(io_err(&out_name))?;
-    let mut w =
-        NativeWriter::new(BufWriter::with_capacity(256 * 1024, file)).map_err(io_err(&out_name))?;
+    let dest = OutputFile::create(output)?;
+    let out_name = dest.name().to_string();
+    let mut w = NativeWriter::new(BufWriter::with_capacity(256 * 1024, dest.file()?))
+        .map_err(io_err(&out_name))?;
     let mut req = Request::default();
     let mut summary = ConvertSummary::default();
     while reader.next_into(&mut req)? {
@@ -53,8 +57,8 @@ pub fn convert(
     let out = w.finish().map_err(io_err(&out_name))?;
     out.into_inner()
         .map_err(|e| e.into_error())
-        .and_then(|f| f.sync_all())
         .map_err(io_err(&out_name))?;
+    dest.commit()?;
     summary.bad_records_skipped = reader.bad_records();
     Ok(summary)
 }

@@ -5,12 +5,13 @@
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     /// An I/O error on a named file.
-    #[error("{file}: {source}")]
+    #[error("{file}: {cause}")]
     Io {
         /// The file's path as given.
         file: String,
-        /// The underlying error.
-        source: std::io::Error,
+        /// The underlying error (part of the message, so not also given
+        /// as the error's source: a chain would print it twice).
+        cause: std::io::Error,
     },
     /// A malformed text line (skipped and counted instead with `skip_bad`).
     #[error("{file}:{line}: {msg}")]
@@ -53,8 +54,8 @@ pub type Result<T> = std::result::Result<T, TraceError>;
 
 /// Wraps an I/O error with the file it happened on.
 pub(crate) fn io_err(file: &str) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
-    move |source| TraceError::Io {
+    move |cause| TraceError::Io {
         file: file.to_string(),
-        source,
+        cause,
     }
 }

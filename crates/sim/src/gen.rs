@@ -22,7 +22,6 @@
 //! HPDedup §V's workloads A, B and C mix good- and weak-locality streams at
 //! data-size ratios 3:1, 1:1 and 1:3 ([`workload`]).
 
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
@@ -316,8 +315,14 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
 ///
 /// Errors: as [`generate_to`], or the file cannot be created.
 pub fn generate(spec: &GenSpec, path: &Path) -> Result<u64> {
-    let name = path.display().to_string();
-    let f = File::create(path).map_err(io_err(&name))?;
-    let n = generate_to(spec, BufWriter::with_capacity(256 * 1024, f), &name)?;
+    // (an existing file is replaced only by a complete trace)
+    let dest = crate::output::OutputFile::create(path)?;
+    let name = dest.name().to_string();
+    let n = generate_to(
+        spec,
+        BufWriter::with_capacity(256 * 1024, dest.file()?),
+        &name,
+    )?;
+    dest.commit()?;
     Ok(n)
 }

@@ -12,7 +12,7 @@
 
 use std::io::{self, BufRead, Read, Write};
 
-use crate::request::{Op, Request, Source};
+use crate::request::{Op, Request, Source, SECTORS_PER_BLOCK};
 
 /// First 8 bytes of every native trace.
 pub const MAGIC: [u8; 8] = *b"DDTRACE\0";
@@ -384,6 +384,8 @@ impl NativeReader {
                 t => return Err(self.err(format!("unknown record tag {t:#04x}"))),
             };
             let dts = unzigzag(self.varint()?);
+            // (modulo 2^64, as the writer takes the difference: any u64
+            // time stamp after any other is representable)
             self.last_ts = self.last_ts.wrapping_add(dts as u64);
             req.ts_ns = self.last_ts;
             req.op = Some(op);
@@ -394,9 +396,21 @@ impl NativeReader {
             req.source = source as u32;
             req.lba_sectors = self.varint()?;
             req.sectors = self.varint()?;
+            Request::check_sectors(req.lba_sectors, req.sectors).map_err(|m| self.err(m))?;
             let n = self.varint()?;
             if n > (self.chunk.len() - self.pos) as u64 {
                 return Err(self.err("block list runs past its chunk"));
+            }
+            // a write carries one digest per 4 KiB page of its size or per
+            // block it touches, as the text formats
+            if op == Op::Write
+                && n != req.sectors.div_ceil(SECTORS_PER_BLOCK)
+                && n != req.blocks_touched()
+            {
+                return Err(self.err(format!(
+                    "{n} digests do not fit a write of {} sectors",
+                    req.sectors
+                )));
             }
             req.blocks.clear();
             for _ in 0..n {

@@ -1,7 +1,7 @@
 //! One reader for every trace format: detection, decompression, line
 //! numbers in errors, and skipping of malformed lines.
 
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -11,6 +11,31 @@ use crate::input;
 use crate::native::{NativeReader, MAGIC};
 use crate::request::{Request, Source};
 use crate::text::{parse_fiu, parse_mobile, Layout, SourceTable, TextFormat};
+
+/// Longest text line accepted, in bytes (without its newline): a longer
+/// one is a bad line (so a file without newlines cannot exhaust memory).
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// Reads and drops the rest of a line (through its newline, or to the end
+/// of the input), a buffer at a time.
+fn skip_rest_of_line(input: &mut dyn BufRead) -> std::io::Result<()> {
+    loop {
+        let buf = input.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        match buf.iter().position(|&c| c == b'\n') {
+            Some(i) => {
+                input.consume(i + 1);
+                return Ok(());
+            }
+            None => {
+                let n = buf.len();
+                input.consume(n);
+            }
+        }
+    }
+}
 
 /// A trace format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -204,11 +229,26 @@ impl TraceReader {
                 layout,
             } => loop {
                 line.clear();
-                let n = input.read_until(b'\n', line).map_err(io_err(&self.name))?;
+                let n = (&mut **input)
+                    .take(MAX_LINE_BYTES as u64 + 1)
+                    .read_until(b'\n', line)
+                    .map_err(io_err(&self.name))?;
                 if n == 0 {
                     return Ok(false);
                 }
                 *line_no += 1;
+                if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
+                    skip_rest_of_line(&mut **input).map_err(io_err(&self.name))?;
+                    if self.skip_bad {
+                        self.bad += 1;
+                        continue;
+                    }
+                    return Err(TraceError::BadLine {
+                        file: self.name.clone(),
+                        line: *line_no,
+                        msg: format!("line longer than {MAX_LINE_BYTES} bytes"),
+                    });
+                }
                 let l = line.trim_ascii();
                 if l.is_empty() || l[0] == b'#' {
                     continue;

@@ -241,7 +241,13 @@ impl std::str::FromStr for OutOfLine {
                 .filter(|&n| n > 0)
                 .map(OutOfLine::EveryRequests)
                 .ok_or_else(bad),
-            Some(("idle", ms)) => ms.parse().map(OutOfLine::IdleGapMs).map_err(|_| bad()),
+            // (at most about 584 years, so the gap in ns fits in 64 bits)
+            Some(("idle", ms)) => ms
+                .parse::<u64>()
+                .ok()
+                .filter(|&ms| ms.checked_mul(1_000_000).is_some())
+                .map(OutOfLine::IdleGapMs)
+                .ok_or_else(bad),
             _ => Err(bad()),
         }
     }

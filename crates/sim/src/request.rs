@@ -10,6 +10,10 @@ pub const SECTOR_SIZE: u64 = 512;
 /// Sectors per 4 KiB block.
 pub const SECTORS_PER_BLOCK: u64 = 8;
 
+/// Largest end of a request's sector range: `MAX_END_SECTORS × 512`
+/// bytes still fits in a `u64`.
+pub const MAX_END_SECTORS: u64 = u64::MAX / 512;
+
 /// A block's content fingerprint as it comes from a trace: 16 bytes (an MD5
 /// digest, or for per-sector traces a 16-byte digest derived from the
 /// sector digests). `None` in a request's block list means an all-zero block.
@@ -85,6 +89,23 @@ impl Request {
     /// unknown to them).
     pub fn first_block(&self) -> u64 {
         self.lba_sectors / SECTORS_PER_BLOCK
+    }
+
+    /// Checks a request's sector range `lba_sectors .. lba_sectors +
+    /// sectors`: not empty, and its end in bytes fits in 64 bits (so no
+    /// block or byte computation on it can overflow).
+    ///
+    /// Errors: a message saying which bound the range breaks.
+    pub fn check_sectors(lba_sectors: u64, sectors: u64) -> Result<(), String> {
+        if sectors == 0 {
+            return Err("size is 0".into());
+        }
+        match lba_sectors.checked_add(sectors) {
+            Some(end) if end <= MAX_END_SECTORS => Ok(()),
+            _ => Err(format!(
+                "sectors {lba_sectors} + {sectors} end past the 64-bit byte address space"
+            )),
+        }
     }
 
     /// Number of 4 KiB blocks the sector range touches:

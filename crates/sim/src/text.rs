@@ -126,6 +126,9 @@ fn parse_seconds_ns(s: &[u8]) -> Option<u64> {
         Some(p) => (&s[..p], &s[p + 1..]),
         None => (s, &[][..]),
     };
+    if int.is_empty() && frac.is_empty() {
+        return None; // "." alone is no time
+    }
     let secs = if int.is_empty() { 0 } else { parse_u64(int)? };
     let mut ns: u64 = 0;
     let mut scale = 100_000_000;
@@ -235,9 +238,7 @@ pub fn parse_fiu(
         let end = f[n - 7].as_ptr() as usize - line.as_ptr() as usize + f[n - 7].len();
         std::str::from_utf8(&line[start..end]).map_err(|_| "process name is not UTF-8")?
     };
-    if size == 0 {
-        return Err("size is 0".into());
-    }
+    Request::check_sectors(lba, size)?;
     if !hex.len().is_multiple_of(32) {
         return Err(format!(
             "digest field is {} hex digits, not a multiple of 32",
@@ -305,9 +306,7 @@ pub fn parse_mobile(
         .and_then(|p| u32::try_from(p).ok())
         .ok_or("bad pid")?;
     let process = std::str::from_utf8(f[5]).map_err(|_| "process name is not UTF-8")?;
-    if size == 0 {
-        return Err("size is 0".into());
-    }
+    Request::check_sectors(lba, size)?;
     req.ts_ns = ts;
     req.source = sources.id(pid, process);
     req.op = Some(op);

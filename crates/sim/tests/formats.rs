@@ -16,9 +16,23 @@ use dedupd_sim::{
 const ZERO_4K: &str = "620f0b67a91f7f74151bc5be745b7110";
 const ZERO_512: &str = "bf619eac0cdf3f68d496ea9344137e8b";
 
+/// The real FIU samples: `$DEDUPD_FIU_SAMPLES`, else ../shared/traces/fiu
+/// beside the repository; `None` (said on stderr) where neither exists,
+/// and the tests that need them check the fixtures of their own only.
 fn samples_dir() -> Option<PathBuf> {
-    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/fiu");
-    d.join("mail-01-sample.blkparse").exists().then_some(d)
+    let d = std::env::var_os("DEDUPD_FIU_SAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/fiu")
+        });
+    let found = d.join("mail-01-sample.blkparse").exists();
+    if !found {
+        eprintln!(
+            "real FIU samples not found in {} (set DEDUPD_FIU_SAMPLES): this test checks only its own fixtures",
+            d.display()
+        );
+    }
+    found.then_some(d)
 }
 
 fn h(n: u32) -> String {
@@ -446,12 +460,22 @@ fn fio_generator_dup_percent_and_mix_ratios() {
 
 #[test]
 fn convert_then_replay_gives_the_same_figures() {
-    let Some(dir) = samples_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let src = dir.join("homes-sample.1.blkparse");
+    let (src, lines) = match samples_dir() {
+        Some(dir) => (dir.join("homes-sample.1.blkparse"), 1000),
+        None => {
+            // a fixture in the homes layout: eight sector digests per page
+            let mut t = String::new();
+            for i in 0..300u32 {
+                let digests: String = (0..8).map(|k| h((i % 97) * 8 + k)).collect();
+                t += &format!("{} 7 p {} 8 W 8 0 {digests}\n", 1000 + i, (i % 50) * 8);
+            }
+            (write(tmp.path(), "homes.blkparse", &t), 300)
+        }
+    };
     let out = tmp.path().join("homes.ddt");
     let c = convert(&src, None, false, &out).unwrap();
-    assert_eq!(c.requests, 1000);
+    assert_eq!(c.requests, lines);
     assert_eq!(read_all(&src, None), read_all(&out, None));
     let a = run(&[src], &ReplayConfig::default());
     let b = run(&[out], &ReplayConfig::default());
@@ -499,4 +523,91 @@ fn a_small_bounded_index_finds_fewer_duplicates_than_exact() {
             exact.duplicate_blocks_inline
         );
     }
+}
+
+#[test]
+fn hostile_lines_are_refused_with_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = format!("1 7 p 0 8 W 8 0 {}\n", h(1));
+    let mobile = format!("1.5\tW\t0\t8\t1\tp\t{}\n", h(5));
+    let cases = [
+        (
+            &good,
+            format!(
+                "1 10 proc 18446744073709551612 8 W 8 0 {}\n",
+                h(2).repeat(8)
+            ),
+            "address space",
+        ),
+        (
+            &good,
+            format!("0 10 proc 18446744073709551615 1 R 8 0 {}\n", h(3)),
+            "address space",
+        ),
+        (&mobile, format!(".\tW\t0\t8\t1\tp\t{}\n", h(4)), "bad time"),
+        (&good, format!("{}\n", "9".repeat(2 << 20)), "longer than"),
+    ];
+    for (i, (good, bad, why)) in cases.iter().enumerate() {
+        let p = write(
+            dir.path(),
+            &format!("t{i}.trace"),
+            &format!("{good}{bad}{good}"),
+        );
+        let err = replay(
+            std::slice::from_ref(&p),
+            &ReplayConfig::default(),
+            &mut |_| {},
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, TraceError::BadLine { line: 2, .. }), "{msg}");
+        assert!(msg.contains(why), "{msg}");
+        // skipped and counted with skip_bad; the line after it is read
+        let cfg = ReplayConfig {
+            skip_bad: true,
+            ..ReplayConfig::default()
+        };
+        let r = run(&[p], &cfg);
+        assert_eq!((r.bad_records_skipped, r.writes), (1, 2), "case {i}");
+    }
+    // a last line of 3 MiB without a newline
+    let p = write(
+        dir.path(),
+        "long.blkparse",
+        &format!("{good}{}", "7".repeat(3 << 20)),
+    );
+    let err = replay(&[p], &ReplayConfig::default(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains(":2: line longer than"), "{err}");
+}
+
+#[test]
+fn convert_and_gen_replace_their_output_only_when_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let text: String = (0..40u32)
+        .map(|i| format!("{} 7 p {} 8 W 8 0 {}\n", 100 + i, i * 8, h(i % 9)))
+        .collect();
+    let p = write(dir.path(), "t.blkparse", &text);
+    let before = read_all(&p, None);
+    // onto itself: read whole, then replaced by its native form
+    convert(&p, None, false, &p).unwrap();
+    assert_eq!(read_all(&p, Some(Format::Native)), before);
+    // a conversion that fails leaves an existing output as it was
+    let bad = write(dir.path(), "bad.blkparse", &format!("{text}garbage\n"));
+    let out = write(dir.path(), "out.ddt", "precious");
+    assert!(convert(&bad, None, false, &out).is_err());
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+    // so does a generator refusing its parameters
+    let mut s = spec(Locality::Uniform, 1);
+    s.block_bytes = 1000;
+    assert!(dedupd_sim::generate(&s, &out).is_err());
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+    // and no temporary file is left behind
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.iter().all(|n| !n.starts_with(".dedupd-output")),
+        "{names:?}"
+    );
 }

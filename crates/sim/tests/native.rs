@@ -12,20 +12,29 @@ fn arb_request(sources: u32) -> impl Strategy<Value = Request> {
         any::<u64>(),
         0..sources,
         prop_oneof![Just(Op::Read), Just(Op::Write), Just(Op::Trim)],
-        any::<u64>(),
-        any::<u64>(),
+        prop_oneof![
+            0..1u64 << 20,
+            0..dedupd_sim::request::MAX_END_SECTORS - 4096
+        ],
+        1..4096u64,
         prop::collection::vec(prop::option::of(any::<[u8; 16]>()), 0..40),
     )
-        .prop_map(
-            |(ts_ns, source, op, lba_sectors, sectors, blocks)| Request {
+        .prop_map(|(ts_ns, source, op, lba_sectors, sectors, mut blocks)| {
+            let mut r = Request {
                 ts_ns,
                 source,
                 op: Some(op),
                 lba_sectors,
                 sectors,
-                blocks,
-            },
-        )
+                blocks: Vec::new(),
+            };
+            // a write carries a digest (or zero mark) per block it touches
+            if op == Op::Write {
+                blocks.resize(r.blocks_touched() as usize, None);
+            }
+            r.blocks = blocks;
+            r
+        })
 }
 
 fn encode(sources: &[Source], reqs: &[Request]) -> Vec<u8> {
@@ -102,4 +111,33 @@ fn corruption_and_truncation_are_detected() {
     v2[8] = 2;
     let e = decode(&v2).unwrap_err();
     assert!(e.to_string().contains("version"), "{e}");
+}
+
+#[test]
+fn requests_no_reader_could_use_are_refused() {
+    let src = [Source {
+        pid: 1,
+        process: "p".into(),
+    }];
+    let req = |op, lba_sectors, sectors, blocks: usize| Request {
+        ts_ns: 1,
+        source: 0,
+        op: Some(op),
+        lba_sectors,
+        sectors,
+        blocks: vec![Some([7u8; 16]); blocks],
+    };
+    for (bad, why) in [
+        (req(Op::Write, 0, 0, 2), "size is 0"),
+        (req(Op::Trim, 8, u64::MAX, 0), "address space"),
+        (req(Op::Read, u64::MAX, 1, 0), "address space"),
+        (req(Op::Write, 0, 8, 3), "digests do not fit"),
+    ] {
+        let bytes = encode(&src, &[req(Op::Write, 0, 8, 1), bad]);
+        let err = decode(&bytes).unwrap_err();
+        assert!(
+            matches!(err, TraceError::BadNative { .. }) && err.to_string().contains(why),
+            "{err}"
+        );
+    }
 }

@@ -1,0 +1,64 @@
+//! Output files written whole or not at all: data goes to a temporary
+//! file beside the destination, which replaces the destination only once
+//! complete and synced. A failed or interrupted conversion or generation
+//! leaves an existing file as it was, and converting a trace onto its own
+//! path reads it whole before replacing it.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::error::{io_err, Result};
+
+/// A file being written for `path`.
+#[derive(Debug)]
+pub(crate) struct OutputFile {
+    tmp: tempfile::NamedTempFile,
+    path: PathBuf,
+    name: String,
+}
+
+impl OutputFile {
+    /// Starts writing `path` (a temporary file in its directory).
+    ///
+    /// Errors: the directory is missing or not writable.
+    pub(crate) fn create(path: &Path) -> Result<OutputFile> {
+        let name = path.display().to_string();
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let tmp = tempfile::Builder::new()
+            .prefix(".dedupd-output-")
+            .tempfile_in(dir)
+            .map_err(io_err(&name))?;
+        Ok(OutputFile {
+            tmp,
+            path: path.to_path_buf(),
+            name,
+        })
+    }
+
+    /// The destination's path as given (for messages).
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A handle to write the temporary file through.
+    ///
+    /// Errors: the descriptor cannot be duplicated.
+    pub(crate) fn file(&self) -> Result<File> {
+        self.tmp.as_file().try_clone().map_err(io_err(&self.name))
+    }
+
+    /// Syncs the temporary file and renames it over the destination.
+    ///
+    /// Errors: syncing or renaming fails (the destination is unchanged).
+    pub(crate) fn commit(self) -> Result<()> {
+        self.tmp.as_file().sync_all().map_err(io_err(&self.name))?;
+        self.tmp
+            .persist(&self.path)
+            .map_err(|e| e.error)
+            .map_err(io_err(&self.name))?;
+        Ok(())
+    }
+}
