@@ -5,7 +5,7 @@
 use clap::Args;
 use dedupd_engine::EngineConfig;
 
-use crate::size::parse_size;
+use crate::size::{parse_index_memory, parse_size};
 
 /// Memory bounds (sizes with K/M/G suffixes).
 #[derive(Args, Debug, Clone)]
@@ -13,30 +13,25 @@ pub struct MemoryBounds {
     /// Memory budget of the in-memory fingerprint store (SmartDedup §3.2);
     /// changeable at every start. fsck also sorts within it (references by
     /// PBA, fingerprints), spilling to a scratch file in the store beyond it.
-    #[arg(long, default_value = "8M")]
-    pub index_memory: String,
+    #[arg(long, default_value = "8M", value_parser = parse_index_memory)]
+    pub index_memory: u64,
     /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per stored
     /// block) kept in memory; the rest is read from disk on demand (0: keep
     /// all of it).
-    #[arg(long, default_value = "16M")]
-    pub reverse_index_cache: String,
+    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    pub reverse_index_cache: u64,
     /// Bytes of volume-map and reference-count pages (8 bytes per LBA, 4
     /// per stored block) kept in memory, for all volumes together; the rest
     /// is read from disk on demand (0: keep all of them).
-    #[arg(long, default_value = "16M")]
-    pub map_cache: String,
+    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    pub map_cache: u64,
 }
 
 impl MemoryBounds {
     /// Puts the bounds into `config`.
-    ///
-    /// Errors: a size that does not parse, naming its flag.
-    pub fn apply(&self, config: &mut EngineConfig) -> anyhow::Result<()> {
-        let size =
-            |flag: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{flag} {s:?}: {e}"));
-        config.index.memory_budget_bytes = size("index-memory", &self.index_memory)?;
-        config.reverse_index_cache_bytes = size("reverse-index-cache", &self.reverse_index_cache)?;
-        config.map_cache_bytes = size("map-cache", &self.map_cache)?;
-        Ok(())
+    pub fn apply(&self, config: &mut EngineConfig) {
+        config.index.memory_budget_bytes = self.index_memory;
+        config.reverse_index_cache_bytes = self.reverse_index_cache;
+        config.map_cache_bytes = self.map_cache;
     }
 }

@@ -129,11 +129,50 @@ enum VolumeCommand {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let usage = e.use_stderr();
+            let _ = e.print();
+            // help and version go to stdout and succeed; a usage error
+            // exits 2, or 16 (e2fsck's usage error) for `dedupd fsck`
+            std::process::exit(match (usage, invoked_fsck()) {
+                (false, _) => 0,
+                (true, true) => 16,
+                (true, false) => 2,
+            });
+        }
+    };
+    if matches!(
+        cli.command,
+        Some(Command::Replay(_) | Command::Trace(_) | Command::Sweep(_) | Command::Stats { .. })
+    ) {
+        // a report piped into `head` ends quietly when the reader goes
+        // (the server, and commands talking to it, keep ignoring SIGPIPE)
+        // SAFETY: setting a signal's disposition to its default has no
+        // preconditions; no handler is installed.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     if let Err(e) = run(cli) {
         eprintln!("dedupd: error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// True if the command line names the `fsck` subcommand (its first
+/// argument that is not an option or the value of `--store`).
+fn invoked_fsck() -> bool {
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--store" {
+            args.next();
+        } else if !a.starts_with('-') {
+            return a == "fsck";
+        }
+    }
+    false
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -164,11 +203,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             bounds,
         } => {
             let mut config = EngineConfig::default();
-            if let Err(e) = bounds.apply(&mut config) {
-                // e2fsck's exit code for a usage error
-                eprintln!("dedupd: error: {e:#}");
-                std::process::exit(16);
-            }
+            bounds.apply(&mut config);
             fsck(&store, repair, rehash, json, config)
         }
         Command::Dedup {
@@ -237,7 +272,8 @@ fn with_bar<T>(label: &str, f: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) -> T 
 fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
     match cmd {
         VolumeCommand::Create { name, size } => {
-            let size_bytes = parse_size(&size).map_err(anyhow::Error::msg)?;
+            let size_bytes =
+                parse_size(&size).map_err(|e| anyhow::anyhow!("SIZE {size:?}: {e}"))?;
             with_store(
                 store,
                 Request::VolumeCreate {
@@ -252,7 +288,8 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             println!("created volume {name} ({})", human(size_bytes));
         }
         VolumeCommand::Resize { name, size } => {
-            let size_bytes = parse_size(&size).map_err(anyhow::Error::msg)?;
+            let size_bytes =
+                parse_size(&size).map_err(|e| anyhow::anyhow!("SIZE {size:?}: {e}"))?;
             with_store(
                 store,
                 Request::VolumeResize {

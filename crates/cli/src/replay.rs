@@ -9,7 +9,7 @@ use anyhow::Context;
 use dedupd_sim::{Format, Progress, ReplayConfig, Report, StreamBy};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::size::{human, parse_size};
+use crate::size::human;
 
 /// Arguments of `dedupd replay`.
 #[derive(clap::Args, Debug)]
@@ -36,10 +36,10 @@ pub struct ReplayArgs {
     policy: String,
     /// Memory budget of the fingerprint index (suffixes K, M, G) for the
     /// bounded policies (default: the engine's, 8 MiB).
-    #[arg(long, value_name = "SIZE")]
-    index_memory: Option<String>,
+    #[arg(long, value_name = "SIZE", value_parser = crate::size::parse_index_memory)]
+    index_memory: Option<u64>,
     /// Prefix bits of the index (8–24; default the engine's, 14).
-    #[arg(long, value_name = "BITS")]
+    #[arg(long, value_name = "BITS", value_parser = clap::value_parser!(u32).range(8..=24))]
     index_prefix_bits: Option<u32>,
     /// Model the background out-of-line pass: off, every:N (a pass of up to
     /// 4096 blocks after every N requests) or idle:MS (drain whenever the
@@ -81,16 +81,15 @@ pub fn parse_format(s: &str) -> anyhow::Result<Option<Format>> {
     if s == "auto" {
         Ok(None)
     } else {
-        s.parse().map(Some).map_err(anyhow::Error::msg)
+        s.parse()
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("--format {s:?}: {e}"))
     }
 }
 
 /// Runs `dedupd replay`.
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
-    let index_memory_bytes = match &args.index_memory {
-        Some(s) => Some(parse_size(s).map_err(anyhow::Error::msg)?),
-        None => None,
-    };
+    let index_memory_bytes = args.index_memory;
     let cfg = args.input.apply(ReplayConfig {
         policy: args.policy.clone(),
         index_memory_bytes,

@@ -36,8 +36,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "sha256")]
     pub hash: HashAlgorithm,
     /// Size of the volume `default` created with a new store.
-    #[arg(long, default_value = "16G")]
-    pub default_volume_size: String,
+    #[arg(long, default_value = "16G", value_parser = parse_size)]
+    pub default_volume_size: u64,
     /// Byte-compare each block with the stored copy on a fingerprint hit
     /// before sharing it (like ZFS dedup=verify; off by default).
     #[arg(long)]
@@ -56,7 +56,7 @@ pub struct ServeArgs {
     /// Prefix bits P of the fingerprint index when a store is created
     /// (8-24): 2^P groups of 254 entries per 4 KiB page; 14 keeps groups
     /// within 2 pages up to ~32 GiB of unique data (add 1 per doubling).
-    #[arg(long, default_value_t = 14)]
+    #[arg(long, default_value_t = 14, value_parser = clap::value_parser!(u32).range(8..=24))]
     pub index_prefix_bits: u32,
     /// Out-of-line dedup rate in blocks per second (0: off). The worker
     /// drains the skipped buffer in the background and backs off while
@@ -78,11 +78,11 @@ pub struct ServeArgs {
     pub power_source: dedupd_engine::selectivity::PowerSource,
     /// Bytes of the read cache keyed by PBA (reads of different LBAs with
     /// the same content share one cached copy); 0 disables it.
-    #[arg(long, default_value = "4M")]
-    pub read_cache: String,
+    #[arg(long, default_value = "4M", value_parser = parse_size)]
+    pub read_cache: u64,
     /// Bytes of the skipped buffer (blocks awaiting out-of-line dedup).
-    #[arg(long, default_value = "512K")]
-    pub skipped_buffer: String,
+    #[arg(long, default_value = "512K", value_parser = parse_size)]
+    pub skipped_buffer: u64,
     /// Sequence threshold T (iDedup, SmartDedup §4.5): dedup inline only
     /// runs of at least T duplicate blocks whose stored copies are
     /// contiguous, to limit fragmentation; 1 turns it off. Volumes may
@@ -91,8 +91,8 @@ pub struct ServeArgs {
     pub sequence_threshold: u32,
     /// Bytes of CAFTL's pre-hash CRC table: only blocks whose CRC-32C was
     /// seen before are fingerprinted inline (0: off).
-    #[arg(long, default_value = "0")]
-    pub prehash: String,
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    pub prehash: u64,
     /// CAFTL's sampling: fingerprint a request's other blocks only if its
     /// sample (largest CRC-32C) is a duplicate.
     #[arg(long)]
@@ -101,23 +101,23 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
     /// Bytes of request payload in flight at once, over all connections.
-    #[arg(long, default_value = "64M")]
-    pub inflight_budget: String,
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    pub inflight_budget: u64,
     /// NBD connections open at once, over all listeners (each holds a
     /// 128 KiB read buffer); more are closed at once.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_connections: u64,
     /// Journal length that triggers a checkpoint of metadata in place (as
     /// do as many bytes of metadata pages changed since the last one).
-    #[arg(long, default_value = "32M")]
-    pub journal_size: String,
+    #[arg(long, default_value = "32M", value_parser = parse_size)]
+    pub journal_size: u64,
     /// Disk space allocated ahead for the journal, so TRIMs can be
     /// committed on a full file system.
-    #[arg(long, default_value = "8M")]
-    pub journal_reserve: String,
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    pub journal_reserve: u64,
     /// Changed metadata that triggers a journal commit from the write path.
-    #[arg(long, default_value = "16M")]
-    pub max_dirty: String,
+    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    pub max_dirty: u64,
     /// Commit metadata at least this often (milliseconds; 0 = only on FLUSH/FUA and size bounds).
     #[arg(long, default_value_t = 5000)]
     pub commit_interval_ms: u64,
@@ -164,7 +164,7 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
         }
         return opened;
     }
-    let size_bytes = parse_size(&args.default_volume_size).map_err(anyhow::Error::msg)?;
+    let size_bytes = args.default_volume_size;
     let engine = Engine::create(store, args.hash, config)
         .with_context(|| format!("creating store {}", store.display()))?;
     engine.create_volume("default", size_bytes)?;
@@ -179,9 +179,9 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     let mut config = EngineConfig {
-        journal_size_bytes: parse_size(&args.journal_size).map_err(anyhow::Error::msg)?,
-        max_dirty_bytes: parse_size(&args.max_dirty).map_err(anyhow::Error::msg)?,
-        journal_reserve_bytes: parse_size(&args.journal_reserve).map_err(anyhow::Error::msg)?,
+        journal_size_bytes: args.journal_size,
+        max_dirty_bytes: args.max_dirty,
+        journal_reserve_bytes: args.journal_reserve,
         verify: args.verify,
         selectivity: dedupd_engine::selectivity::SelectivityConfig {
             adaptive: args.selectivity == "adaptive",
@@ -192,12 +192,11 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
                 dedupd_engine::selectivity::PowerSource::Ac
             },
         },
-        read_cache_bytes: parse_size(&args.read_cache).map_err(anyhow::Error::msg)?,
+        read_cache_bytes: args.read_cache,
         sequence_threshold_blocks: args.sequence_threshold,
-        prehash_bytes: parse_size(&args.prehash).map_err(anyhow::Error::msg)?,
+        prehash_bytes: args.prehash,
         sampling: args.sampling,
-        skipped_buffer_bytes: parse_size(&args.skipped_buffer).map_err(anyhow::Error::msg)?
-            as usize,
+        skipped_buffer_bytes: args.skipped_buffer as usize,
         index: dedupd_engine::index::IndexConfig {
             policy: args.index_policy,
             lookup: args.inline_lookup,
@@ -207,14 +206,17 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         },
         ..EngineConfig::default()
     };
-    args.bounds.apply(&mut config)?;
+    args.bounds.apply(&mut config);
     let server_config = ServerConfig {
         workers_per_connection: args.workers.max(1),
-        inflight_budget_bytes: parse_size(&args.inflight_budget).map_err(anyhow::Error::msg)?
-            as usize,
+        inflight_budget_bytes: args.inflight_budget as usize,
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         ..ServerConfig::default()
     };
+    // (before the store is opened or created: a bad --socket changes nothing)
+    if let Some(p) = &args.socket {
+        remove_stale_socket(p)?;
+    }
     let engine = Arc::new(open_or_create(store, &args, config)?);
     let server = Arc::new(Server::new(
         Arc::new(VolumeExports::new(engine.clone())),
@@ -230,16 +232,10 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         )
     };
     let unix = match &args.socket {
-        Some(p) => {
-            if p.exists() {
-                std::fs::remove_file(p)
-                    .with_context(|| format!("removing stale socket {}", p.display()))?;
-            }
-            Some((
-                UnixListener::bind(p).with_context(|| format!("listening on {}", p.display()))?,
-                p.clone(),
-            ))
-        }
+        Some(p) => Some((
+            UnixListener::bind(p).with_context(|| format!("listening on {}", p.display()))?,
+            p.clone(),
+        )),
         None => None,
     };
     if tcp.is_none() && unix.is_none() {
@@ -431,4 +427,31 @@ fn answer(
             serde_json::to_value(r)?
         }
     })
+}
+
+/// Removes a socket left at `path` by a server that is gone, so the Unix
+/// listener can bind there. Anything else at `path` is left alone.
+///
+/// Errors: `path` is not a socket (a file, a directory...), or a server
+/// still answers on it.
+fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = match std::fs::symlink_metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("--socket {}", path.display())),
+    };
+    if !md.file_type().is_socket() {
+        anyhow::bail!(
+            "--socket {}: exists and is not a socket (not removing it)",
+            path.display()
+        );
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        anyhow::bail!(
+            "--socket {}: another server is listening there",
+            path.display()
+        );
+    }
+    std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))
 }

@@ -9,13 +9,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let n: u64 = num.parse().map_err(|_| {
         format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix")
     })?;
-    let shift = match suffix
-        .trim()
-        .to_ascii_uppercase()
-        .trim_end_matches('B')
-        .trim_end_matches('I')
-    {
-        "" => 0,
+    let unit = suffix.trim().to_ascii_uppercase();
+    // bytes: no suffix or B; else K, KB or KiB (likewise M, G, T, P)
+    let prefix = match unit.as_str() {
+        "" | "B" => "",
+        u => u
+            .strip_suffix("IB")
+            .or_else(|| u.strip_suffix('B'))
+            .unwrap_or(u),
+    };
+    let shift = match prefix {
+        "" if unit.len() <= 1 => 0,
         "K" => 10,
         "M" => 20,
         "G" => 30,
@@ -25,6 +29,16 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(1u64 << shift)
         .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Parses a fingerprint-index budget: a size (as [`parse_size`]) of at
+/// least 4 KiB (one on-disk group page; less holds no group).
+pub fn parse_index_memory(s: &str) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if v < 4096 {
+        return Err(format!("{s:?} is below the 4K minimum"));
+    }
+    Ok(v)
 }
 
 /// Formats bytes with a binary unit (`1.5 GiB`).
@@ -56,6 +70,11 @@ mod tests {
         assert!(parse_size("x").is_err());
         assert!(parse_size("5Q").is_err());
         assert!(parse_size("99999999999P").is_err());
+        assert_eq!(parse_size("4B").unwrap(), 4);
+        assert_eq!(parse_size("2KB").unwrap(), 2048);
+        for bad in ["4iB", "4I", "4IB", "4BB", "", "-1", "8X", "1 K B"] {
+            assert!(parse_size(bad).is_err(), "{bad:?} accepted");
+        }
         assert_eq!(human(1536), "1.50 KiB");
     }
 }

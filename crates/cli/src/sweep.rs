@@ -8,7 +8,7 @@ use std::time::Instant;
 use dedupd_sim::{ReplayConfig, SweepConfig, SweepRow};
 
 use crate::replay::TraceInputArgs;
-use crate::size::{human, parse_size};
+use crate::size::{human, parse_index_memory};
 
 /// Arguments of `dedupd sweep`.
 #[derive(clap::Args, Debug)]
@@ -24,7 +24,7 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', default_value = "1M,2M,4M,8M")]
     index_memory: Vec<String>,
     /// Prefix bits of the index (8–24; default the engine's, 14).
-    #[arg(long, value_name = "BITS")]
+    #[arg(long, value_name = "BITS", value_parser = clap::value_parser!(u32).range(8..=24))]
     index_prefix_bits: Option<u32>,
     /// Worker threads (default: the number of CPUs).
     #[arg(long)]
@@ -44,7 +44,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     let budgets = args
         .index_memory
         .iter()
-        .map(|s| parse_size(s).map_err(anyhow::Error::msg))
+        .map(|s| parse_index_memory(s).map_err(|e| anyhow::anyhow!("--index-memory {s:?}: {e}")))
         .collect::<anyhow::Result<Vec<u64>>>()?;
     let jobs = args.jobs.unwrap_or_else(|| {
         std::thread::available_parallelism()

@@ -171,7 +171,8 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
 }
 
 fn gen(g: GenArgs) -> anyhow::Result<()> {
-    let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+    let size =
+        |flag: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{flag} {s:?}: {e}"));
     let streams: Vec<StreamSpec> = match g.kind.as_str() {
         "fio" => vec![StreamSpec {
             locality: Locality::Uniform,
@@ -206,9 +207,9 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
     };
     let spec = GenSpec {
         streams,
-        size_bytes: size(&g.size)?,
-        block_bytes: size(&g.bs)?,
-        volume_bytes: size(&g.volume_size)?,
+        size_bytes: size("size", &g.size)?,
+        block_bytes: size("bs", &g.bs)?,
+        volume_bytes: size("volume-size", &g.volume_size)?,
         sequential,
         dup_percent: g.dup_percent,
         copy_runs: g.copy_runs,

@@ -181,7 +181,15 @@ fn hashing_filters_and_a_paged_reverse_index_lose_nothing() {
     let out = dedupd(&store, &["fsck", "--map-cache", "lots"]);
     assert_eq!(out.status.code(), Some(16), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--map-cache \"lots\""), "stderr: {err}");
+    assert!(
+        err.contains("--map-cache") && err.contains("lots"),
+        "stderr: {err}"
+    );
+    let out = dedupd(&store, &["fsck", "--no-such-flag"]);
+    assert_eq!(out.status.code(), Some(16), "{out:?}");
+    let out = dedupd(&store, &["fsck", "--index-memory", "1K"]);
+    assert_eq!(out.status.code(), Some(16), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("4K minimum"));
 }
 
 #[test]
@@ -225,6 +233,24 @@ fn bad_store_paths_get_clear_errors() {
     let out = dedupd(&store, &["serve", "--listen", "127.0.0.1:0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("already being served"));
+    // --socket never removes what is not a stale socket
+    let other = tmp.path().join("other-store");
+    let precious = tmp.path().join("precious.txt");
+    std::fs::write(&precious, b"user data").unwrap();
+    let live_socket = tmp.path().join("live.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&live_socket).unwrap();
+    for (path, why) in [
+        (&precious, "not a socket"),
+        (&live_socket, "another server is listening"),
+    ] {
+        let p = path.to_str().unwrap();
+        let out = dedupd(&other, &["serve", "--no-tcp", "--socket", p]);
+        assert!(!out.status.success(), "serve --socket {p} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "stderr: {err}");
+    }
+    assert_eq!(std::fs::read(&precious).unwrap(), b"user data");
+    assert!(live_socket.exists());
     // bad volume arguments
     for args in [
         &["volume", "create", "bad name", "1G"][..],

@@ -9,11 +9,17 @@ fn dedupd() -> Command {
 
 /// The real mail sample if ../shared is there, else a fixture in its format.
 fn trace(dir: &Path) -> (PathBuf, u64, u64) {
-    let real = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/traces/fiu/mail-01-sample.blkparse");
+    let real = std::env::var_os("DEDUPD_FIU_SAMPLES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/fiu"))
+        .join("mail-01-sample.blkparse");
     let p = if real.exists() {
         real
     } else {
+        eprintln!(
+            "real FIU sample {} not found (set DEDUPD_FIU_SAMPLES): using a fixture in its format",
+            real.display()
+        );
         let p = dir.join("fixture.blkparse");
         let mut t = String::new();
         for i in 0..50u64 {
@@ -205,4 +211,61 @@ fn sweep_writes_results_and_figures() {
         let svg = std::fs::read_to_string(out.join(format!("{f}.svg"))).unwrap();
         assert!(svg.contains("<svg") && svg.contains("g-lru"));
     }
+}
+
+#[test]
+fn bad_flags_are_named_and_outputs_survive_failures() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (trace, _, _) = trace(tmp.path());
+    let t = trace.to_str().unwrap();
+    for (args, flag) in [
+        (
+            vec!["replay", "--policy", "lru", "--index-memory", "8X", t],
+            "--index-memory",
+        ),
+        (
+            vec!["replay", "--policy", "lru", "--index-memory", "0", t],
+            "--index-memory",
+        ),
+        (
+            vec!["replay", "--index-prefix-bits", "40", t],
+            "--index-prefix-bits",
+        ),
+        (vec!["replay", "--format", "bogus", t], "--format"),
+        (
+            vec!["trace", "gen", "--size", "4iB", "-o", "x.ddt"],
+            "--size",
+        ),
+        (vec!["serve", "--read-cache", "8X"], "--read-cache"),
+    ] {
+        let out = dedupd()
+            .current_dir(tmp.path())
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+    // a generator refusing its parameters leaves an existing file alone
+    let keep = tmp.path().join("keep.ddt");
+    std::fs::write(&keep, b"precious").unwrap();
+    let out = dedupd()
+        .args(["trace", "gen", "--bs", "1000", "-o"])
+        .arg(&keep)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(std::fs::read(&keep).unwrap(), b"precious");
+    // a report cut short by its reader ends quietly, without a panic
+    let mut child = dedupd()
+        .args(["trace", "stats", t])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
 }
