@@ -1227,7 +1227,9 @@ impl FingerprintIndex {
                 continue;
             };
             if let Some(f) = rc {
-                let now = u64::from(f(Pba(self.groups[g as usize].entries[i].1)));
+                // (compared as stored: a count past COUNT_MAX is kept as
+                // COUNT_MAX, and must not be refreshed for ever)
+                let now = u64::from(f(Pba(self.groups[g as usize].entries[i].1))).min(COUNT_MAX);
                 if now > count_of(rec.0) {
                     let stamp = counted(now, rec.0 & TICK_MASK);
                     self.groups[g as usize].ticks.set(i, stamp);
@@ -1661,6 +1663,21 @@ mod tests {
         EvictionPolicy::Arc,
         EvictionPolicy::RefCount,
     ];
+
+    #[test]
+    fn reference_count_eviction_ends_with_counts_past_what_a_stamp_holds() {
+        // every block shared more times than a stamp can record: the
+        // refreshed stamp never exceeds the recorded one, eviction ends
+        let mut idx = index(8 << 10, EvictionPolicy::RefCount, LookupMode::Memory);
+        let live = |_: u64, _: Pba| true;
+        let rc = |_: Pba| u32::MAX;
+        for i in 0..5_000u64 {
+            idx.insert_with_refcount(&fp(i), Pba(i), &live, &rc)
+                .unwrap();
+            assert!(idx.memory_bytes() <= 8 << 10);
+        }
+        assert!(idx.stats().entries_evicted > 0);
+    }
 
     #[test]
     fn bounded_memory_and_disk_mode_finds_everything() {

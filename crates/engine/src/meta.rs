@@ -281,7 +281,12 @@ impl Meta {
             fingerprints,
             ..
         } = self;
-        let live = |key: u64, p: Pba| p == pba || live(refcounts, fingerprints, key, p);
+        // (only this fingerprint's entry at `pba`: a stale entry of the
+        // PBA's earlier content stays stale)
+        let new_key = crate::index::key_of(&fp);
+        let live = |key: u64, p: Pba| {
+            (p == pba && key == new_key) || live(refcounts, fingerprints, key, p)
+        };
         let rc = |p: Pba| refcounts.get_u32(p.0);
         index.insert_with_refcount(&fp, pba, &live, &rc)
     }

@@ -85,7 +85,9 @@ impl CacheGroup {
     pub fn new(cache_bytes: u64, on_error: OnLoadError) -> Arc<CacheGroup> {
         Arc::new(CacheGroup {
             cache_bytes,
-            budget_pages: cache_bytes / PAYLOAD_SIZE as u64,
+            // (a budget below one page still bounds: one page; 0 alone
+            // means unbounded)
+            budget_pages: (cache_bytes / PAYLOAD_SIZE as u64).max(u64::from(cache_bytes > 0)),
             on_error,
             ..CacheGroup::default()
         })
