@@ -1358,9 +1358,10 @@ impl FingerprintIndex {
         if leaf.may_be_stale() {
             merged.retain(|&(k, p)| live(k, Pba(p)));
         }
+        self.write_group(prefix, leaf, &merged)?;
         self.stats.entries_on_disk =
             self.stats.entries_on_disk + merged.len() as u64 - leaf.disk_entries();
-        self.write_group(prefix, leaf, &merged)
+        Ok(())
     }
 
     fn read_group(&self, leaf: &Leaf, prefix: u32) -> io::Result<Vec<Entry>> {
@@ -1379,18 +1380,30 @@ impl FingerprintIndex {
             new_leaf.disk_pages = 0;
             new_leaf.disk_count = 0;
         } else {
-            let page = if pages <= leaf.disk_pages && leaf.disk_pages > 0 {
-                self.free_run(leaf.disk_page + pages, leaf.disk_pages - pages);
+            // in place if it fits, else in a new run; what is given up is
+            // freed only once the write succeeded (on failure the leaf
+            // keeps its run, and a new run goes back)
+            let in_place = pages <= leaf.disk_pages && leaf.disk_pages > 0;
+            let page = if in_place {
                 leaf.disk_page
             } else {
-                self.free_run(leaf.disk_page, leaf.disk_pages);
-                self.alloc_run(pages)
+                self.alloc_run(pages)?
             };
             self.stats.eviction_writes += 1;
-            self.store.write_at(
+            if let Err(e) = self.store.write_at(
                 &encode_group(prefix, entries, pages),
                 page as u64 * GROUP_PAGE as u64,
-            )?;
+            ) {
+                if !in_place {
+                    self.free_run(page, pages);
+                }
+                return Err(e);
+            }
+            if in_place {
+                self.free_run(leaf.disk_page + pages, leaf.disk_pages - pages);
+            } else {
+                self.free_run(leaf.disk_page, leaf.disk_pages);
+            }
             new_leaf.disk_page = page;
             new_leaf.disk_pages = pages;
             debug_assert!(entries.len() < MAY_BE_STALE as usize);
@@ -1401,13 +1414,36 @@ impl FingerprintIndex {
         Ok(())
     }
 
-    fn free_run(&mut self, start: u32, len: u32) {
-        if len > 0 {
+    /// Gives pages `start .. start + len` of the on-disk store back,
+    /// joining them with free neighbours; a free run that reaches the end
+    /// shortens the store's used length (so freed space is reused by
+    /// groups of any size, and the file does not grow with churn).
+    fn free_run(&mut self, mut start: u32, mut len: u32) {
+        if len == 0 {
+            return;
+        }
+        if let Some((&s, &l)) = self.free_runs.range(..start).next_back() {
+            if s + l == start {
+                self.free_runs.remove(&s);
+                start = s;
+                len += l;
+            }
+        }
+        if let Some(l) = self.free_runs.remove(&(start + len)) {
+            len += l;
+        }
+        if start + len == self.end_page {
+            self.end_page = start;
+        } else {
             self.free_runs.insert(start, len);
         }
     }
 
-    fn alloc_run(&mut self, pages: u32) -> u32 {
+    /// Takes `pages` pages for a group: the first free run that holds
+    /// them, else pages past the end.
+    ///
+    /// Errors: the store would pass 2^32 pages (16 TiB).
+    fn alloc_run(&mut self, pages: u32) -> io::Result<u32> {
         let found = self
             .free_runs
             .iter()
@@ -1419,11 +1455,14 @@ impl FingerprintIndex {
                 if len > pages {
                     self.free_runs.insert(start + pages, len - pages);
                 }
-                start
+                Ok(start)
             }
             None => {
-                self.end_page += pages;
-                self.end_page - pages
+                let start = self.end_page;
+                self.end_page = start.checked_add(pages).ok_or_else(|| {
+                    io::Error::other("the on-disk fingerprint store would pass 2^32 pages")
+                })?;
+                Ok(start)
             }
         }
     }
@@ -1488,7 +1527,7 @@ impl FingerprintIndex {
                 j += 1;
             }
             let pages = pages_for(entries.len());
-            let page = self.alloc_run(pages);
+            let page = self.alloc_run(pages)?;
             self.store.write_at(
                 &encode_group(prefix, &entries, pages),
                 page as u64 * GROUP_PAGE as u64,
@@ -1677,6 +1716,26 @@ mod tests {
             assert!(idx.memory_bytes() <= 8 << 10);
         }
         assert!(idx.stats().entries_evicted > 0);
+    }
+
+    #[test]
+    fn the_on_disk_store_reuses_the_space_groups_give_up() {
+        // groups grow page by page as evictions merge into them: the runs
+        // they leave are joined and reused, so the store stays near the
+        // pages its groups need
+        let mut idx = index(16 << 10, EvictionPolicy::GroupLru, LookupMode::Memory);
+        let live = |_: u64, _: Pba| true;
+        for i in 0..600_000u64 {
+            idx.insert(&fp(i), Pba(i), &live).unwrap();
+        }
+        let s = idx.stats();
+        let needed = s.entries_on_disk.div_ceil(254) + (1 << 10);
+        eprintln!("disk pages {} needed about {needed}", s.disk_pages);
+        assert!(
+            s.disk_pages <= needed * 3 / 2,
+            "{} pages for about {needed}",
+            s.disk_pages
+        );
     }
 
     #[test]
