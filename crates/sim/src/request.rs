@@ -96,15 +96,16 @@ impl Request {
     /// block or byte computation on it can overflow).
     ///
     /// Errors: a message saying which bound the range breaks.
+    #[inline]
     pub fn check_sectors(lba_sectors: u64, sectors: u64) -> Result<(), String> {
-        if sectors == 0 {
-            return Err("size is 0".into());
-        }
-        match lba_sectors.checked_add(sectors) {
-            Some(end) if end <= MAX_END_SECTORS => Ok(()),
-            _ => Err(format!(
-                "sectors {lba_sectors} + {sectors} end past the 64-bit byte address space"
-            )),
+        let ok = sectors != 0
+            && lba_sectors
+                .checked_add(sectors)
+                .is_some_and(|end| end <= MAX_END_SECTORS);
+        if ok {
+            Ok(())
+        } else {
+            Err(sectors_error(lba_sectors, sectors))
         }
     }
 
@@ -115,5 +116,16 @@ impl Request {
             return 0;
         }
         (self.lba_sectors + self.sectors).div_ceil(SECTORS_PER_BLOCK) - self.first_block()
+    }
+}
+
+/// The message of [`Request::check_sectors`] for a range it refuses.
+#[cold]
+#[inline(never)]
+fn sectors_error(lba_sectors: u64, sectors: u64) -> String {
+    if sectors == 0 {
+        "size is 0".into()
+    } else {
+        format!("sectors {lba_sectors} + {sectors} end past the 64-bit byte address space")
     }
 }
