@@ -267,10 +267,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     }
     for d in engine.damage() {
         eprintln!(
-            "dedupd: warning: {} has {} damaged page(s); its volume is served read-only \
+            "dedupd: warning: {}; its volume is served read-only \
              until `dedupd --store {} fsck --repair`",
-            d.file.display(),
-            d.pages.len(),
+            d.describe(),
             store.display()
         );
     }

@@ -171,13 +171,35 @@ pub struct VolumeInfo {
     pub sequence_threshold_blocks: Option<u32>,
 }
 
-/// Metadata pages that failed their checksum when the store was opened.
+/// Metadata pages that failed their checksum when the store was opened,
+/// or a metadata file that is missing although the store needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Damage {
     /// The damaged file.
     pub file: std::path::PathBuf,
     /// Numbers of its damaged 4 KiB pages (they read as zeros).
     pub pages: Vec<u64>,
+    /// The whole file is missing (all of it reads as zeros): a volume map
+    /// whose volume was created before the last checkpoint, or the
+    /// reference counts or reverse index of a store holding data.
+    pub missing: bool,
+}
+
+impl Damage {
+    /// What is wrong, for messages: missing, or how many pages fail their
+    /// checksum (and the first few).
+    pub fn describe(&self) -> String {
+        if self.missing {
+            format!("{} is missing", self.file.display())
+        } else {
+            format!(
+                "{}: {} page(s) fail their checksum: {:?}",
+                self.file.display(),
+                self.pages.len(),
+                &self.pages[..self.pages.len().min(16)]
+            )
+        }
+    }
 }
 
 /// Latest committed image of each metadata page, waiting for a checkpoint.
@@ -381,12 +403,31 @@ impl Engine {
         for op in &chain_ops {
             ops_by_file.entry(op.file()).or_default().push(op);
         }
+        // a store holding data has reference counts and a reverse index on
+        // file once a checkpoint put them there
+        let data_bytes = std::fs::metadata(path.join("data")).map_or(0, |m| m.len());
         let load = |file: MetaFile,
                     group: &std::sync::Arc<CacheGroup>,
                     damage: &mut Vec<Damage>,
                     visit: &mut dyn FnMut(u64, &[u8])|
          -> Result<CachedArray> {
             let path = dir.path(file);
+            let ops = ops_by_file.get(&file).map_or(&[][..], |v| &v[..]);
+            // a file that should exist (nothing in the journal creates it)
+            // but does not is damage, and is not created: the check of a
+            // store changes nothing
+            let expected = match file {
+                MetaFile::Map(_) => true,
+                _ => data_bytes > 0,
+            };
+            if ops.is_empty() && expected && !path.exists() {
+                damage.push(Damage {
+                    file: path,
+                    pages: Vec::new(),
+                    missing: true,
+                });
+                return Ok(CachedArray::new(PagedArray::new(file.page_tag())));
+            }
             // created if missing (a new store, or a volume created since the
             // last checkpoint); a file that cannot be created is replayed
             // in memory only
@@ -396,13 +437,13 @@ impl Engine {
                 Err(e) => return Err(e),
             };
             let name = path.display().to_string();
-            let ops = ops_by_file.get(&file).map_or(&[][..], |v| &v[..]);
             let opened = crate::metaopen::open_paged(f, file, ops, &name, group, visit)
                 .map_err(|e| EngineError::io(format!("reading {name}"), e))?;
             if !opened.damaged.is_empty() {
                 damage.push(Damage {
                     file: path,
                     pages: opened.damaged,
+                    missing: false,
                 });
             }
             Ok(opened.array)
@@ -430,13 +471,20 @@ impl Engine {
         // before the volume maps are read
         if !damage.is_empty() && !config.allow_damaged_metadata {
             let d = &damage[0];
+            let what = if d.missing {
+                format!("the file is missing although the data file holds {data_bytes} bytes")
+            } else {
+                format!(
+                    "{} page(s) fail their checksum (first: page {})",
+                    d.pages.len(),
+                    d.pages[0]
+                )
+            };
             return Err(EngineError::Corrupt {
                 file: d.file.clone(),
                 detail: format!(
-                    "{} page(s) fail their checksum (first: page {}); the store is not served. \
+                    "{what}; the store is not served. \
                      Run `dedupd --store {} fsck --repair` to rebuild it from the volume maps",
-                    d.pages.len(),
-                    d.pages[0],
                     path.display()
                 ),
             });
@@ -445,6 +493,7 @@ impl Engine {
             let mut mine = Vec::new();
             let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine, &mut |_, _| {})?;
             let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
+            let map_missing = mine.first().is_some_and(|d| d.missing);
             damage.extend(mine);
             meta.volumes.insert(
                 rec.id,
@@ -452,6 +501,7 @@ impl Engine {
                     record: rec.clone(),
                     map,
                     damaged_pages,
+                    map_missing,
                     deleting: false,
                 },
             );
@@ -692,6 +742,7 @@ impl Engine {
                     },
                     map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
                     damaged_pages: Vec::new(),
+                    map_missing: false,
                     deleting: false,
                 },
             );

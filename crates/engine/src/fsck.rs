@@ -126,12 +126,7 @@ impl Engine {
         fp_damaged_pages.sort_unstable();
         fp_damaged_pages.dedup();
         for d in &self.damage {
-            r.problems.push(format!(
-                "{}: {} page(s) fail their checksum: {:?}",
-                d.file.display(),
-                d.pages.len(),
-                &d.pages[..d.pages.len().min(16)]
-            ));
+            r.problems.push(d.describe());
         }
 
         // maps: entries inside the data file; every reference as a pair
@@ -150,7 +145,12 @@ impl Engine {
         let mut beyond_volumes = std::collections::BTreeSet::new();
         for id in &ids {
             let v = &m.volumes[id];
-            if v.read_only() {
+            if v.map_missing {
+                r.data_lost.push(format!(
+                    "volume {}: its map file is missing; every LBA reads as unmapped",
+                    v.record.name
+                ));
+            } else if v.read_only() {
                 let lost = format!(
                     "volume {}: map pages {:?} damaged; the LBAs they hold (508 per page) read as unmapped",
                     v.record.name,
@@ -375,6 +375,14 @@ impl Engine {
             let v = m.volumes.get_mut(id).expect("listed above");
             for page in std::mem::take(&mut v.damaged_pages) {
                 v.map.redirty(page);
+            }
+            if std::mem::take(&mut v.map_missing) {
+                // the checkpoint creates the file again (empty)
+                let len_bytes = crate::paged::disk_len(v.size_blocks() * 8);
+                m.structural_ops.push(crate::journal::Op::SetLen {
+                    file: crate::journal::MetaFile::Map(*id),
+                    len_bytes,
+                });
             }
         }
         let scratch = self.dir.as_ref().and_then(|d| d.scratch_file());

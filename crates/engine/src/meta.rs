@@ -31,6 +31,9 @@ pub struct Volume {
     /// Map pages that failed their checksum at open (their LBAs read as
     /// unmapped); a volume with any is served read-only until repaired.
     pub damaged_pages: Vec<u64>,
+    /// The map file was missing at open (every LBA reads as unmapped); the
+    /// volume is served read-only until repaired.
+    pub map_missing: bool,
     /// Being deleted: its blocks are released piece by piece, and writes
     /// are refused meanwhile.
     pub deleting: bool,
@@ -43,7 +46,7 @@ impl Volume {
     }
     /// True if the volume's metadata cannot be trusted (served read-only).
     pub fn read_only(&self) -> bool {
-        !self.damaged_pages.is_empty() || self.deleting
+        !self.damaged_pages.is_empty() || self.map_missing || self.deleting
     }
     /// The PBA an LBA maps to, if any.
     pub fn get(&self, lba: Lba) -> Option<Pba> {

@@ -119,6 +119,62 @@ fn flipped_reference_count_page_stops_the_store_and_fsck_rebuilds_it() {
 }
 
 #[test]
+fn missing_metadata_files_are_damage_not_an_empty_store() {
+    // the reference counts or the reverse index gone: the store is not
+    // served; fsck says so without creating anything, and a repair
+    // rebuilds them from the maps and the data
+    for name in ["refcounts", "fingerprints"] {
+        let d = tempfile::tempdir().unwrap();
+        let path = build(d.path());
+        std::fs::remove_file(path.join(name)).unwrap();
+        match Engine::open(&path, EngineConfig::default()) {
+            Err(EngineError::Corrupt { file, detail }) => {
+                assert!(file.ends_with(name));
+                assert!(detail.contains("missing"), "{detail}");
+            }
+            other => panic!("opened without {name}: {:?}", other.err()),
+        }
+        let check = fsck(&path, FsckOptions::default()).unwrap();
+        assert_eq!(check.exit_code(), 4, "{check:?}");
+        assert!(
+            check.problems.iter().any(|p| p.contains("is missing")),
+            "{check:?}"
+        );
+        assert!(!path.join(name).exists(), "a check created {name}");
+        assert_eq!(repair(&path), 1);
+        assert_intact(&path, &[("a", 600), ("b", 100)]);
+    }
+    // a volume map gone: its volume is served read-only and fsck reports
+    // the loss instead of calling the store clean
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let map = first_map_file(&path);
+    std::fs::remove_file(&map).unwrap();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    assert!(e.volume_read_only(a));
+    assert!(matches!(
+        e.write(a, 0, &pattern(1), false),
+        Err(EngineError::ReadOnly(_))
+    ));
+    drop(e);
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "{check:?}");
+    assert!(
+        check.data_lost.iter().any(|l| l.contains("map file is missing")),
+        "{check:?}"
+    );
+    assert!(!map.exists(), "a check created the map file");
+    // a repair keeps what volume b still maps, and makes a writable again
+    assert_eq!(repair(&path), 1);
+    assert_intact(&path, &[("b", 100)]);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    e.write(a, 0, &pattern(1), true).unwrap();
+    assert!(map.exists());
+}
+
+#[test]
 fn flipped_reverse_index_page_is_rehashed() {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
