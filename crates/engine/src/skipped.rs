@@ -84,7 +84,10 @@ impl SkippedBuffer {
     /// Records that block `lba` of `vol` was written without an inline match.
     pub fn record(&mut self, vol: VolumeId, lba: u64) {
         let region = (vol, lba / REGION_BLOCKS);
-        if self.volumes.contains_key(&vol) {
+        if let Some(next) = self.volumes.get_mut(&vol) {
+            // pending whole: a block behind the scan's cursor sends the
+            // cursor back to it (regions are examined again, none missed)
+            *next = (*next).min(region.1);
             return;
         }
         let held = match self.last_region {
@@ -126,7 +129,11 @@ impl SkippedBuffer {
     /// Records that blocks `start..end` of `vol` may hold duplicates, as
     /// dirty regions (used for writes replayed from the journal).
     pub fn record_range(&mut self, vol: VolumeId, start: u64, end: u64) {
-        if start >= end || self.volumes.contains_key(&vol) {
+        if start >= end {
+            return;
+        }
+        if let Some(next) = self.volumes.get_mut(&vol) {
+            *next = (*next).min(start / REGION_BLOCKS);
             return;
         }
         self.last_region = None;
@@ -229,6 +236,29 @@ impl SkippedBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_behind_a_whole_volume_scan_is_not_lost() {
+        let mut b = SkippedBuffer::new(RECORD_BYTES * 16);
+        let v = VolumeId(1);
+        b.record_volume(v);
+        // the scan is past the first regions...
+        let first = b.take(3 * REGION_BLOCKS as usize, |_| Some(100 * REGION_BLOCKS));
+        assert_eq!(first.len(), 3 * REGION_BLOCKS as usize);
+        // ...when blocks in them are written again
+        b.record(v, 5);
+        b.record_range(v, REGION_BLOCKS + 1, REGION_BLOCKS + 2);
+        let mut seen = BTreeSet::new();
+        loop {
+            let got = b.take(1000, |_| Some(100 * REGION_BLOCKS));
+            if got.is_empty() {
+                break;
+            }
+            seen.extend(got.into_iter().map(|(_, l)| l));
+        }
+        assert!(seen.contains(&5) && seen.contains(&(REGION_BLOCKS + 1)));
+        assert!(seen.contains(&(100 * REGION_BLOCKS - 1)));
+    }
 
     #[test]
     fn degrades_without_forgetting() {

@@ -161,7 +161,10 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
     let check = fsck(&path, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4, "{check:?}");
     assert!(
-        check.data_lost.iter().any(|l| l.contains("map file is missing")),
+        check
+            .data_lost
+            .iter()
+            .any(|l| l.contains("map file is missing")),
         "{check:?}"
     );
     assert!(!map.exists(), "a check created the map file");
