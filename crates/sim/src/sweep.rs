@@ -113,6 +113,24 @@ pub fn trace_name(p: &Path) -> String {
         .unwrap_or_else(|| p.display().to_string())
 }
 
+/// The names of `traces` in a sweep's rows and figures: each file's name
+/// ([`trace_name`]), or its path as given where two traces share a file
+/// name (rows and figures must tell them apart).
+pub fn trace_names(traces: &[PathBuf]) -> Vec<String> {
+    let short: Vec<String> = traces.iter().map(|t| trace_name(t)).collect();
+    short
+        .iter()
+        .zip(traces)
+        .map(|(n, t)| {
+            if short.iter().filter(|m| *m == n).count() > 1 {
+                t.display().to_string()
+            } else {
+                n.clone()
+            }
+        })
+        .collect()
+}
+
 /// Runs the grid on `cfg.jobs` threads, calling `done(row, finished,
 /// total)` as points finish. Rows come back in grid order (trace, policy,
 /// budget).
@@ -123,19 +141,22 @@ pub fn run_sweep(
     cfg: &SweepConfig,
     done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
 ) -> Result<Vec<SweepRow>> {
-    let mut points: Vec<(PathBuf, String, Option<u64>)> = Vec::new();
-    for t in &cfg.traces {
+    let names = trace_names(&cfg.traces);
+    let mut points: Vec<(&PathBuf, &str, String, Option<u64>)> = Vec::new();
+    for (t, name) in cfg.traces.iter().zip(&names) {
         for p in &cfg.policies {
             let spec: PolicySpec = p.parse()?;
             if spec.eviction.is_none() {
-                points.push((t.clone(), p.clone(), None));
+                points.push((t, name, p.clone(), None));
             } else {
                 for &b in &cfg.budgets {
-                    points.push((t.clone(), p.clone(), Some(b)));
+                    points.push((t, name, p.clone(), Some(b)));
                 }
             }
         }
     }
+    // after a failure no further point starts (the error is returned)
+    let failed = std::sync::atomic::AtomicBool::new(false);
     let total = points.len();
     let next = AtomicUsize::new(0);
     let finished = AtomicUsize::new(0);
@@ -145,20 +166,23 @@ pub fn run_sweep(
         for _ in 0..cfg.jobs.clamp(1, total.max(1)) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= total {
+                if i >= total || failed.load(Ordering::Relaxed) {
                     break;
                 }
-                let (trace, policy, budget) = &points[i];
+                let (trace, name, policy, budget) = &points[i];
                 let rc = ReplayConfig {
                     policy: policy.clone(),
                     index_memory_bytes: *budget,
                     ..cfg.base.clone()
                 };
-                let out = replay(std::slice::from_ref(trace), &rc, &mut |_| {})
-                    .map(|r| SweepRow::from_report(&trace_name(trace), &r));
-                if let Ok(row) = &out {
-                    let n = finished.fetch_add(1, Ordering::Relaxed) + 1;
-                    done(row, n, total);
+                let out = replay(std::slice::from_ref(*trace), &rc, &mut |_| {})
+                    .map(|r| SweepRow::from_report(name, &r));
+                match &out {
+                    Ok(row) => {
+                        let n = finished.fetch_add(1, Ordering::Relaxed) + 1;
+                        done(row, n, total);
+                    }
+                    Err(_) => failed.store(true, Ordering::Relaxed),
                 }
                 results.lock().expect("results lock")[i] = Some(out);
             });
@@ -168,8 +192,10 @@ pub fn run_sweep(
         .into_inner()
         .expect("results lock")
         .into_iter()
+        // the first failure in grid order (points after a failure did
+        // not run)
         .map(|r| r.unwrap_or_else(|| Err(TraceError::Config("a sweep point did not run".into()))))
-        .collect()
+        .collect::<Result<Vec<_>>>()
 }
 
 fn csv_field(s: &str) -> String {
@@ -254,4 +280,18 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traces_sharing_a_file_name_keep_their_paths() {
+        let t = |s: &str| PathBuf::from(s);
+        assert_eq!(
+            trace_names(&[t("a/t.fiu"), t("b/t.fiu"), t("c/u.fiu")]),
+            ["a/t.fiu", "b/t.fiu", "u.fiu"]
+        );
+    }
 }
