@@ -389,31 +389,39 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
     if !offline {
         bail!("give --offline (the background pass runs inside `dedupd serve`, see --out-of-line-rate)");
     }
-    let before = with_store(store, Request::Stats, |e, _| {
-        Ok(serde_json::to_value(e.stats())?)
-    })?;
+    // one open of the store (or one request to its server) for the whole
+    // pass and its figures
     let report = with_store(
         store,
         Request::DedupOffline {
             volume: volume.clone(),
         },
-        |e, progress| {
-            Ok(serde_json::to_value(
-                e.dedup_offline(volume.as_deref(), progress)?,
-            )?)
-        },
+        |e, progress| offline_pass(e, volume.as_deref(), progress),
     )?;
-    let after = with_store(store, Request::Stats, |e, _| {
-        Ok(serde_json::to_value(e.stats())?)
-    })?;
     println!(
         "examined {} stored blocks, remapped {} LBAs; physical blocks {} -> {}",
         report["blocks_examined"],
         report["lbas_remapped"],
-        before["physical_blocks_stored"],
-        after["physical_blocks_stored"]
+        report["physical_blocks_before"],
+        report["physical_blocks_after"]
     );
     Ok(())
+}
+
+/// `dedupd dedup --offline` on an open engine, made durable: the pass's
+/// report plus the physical blocks stored before and after it.
+pub(crate) fn offline_pass(
+    e: &Engine,
+    volume: Option<&str>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> anyhow::Result<Value> {
+    let before = e.stats().physical_blocks_stored;
+    let report = e.dedup_offline(volume, progress)?;
+    e.flush()?;
+    let mut v = serde_json::to_value(report)?;
+    v["physical_blocks_before"] = before.into();
+    v["physical_blocks_after"] = e.stats().physical_blocks_stored.into();
+    Ok(v)
 }
 
 fn fsck(

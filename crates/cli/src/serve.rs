@@ -421,9 +421,7 @@ fn answer(
             Value::Null
         }
         Request::DedupOffline { volume } => {
-            let r = engine.dedup_offline(volume.as_deref(), progress)?;
-            engine.flush()?;
-            serde_json::to_value(r)?
+            crate::offline_pass(engine, volume.as_deref(), progress)?
         }
     })
 }

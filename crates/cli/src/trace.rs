@@ -103,7 +103,10 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
             format,
             skip_bad,
         } => {
-            let s = dedupd_sim::convert(&input, parse_format(&format)?, skip_bad, &output)?;
+            let format = parse_format(&format)?;
+            let s = with_file_bar(&input, "converting", |consumed| {
+                dedupd_sim::convert_counting(&input, format, skip_bad, &output, consumed)
+            })?;
             println!(
                 "wrote {} requests from {} sources to {}{}",
                 s.requests,
@@ -123,7 +126,10 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
             skip_bad,
             json,
         } => {
-            let s = dedupd_sim::trace_stats(&trace, parse_format(&format)?, skip_bad)?;
+            let format = parse_format(&format)?;
+            let s = with_file_bar(&trace, "reading", |consumed| {
+                dedupd_sim::trace_stats_counting(&trace, format, skip_bad, consumed)
+            })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
                 return Ok(());
@@ -218,4 +224,44 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
     let n = dedupd_sim::generate(&spec, &g.output)?;
     println!("wrote {n} requests to {}", g.output.display());
     Ok(())
+}
+
+/// Runs `f` with a counter of the bytes it reads from `path`, drawn on
+/// stderr (when it is a terminal) as a bar against the file's size with
+/// rate and ETA, refreshed every 200 ms and cleared at the end.
+fn with_file_bar<T>(
+    path: &std::path::Path,
+    label: &str,
+    f: impl FnOnce(std::sync::Arc<std::sync::atomic::AtomicU64>) -> T,
+) -> T {
+    use std::io::IsTerminal;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let consumed = Arc::new(AtomicU64::new(0));
+    if !std::io::stderr().is_terminal() {
+        return f(consumed);
+    }
+    let total = std::fs::metadata(path).map_or(0, |m| m.len());
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(label.to_string());
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                bar.set_position(consumed.load(Ordering::Relaxed).min(total));
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        });
+        let out = f(consumed.clone());
+        done.store(true, Ordering::Relaxed);
+        bar.finish_and_clear();
+        out
+    })
 }

@@ -38,7 +38,21 @@ pub fn convert(
     skip_bad: bool,
     output: &Path,
 ) -> Result<ConvertSummary> {
-    let mut reader = TraceReader::open(input, format, skip_bad, Arc::new(AtomicU64::new(0)))?;
+    convert_counting(input, format, skip_bad, output, Arc::new(AtomicU64::new(0)))
+}
+
+/// [`convert`], adding the bytes read from `input`'s file (compressed, if
+/// it is) to `consumed` as it goes, for a progress display.
+///
+/// Errors: as [`convert`].
+pub fn convert_counting(
+    input: &Path,
+    format: Option<Format>,
+    skip_bad: bool,
+    output: &Path,
+    consumed: Arc<AtomicU64>,
+) -> Result<ConvertSummary> {
+    let mut reader = TraceReader::open(input, format, skip_bad, consumed)?;
     let dest = OutputFile::create(output)?;
     let out_name = dest.name().to_string();
     let mut w = NativeWriter::new(BufWriter::with_capacity(256 * 1024, dest.file()?))

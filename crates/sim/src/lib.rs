@@ -31,7 +31,7 @@ pub mod stats;
 pub mod sweep;
 pub mod text;
 
-pub use convert::{convert, ConvertSummary};
+pub use convert::{convert, convert_counting, ConvertSummary};
 pub use error::{Result, TraceError};
 pub use gen::{generate, generate_to, GenSpec, Locality, StreamSpec};
 pub use reader::{detect_format, Format, TraceReader};
@@ -39,5 +39,5 @@ pub use replay::{
     build_engine, replay, Filters, PolicySpec, Progress, ReplayConfig, Report, StreamBy,
 };
 pub use request::{Digest, Op, Request, Source};
-pub use stats::{trace_stats, TraceStats};
+pub use stats::{trace_stats, trace_stats_counting, TraceStats};
 pub use sweep::{run_sweep, SweepConfig, SweepRow};

@@ -61,7 +61,20 @@ pub struct TraceStats {
 ///
 /// Errors: as [`TraceReader::open`] and [`TraceReader::next_into`].
 pub fn trace_stats(path: &Path, format: Option<Format>, skip_bad: bool) -> Result<TraceStats> {
-    let mut reader = TraceReader::open(path, format, skip_bad, Arc::new(AtomicU64::new(0)))?;
+    trace_stats_counting(path, format, skip_bad, Arc::new(AtomicU64::new(0)))
+}
+
+/// [`trace_stats`], adding the bytes read from the file (compressed, if it
+/// is) to `consumed` as it goes, for a progress display.
+///
+/// Errors: as [`trace_stats`].
+pub fn trace_stats_counting(
+    path: &Path,
+    format: Option<Format>,
+    skip_bad: bool,
+    consumed: Arc<AtomicU64>,
+) -> Result<TraceStats> {
+    let mut reader = TraceReader::open(path, format, skip_bad, consumed)?;
     let mut s = TraceStats {
         format: Some(reader.format()),
         ..TraceStats::default()
