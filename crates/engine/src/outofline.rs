@@ -205,7 +205,7 @@ impl Engine {
         }
         let buffer_empty = lock(&self.meta).skipped.is_empty();
         if buffer_empty {
-            r.merges_applied = self.apply_merges(None, should_yield)?;
+            r.merges_applied = self.apply_merges(None, true, should_yield)?;
         }
         let mut m = lock(&self.meta);
         m.collect_displaced();
@@ -242,8 +242,17 @@ impl Engine {
     }
 
     /// Remaps every LBA (of `only`, or of all volumes) mapped to a pending
-    /// merge's copy onto the kept PBA, scanning the maps in chunks.
-    fn apply_merges(&self, only: Option<VolumeId>, should_yield: &dyn Fn() -> bool) -> Result<u64> {
+    /// merge's copy onto the kept PBA, scanning the maps in chunks. With
+    /// `keep_sequences` (the background pass), volumes with a sequence
+    /// threshold T > 1 are left as they are: their copies were stored
+    /// apart on purpose (iDedup; SmartDedup §4.5), and only the explicit
+    /// full pass merges them.
+    fn apply_merges(
+        &self,
+        only: Option<VolumeId>,
+        keep_sequences: bool,
+        should_yield: &dyn Fn() -> bool,
+    ) -> Result<u64> {
         let merges: HashMap<u64, u64> = {
             let m = lock(&self.meta);
             if m.pending_merges.is_empty() {
@@ -283,10 +292,15 @@ impl Engine {
         }
         let volumes: Vec<VolumeId> = {
             let m = lock(&self.meta);
+            let default_t = self.config.sequence_threshold_blocks;
             m.volumes
-                .keys()
-                .filter(|id| only.is_none_or(|o| o == **id))
-                .copied()
+                .iter()
+                .filter(|(id, v)| {
+                    only.is_none_or(|o| o == **id)
+                        && !(keep_sequences
+                            && v.record.sequence_threshold_blocks.unwrap_or(default_t) > 1)
+                })
+                .map(|(id, _)| *id)
                 .collect()
         };
         // scan only allocated map pages (a 1 PiB replay volume is sparse)
@@ -437,7 +451,7 @@ impl Engine {
             Ok(())
         });
         merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
-        r.lbas_remapped = self.apply_merges(only, &|| false)?;
+        r.lbas_remapped = self.apply_merges(only, false, &|| false)?;
         r.merges_applied = r.lbas_remapped;
         let m = lock(&self.meta);
         r.work_remaining = !m.skipped.is_empty();
@@ -565,7 +579,7 @@ mod tests {
         // a merge planned while these PBAs held one content, both since
         // freed and reused for these blocks
         lock(&e.meta).pending_merges.insert(b.0, a.0);
-        assert_eq!(e.apply_merges(None, &|| false).unwrap(), 0);
+        assert_eq!(e.apply_merges(None, false, &|| false).unwrap(), 0);
         let mut got = vec![0u8; BLOCK_SIZE];
         e.read(v, 4096, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 2), "LBA 1 reads another block");
