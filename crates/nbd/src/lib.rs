@@ -43,9 +43,9 @@
 //!
 //! At most [`ServerConfig::max_connections`] connections are open; a
 //! negotiation read that waits 30 s, or a WRITE payload that does not
-//! arrive within 60 s of its header, ends the connection; a reply the
-//! client does not read for 60 s ends it too. Idle connections in
-//! transmission are kept.
+//! arrive within 60 s of its header, ends the connection; so does a reply
+//! the client does not read for 60 s, or does not take whole within 60 s
+//! plus 1 s per 64 KiB. Idle connections in transmission are kept.
 
 #![warn(missing_docs)]
 

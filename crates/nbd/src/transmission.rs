@@ -266,11 +266,33 @@ enum SendError {
     Io(io::Error),
 }
 
+/// Time a reply may take to leave once the client stops taking it whole
+/// at once: 60 s plus 1 s per 64 KiB of reply (about 9 minutes for
+/// 32 MiB). A client that reads a byte now and then, so that no single
+/// send times out, cannot hold the reply's share of the in-flight budget
+/// for ever.
+fn reply_deadline(len: usize) -> std::time::Duration {
+    std::time::Duration::from_secs(60 + (len as u64 >> 16))
+}
+
 /// Sends all of `bytes` on socket `fd`, with `MSG_MORE` if `more`.
+/// Errors: the socket's, or `TimedOut` past [`reply_deadline`].
 fn send_all(fd: RawFd, bytes: &[u8], more: bool) -> Result<(), SendError> {
     let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
     let mut sent = 0;
+    // (the clock is read only once a send was partial)
+    let mut deadline: Option<std::time::Instant> = None;
     while sent < bytes.len() {
+        if sent > 0 {
+            let d = *deadline
+                .get_or_insert_with(|| std::time::Instant::now() + reply_deadline(bytes.len()));
+            if std::time::Instant::now() > d {
+                return Err(SendError::Io(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client did not take its reply in time",
+                )));
+            }
+        }
         let rest = &bytes[sent..];
         // SAFETY: `rest` is a valid readable buffer of `rest.len()` bytes;
         // `fd` is a descriptor owned by the caller's locked sink.
