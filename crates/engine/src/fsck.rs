@@ -2,19 +2,22 @@
 //! and optionally repairs it (SmartDedup §3.4 "File System Consistency";
 //! the invariants are listed in [`crate::meta`]).
 //!
-//! Checks: every volume map entry points inside the data file; each PBA's
-//! reference count equals the LBAs mapped to it (a count too high is a
-//! leaked block, too low a block that would be freed while in use); every
-//! referenced PBA has a fingerprint and no two referenced PBAs share one
-//! (the fingerprint index is rebuilt from these at start); metadata pages
-//! pass their checksums. With `rehash` every referenced block is read and
-//! re-fingerprinted. `repair` rebuilds reference counts, the reverse index
-//! and free space from the volume maps and the data, and writes everything
-//! back through the journal. Duplicate copies (blocks inline dedup missed)
-//! are counted, not treated as errors.
+//! Checks: every volume map entry points inside the data file and no entry
+//! lies past its volume's end; each PBA's reference count equals the LBAs
+//! mapped to it (a count too high is a leaked block, too low a block that
+//! would be freed while in use); metadata pages pass their checksums and
+//! the files the store needs exist. A referenced block without a stored
+//! fingerprint (stored unhashed) is hashed from its data, not reported;
+//! with `rehash` every referenced block is read and re-fingerprinted, and
+//! a stored fingerprint that contradicts its data is a problem. `repair`
+//! rebuilds reference counts, the reverse index and free space from the
+//! volume maps and the data, and writes everything back through the
+//! journal. Duplicate copies (several referenced blocks with one
+//! fingerprint: blocks inline dedup missed) are counted, not treated as
+//! errors.
 //!
 //! Exit codes follow e2fsck: 0 clean, 1 errors corrected, 4 errors left
-//! uncorrected, 8 operational error.
+//! uncorrected, 8 operational error (16, a usage error, is the CLI's).
 
 use std::path::Path;
 

@@ -1,19 +1,23 @@
 //! Write-ahead journal of metadata changes.
 //!
-//! A FLUSH (or FUA write) commits one transaction: the images of every
-//! metadata page changed since the previous commit, plus whole small blobs
-//! (the volume table and counters), file length changes and removals. Each
-//! transaction is checksummed (CRC32C over header and body) and made durable
-//! with one `fdatasync` of the journal file (group commit: every write
-//! completed before the FLUSH rides in the same transaction).
+//! A FLUSH (or FUA write) commits one transaction: every metadata page
+//! changed since the previous commit — its whole image the first time
+//! after a checkpoint, then only the byte ranges that changed (patches) —
+//! plus whole small blobs (the volume table and counters), file length
+//! changes and removals. Each transaction is checksummed (CRC32C over
+//! header and body) and made durable with one `fdatasync` of the journal
+//! file (group commit: every write completed before the FLUSH rides in
+//! the same transaction).
 //!
 //! The metadata files themselves are written only at a checkpoint, when the
 //! journal passes its size bound: the latest committed image of each page is
 //! written in place, the files are synced, and the journal restarts at
-//! offset 0. Recovery replays the chain of valid transactions that starts at
-//! offset 0 (consecutive sequence numbers, each with a good checksum) onto
-//! the files. Replaying a transaction that is already in place is harmless
-//! because records are whole page images, not deltas.
+//! offset 0. At open, the chain of valid transactions that starts at offset
+//! 0 (consecutive sequence numbers, each with a good checksum) is replayed
+//! into memory, over the pages read from the files (opening writes
+//! nothing); the next checkpoint puts the result in place. A patch always
+//! follows its page's image in the same chain, so replaying the chain again
+//! after a crash during a checkpoint rebuilds the same pages.
 
 use std::fs::File;
 use std::io;

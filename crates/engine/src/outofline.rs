@@ -33,11 +33,13 @@ use crate::engine::{lock, Engine};
 use crate::error::{EngineError, Result};
 use crate::fingerprint::Fingerprint;
 
-/// Totals of the out-of-line passes since the engine started (for
-/// `dedupd stats`), with their CPU cost.
+/// Totals of the incremental out-of-line passes since the engine started
+/// (the background worker's and a replay's; for `dedupd stats`), with
+/// their CPU cost. [`Engine::dedup_offline`] reports its own figures and
+/// is not counted here.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct OutOfLineStats {
-    /// Passes run (background worker, replay and offline passes alike).
+    /// Passes run.
     pub passes: u64,
     /// Block addresses examined.
     pub blocks_examined: u64,
@@ -146,19 +148,32 @@ impl Engine {
 
     fn pass(&self, max_blocks: usize, should_yield: &dyn Fn() -> bool) -> Result<PassReport> {
         let mut r = PassReport::default();
-        let items = {
+        // volumes with a sequence threshold T > 1 are left to the explicit
+        // full pass: their records cannot tell the copies the threshold
+        // stored apart on purpose from other blocks (journal replay and a
+        // degraded buffer queue whole regions), so they are taken and
+        // dropped
+        let (items, sizes) = {
             let mut m = lock(&self.meta);
+            let default_t = self.config.sequence_threshold_blocks;
             let sizes: HashMap<VolumeId, u64> = m
                 .volumes
                 .iter()
+                .filter(|(_, v)| v.record.sequence_threshold_blocks.unwrap_or(default_t) <= 1)
                 .map(|(id, v)| (*id, v.size_blocks()))
                 .collect();
-            m.skipped.take(max_blocks, |v| sizes.get(&v).copied())
+            (
+                m.skipped.take(max_blocks, |v| sizes.get(&v).copied()),
+                sizes,
+            )
         };
         for chunk in items.chunks(64) {
             let mut m = lock(&self.meta);
             m.collect_displaced();
             for &(vol, lba) in chunk {
+                if !sizes.contains_key(&vol) {
+                    continue;
+                }
                 r.blocks_examined += 1;
                 let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(lba))) else {
                     continue;

@@ -824,37 +824,53 @@ fn request_rewriting_released_content_twice_stores_it_once() {
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
 
-/// Copies the sequence threshold stored apart stay apart after a restart
-/// (the index rebuilt at open finds them, and the background pass leaves
-/// them); the explicit full pass merges them.
+/// Copies the sequence threshold stored apart stay apart after a restart,
+/// clean or not (the index rebuilt at open finds them; a replayed journal
+/// queues their regions for the background pass, which leaves such a
+/// volume alone); the explicit full pass merges them.
 #[test]
 fn a_restart_keeps_what_the_sequence_threshold_stored_apart() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store");
-    let cfg = EngineConfig {
-        sequence_threshold_blocks: 3,
-        ..EngineConfig::default()
-    };
-    let blk = |k: u64| {
-        let mut b = vec![0u8; BLOCK_SIZE];
-        b[..8].copy_from_slice(&(k + 1).to_le_bytes());
-        b[4000] = 9;
-        b
-    };
-    let e = Engine::create(&path, HashAlgorithm::Sha256, cfg.clone()).unwrap();
-    let src = e.create_volume("src", 64 * 4096).unwrap();
-    let dst = e.create_volume("dst", 64 * 4096).unwrap();
-    let run: Vec<u8> = (0..16).flat_map(blk).collect();
-    e.write(src, 0, &run, false).unwrap();
-    // a single duplicate: stored anew
-    e.write(dst, 20 * 4096, &blk(12), false).unwrap();
-    assert_eq!(e.stats().physical_blocks_stored, 17);
-    e.close().unwrap();
-    drop(e);
-    let e = Engine::open(&path, cfg).unwrap();
-    while e.dedup_pass(1 << 16).unwrap().work_remaining {}
-    assert_eq!(e.stats().physical_blocks_stored, 17);
-    e.dedup_offline(None, &mut |_, _| {}).unwrap();
-    assert_eq!(e.stats().physical_blocks_stored, 16);
-    assert!(e.check().is_empty(), "{:?}", e.check());
+    for clean in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store");
+        let cfg = EngineConfig {
+            sequence_threshold_blocks: 3,
+            ..EngineConfig::default()
+        };
+        let blk = |k: u64| {
+            let mut b = vec![0u8; BLOCK_SIZE];
+            b[..8].copy_from_slice(&(k + 1).to_le_bytes());
+            b[4000] = 9;
+            b
+        };
+        let e = Engine::create(&path, HashAlgorithm::Sha256, cfg.clone()).unwrap();
+        let src = e.create_volume("src", 64 * 4096).unwrap();
+        let dst = e.create_volume("dst", 64 * 4096).unwrap();
+        let run: Vec<u8> = (0..16).flat_map(blk).collect();
+        e.write(src, 0, &run, false).unwrap();
+        // a single duplicate: stored anew
+        e.write(dst, 20 * 4096, &blk(12), false).unwrap();
+        assert_eq!(e.stats().physical_blocks_stored, 17);
+        let path = if clean {
+            e.close().unwrap();
+            path
+        } else {
+            // committed to the journal only: the state a crash leaves
+            e.flush().unwrap();
+            let crashed = dir.path().join("crashed");
+            crash_copy(&path, &crashed);
+            crashed
+        };
+        drop(e);
+        let e = Engine::open(&path, cfg).unwrap();
+        while e.dedup_pass(1 << 16).unwrap().work_remaining {}
+        assert_eq!(
+            e.stats().physical_blocks_stored,
+            17,
+            "clean restart: {clean}"
+        );
+        e.dedup_offline(None, &mut |_, _| {}).unwrap();
+        assert_eq!(e.stats().physical_blocks_stored, 16);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
 }
