@@ -1190,16 +1190,23 @@ impl Engine {
         }
         self.write_partial_span(vol, offset, first_full * BLOCK_SIZE_U64, None)?;
         // in pieces of 8192 blocks (32 MiB), so a huge TRIM never holds the
-        // metadata lock for long
+        // metadata lock for long, and commits between pieces once changed
+        // metadata or blocks waiting to be freed pass their bounds (as a
+        // write would), so neither grows with the TRIM's length
         let mut lba = first_full;
         while lba < end_full {
             let piece_end = (lba + 8192).min(end_full);
-            let mut m = lock(&self.meta);
-            for l in lba..piece_end {
-                m.remap(vol, Lba(l), None);
+            {
+                let mut m = lock(&self.meta);
+                for l in lba..piece_end {
+                    m.remap(vol, Lba(l), None);
+                }
+                m.counters.blocks_trimmed += piece_end - lba;
+                self.note_change(&m);
             }
-            m.counters.blocks_trimmed += piece_end - lba;
-            self.note_change(&m);
+            if piece_end < end_full {
+                self.after_write(false)?;
+            }
             lba = piece_end;
         }
         self.write_partial_span(vol, end_full * BLOCK_SIZE_U64, end, None)

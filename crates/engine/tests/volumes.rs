@@ -285,3 +285,25 @@ fn writes_racing_a_shrink_leak_nothing() {
     let e = Engine::open(&dir.path().join("store"), EngineConfig::default()).unwrap();
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+#[test]
+fn one_huge_trim_commits_along_the_way() {
+    // a TRIM of the whole volume in one call: changed metadata and blocks
+    // waiting to be freed are committed as they pass their bounds, not
+    // held until the TRIM ends
+    let dir = tempfile::tempdir().unwrap();
+    let commits = Arc::new(Commits::default());
+    let e = store(dir.path(), &commits);
+    let (big, _) = e.volume("big").unwrap();
+    let before = commits.0.load(Ordering::Relaxed);
+    e.trim(big, 0, BLOCKS * 4096, false).unwrap();
+    let during = commits.0.load(Ordering::Relaxed) - before;
+    assert!(during > 2, "only {during} commits during the TRIM");
+    e.flush().unwrap();
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    assert_eq!(
+        e.stats().physical_blocks_stored,
+        256,
+        "the shared blocks stay"
+    );
+}
