@@ -1696,10 +1696,17 @@ impl Engine {
     /// With `verify` on, true only if PBA `p` holds exactly `block` (a
     /// byte compare on a fingerprint hit, like ZFS `dedup=verify`); a
     /// mismatch is counted. Without verify, or without data, true.
+    #[inline]
     fn verified(&self, p: Pba, block: Option<&[u8]>, m: &mut Meta) -> bool {
         let (true, Some(block)) = (self.config.verify, block) else {
             return true;
         };
+        self.compare_stored(p, block, m)
+    }
+
+    /// The byte compare of [`Engine::verified`] (out of line: rare).
+    #[inline(never)]
+    fn compare_stored(&self, p: Pba, block: &[u8], m: &mut Meta) -> bool {
         let mut stored = vec![0u8; BLOCK_SIZE];
         // under the metadata lock: the PBA cannot be released meanwhile
         if self.backend.read_blocks(p, &mut stored).is_ok() && stored == block {

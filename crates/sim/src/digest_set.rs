@@ -172,6 +172,9 @@ impl DigestSet {
     }
 
     /// Doubles the table (hashes are not stored: they are recomputed).
+    /// Rare: kept out of the insert path's code.
+    #[cold]
+    #[inline(never)]
     fn grow(&mut self) {
         let doubled = Table::new(self.table.len * 2);
         let old = std::mem::replace(&mut self.table, doubled);
