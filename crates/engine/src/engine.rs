@@ -1647,9 +1647,7 @@ impl Engine {
                     }
                 };
                 let target = match raced {
-                    Some(existing)
-                        if !self.config.verify || self.verified(existing, block(i), &mut m) =>
-                    {
+                    Some(existing) if self.verified(existing, block(i), &mut m) => {
                         m.unreserve(*pba);
                         m.counters.duplicate_blocks += 1;
                         existing
