@@ -613,14 +613,21 @@ impl Inner {
         let payload = match read.map(|()| decode_page(&buf, self.array.tag(), page)) {
             Ok(Ok(p)) => p,
             failed => {
+                let io_error = failed.is_err();
                 let why = match failed {
                     Err(e) => e.to_string(),
                     _ => "checksum mismatch".to_string(),
                 };
                 self.group
                     .note_error(format!("page {page} of {}: {why}", self.name));
-                if self.group.on_error == OnLoadError::Fault {
-                    // stays out of memory: a later access tries again
+                if self.group.on_error == OnLoadError::Fault || io_error {
+                    // stays out of memory: a later access tries again. (An
+                    // I/O error may pass: under ReadAsZeros the page reads
+                    // as zeros meanwhile, but a write to it is dropped
+                    // rather than committing zeros over the entries that
+                    // could not be read. A page that fails its checksum
+                    // holds nothing to keep: it reads as zeros and takes
+                    // writes.)
                     return false;
                 }
                 None
@@ -801,6 +808,41 @@ mod tests {
         z.set_u64(PER_PAGE + 2, 7);
         assert_eq!(z.get_u64(PER_PAGE + 2), 7);
         assert_eq!(zeros.load_errors(), 1);
+    }
+
+    #[test]
+    fn a_page_that_cannot_be_read_is_not_overwritten_with_zeros() {
+        // the file is opened write-only: every read of it fails (EBADF),
+        // as a transient EIO would
+        let zeros = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::ReadAsZeros);
+        let mut a = CachedArray::new(PagedArray::new(9));
+        for i in 0..3 * PER_PAGE {
+            a.set_u64(i, i + 1);
+        }
+        let f = tempfile::NamedTempFile::new().unwrap();
+        for d in a.take_dirty(1) {
+            f.as_file()
+                .write_all_at(&d.image[..], d.page * PAGE_SIZE as u64)
+                .unwrap();
+        }
+        let write_only = std::fs::OpenOptions::new()
+            .write(true)
+            .open(f.path())
+            .unwrap();
+        a.page_from(write_only, "test", &zeros, []);
+        a.unpin_through(1); // all but one page leave memory
+        let mut unreadable = 0;
+        for page in 0..3 {
+            let i = page * PER_PAGE + 1;
+            if a.get_u64(i) == 0 {
+                unreadable += 1;
+                a.set_u64(i + 1, 7);
+                assert_eq!(a.get_u64(i + 1), 0, "a write to page {page} was kept");
+            }
+        }
+        assert!(unreadable >= 2, "{unreadable}");
+        assert_eq!(a.dirty_count(), 0, "zeros would be committed");
+        assert!(zeros.load_errors() >= 2);
     }
 
     #[test]
