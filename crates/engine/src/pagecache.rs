@@ -711,6 +711,15 @@ mod tests {
         indexes: impl IntoIterator<Item = u64>,
         group: &Arc<CacheGroup>,
     ) -> (CachedArray, tempfile::NamedTempFile) {
+        paged_through(indexes, group, |f| f.reopen().unwrap())
+    }
+
+    /// [`paged_at`], paging from the descriptor `open` gives for the file.
+    fn paged_through(
+        indexes: impl IntoIterator<Item = u64>,
+        group: &Arc<CacheGroup>,
+        open: impl FnOnce(&tempfile::NamedTempFile) -> std::fs::File,
+    ) -> (CachedArray, tempfile::NamedTempFile) {
         let mut a = CachedArray::new(PagedArray::new(9));
         for i in indexes {
             a.set_u64(i, i + 1);
@@ -721,7 +730,7 @@ mod tests {
                 .write_all_at(&d.image[..], d.page * PAGE_SIZE as u64)
                 .unwrap();
         }
-        a.page_from(f.reopen().unwrap(), "test", group, []);
+        a.page_from(open(&f), "test", group, []);
         (a, f)
     }
 
@@ -815,21 +824,12 @@ mod tests {
         // the file is opened write-only: every read of it fails (EBADF),
         // as a transient EIO would
         let zeros = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::ReadAsZeros);
-        let mut a = CachedArray::new(PagedArray::new(9));
-        for i in 0..3 * PER_PAGE {
-            a.set_u64(i, i + 1);
-        }
-        let f = tempfile::NamedTempFile::new().unwrap();
-        for d in a.take_dirty(1) {
-            f.as_file()
-                .write_all_at(&d.image[..], d.page * PAGE_SIZE as u64)
-                .unwrap();
-        }
-        let write_only = std::fs::OpenOptions::new()
-            .write(true)
-            .open(f.path())
-            .unwrap();
-        a.page_from(write_only, "test", &zeros, []);
+        let (mut a, _f) = paged_through(0..3 * PER_PAGE, &zeros, |f| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(f.path())
+                .unwrap()
+        });
         a.unpin_through(1); // all but one page leave memory
         let mut unreadable = 0;
         for page in 0..3 {
