@@ -96,6 +96,17 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool) -> Plan {
     }
 }
 
+/// What to do with a request received during shutdown: answer it
+/// `NBD_ESHUTDOWN` (a WRITE's payload read and dropped); pure.
+pub(crate) fn shutdown_plan(req: &Request) -> Plan {
+    match req.command {
+        Command::Disc => Plan::Disconnect,
+        Command::Write if req.length > proto::BLOCK_SIZE_MAX => Plan::Disconnect,
+        Command::Write => Plan::SkipPayloadThenReply(proto::NBD_ESHUTDOWN),
+        _ => Plan::Reply(proto::NBD_ESHUTDOWN),
+    }
+}
+
 /// Where replies go: a byte sink, optionally backed by a socket whose raw
 /// descriptor lets replies be sent with `MSG_MORE`.
 pub(crate) trait ReplySink: Write + Send {
@@ -454,8 +465,17 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         if self.done.load(Ordering::SeqCst) || writer.is_dead() {
             return Next::Stop;
         }
-        if self.res.stopping.load(Ordering::SeqCst) {
-            return self.refuse_during_shutdown(reader);
+        // during shutdown, requests the client has already sent are
+        // answered NBD_ESHUTDOWN (proto.md "Terminating the transmission
+        // phase"); reading stops when nothing more has arrived (the
+        // socket's reading side is shut down, so a read finds end of
+        // stream) or after SHUTDOWN_REPLIES
+        let stopping = self.res.stopping.load(Ordering::SeqCst);
+        if stopping
+            && (self.shutdown_replies.fetch_add(1, Ordering::SeqCst) >= SHUTDOWN_REPLIES
+                || !reader.input_pending())
+        {
+            return Next::Stop;
         }
         // About to wait for the client, which may be waiting for a reply
         // queued behind MSG_MORE: send it now, and queue none meanwhile.
@@ -480,7 +500,12 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
             writer.begin();
             writer.reply(&proto::encode_simple_reply(e, req.handle))
         };
-        match plan(&req, self.size, self.read_only) {
+        let plan = if stopping {
+            shutdown_plan(&req)
+        } else {
+            plan(&req, self.size, self.read_only)
+        };
+        match plan {
             Plan::Disconnect => Next::Stop,
             Plan::Reply(e) => {
                 if refuse(e) {
@@ -521,49 +546,6 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                     _budget: guard,
                 })
             }
-        }
-    }
-}
-
-impl<R: RequestSource + ?Sized> Connection<'_, R> {
-    /// During shutdown: answers the next request the client has already
-    /// sent with `NBD_ESHUTDOWN` (proto.md "Terminating the transmission
-    /// phase"), dropping a WRITE's payload; stops when nothing more has
-    /// arrived (the socket's reading side is shut down, so a read finds
-    /// end of stream), on `NBD_CMD_DISC`, or after [`SHUTDOWN_REPLIES`].
-    fn refuse_during_shutdown(&self, reader: &mut R) -> Next {
-        if self.shutdown_replies.fetch_add(1, Ordering::SeqCst) >= SHUTDOWN_REPLIES
-            || !reader.input_pending()
-        {
-            return Next::Stop;
-        }
-        let mut hdr = [0u8; proto::REQUEST_HEADER_LEN];
-        if reader.read_exact(&mut hdr).is_err() {
-            return Next::Stop;
-        }
-        let Ok(req) = proto::decode_request(&hdr) else {
-            return Next::Stop;
-        };
-        self.res.requests_total.fetch_add(1, Ordering::Relaxed);
-        let unreadable = match req.command {
-            Command::Disc => true,
-            Command::Write => {
-                req.length > proto::BLOCK_SIZE_MAX
-                    || discard(reader, u64::from(req.length)).is_err()
-            }
-            _ => false,
-        };
-        if unreadable {
-            return Next::Stop;
-        }
-        self.writer.begin();
-        if self.writer.reply(&proto::encode_simple_reply(
-            proto::NBD_ESHUTDOWN,
-            req.handle,
-        )) {
-            Next::Handled
-        } else {
-            Next::Stop
         }
     }
 }
