@@ -87,6 +87,16 @@ pub fn parse_format(s: &str) -> anyhow::Result<Option<Format>> {
     }
 }
 
+/// The style of a bar of bytes read from trace files (with rate and ETA;
+/// the message after them).
+pub fn bytes_bar_style() -> ProgressStyle {
+    ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}",
+    )
+    .expect("static template")
+    .progress_chars("=> ")
+}
+
 /// Runs `dedupd replay`.
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let index_memory_bytes = args.index_memory;
@@ -101,13 +111,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     if args.quiet || !std::io::stderr().is_terminal() {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}",
-        )
-        .expect("static template")
-        .progress_chars("=> "),
-    );
+    bar.set_style(bytes_bar_style());
     bar.enable_steady_tick(Duration::from_millis(200));
     let started = std::time::Instant::now();
     let mut on_progress = |p: &Progress| {

@@ -243,13 +243,7 @@ fn with_file_bar<T>(
     }
     let total = std::fs::metadata(path).map_or(0, |m| m.len());
     let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-        )
-        .expect("static template")
-        .progress_chars("=> "),
-    );
+    bar.set_style(crate::replay::bytes_bar_style());
     bar.set_message(label.to_string());
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
