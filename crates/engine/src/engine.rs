@@ -1953,6 +1953,13 @@ impl Engine {
         s
     }
 
+    /// Bytes the fingerprint index holds in memory, prefix tree included
+    /// (`Stats::index_bytes_in_memory`), without the rest of
+    /// [`Engine::stats`] (which reads `/proc` for the resident set).
+    pub fn index_bytes_in_memory(&self) -> u64 {
+        lock(&self.meta).index_bytes()
+    }
+
     /// Checks the metadata invariants (reference counts equal mappings, no
     /// referenced block free, every stored block indexed). Call when no
     /// request is in flight; returns one line per violation.

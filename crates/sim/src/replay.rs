@@ -820,7 +820,7 @@ pub fn replay(
                 engine.flush()?;
                 r.peak_index_bytes_in_memory = r
                     .peak_index_bytes_in_memory
-                    .max(engine.stats().index_bytes_in_memory);
+                    .max(engine.index_bytes_in_memory());
             }
             if r.requests.is_multiple_of(PROGRESS_EVERY_REQUESTS) {
                 progress(&Progress {
