@@ -42,8 +42,9 @@
 //! # Bounds against misbehaving clients
 //!
 //! At most [`ServerConfig::max_connections`] connections are open; a
-//! negotiation read that waits 30 s, or a WRITE payload that does not
-//! arrive within 60 s of its header, ends the connection; so does a reply
+//! negotiation read that waits 30 s, or a WRITE payload (to be written,
+//! or skipped after a refusal) that does not arrive within 60 s of its
+//! header, ends the connection; so does a reply
 //! the client does not read for 60 s, or does not take whole within 60 s
 //! plus 1 s per 64 KiB. Idle connections in transmission are kept.
 

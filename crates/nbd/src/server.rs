@@ -13,7 +13,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::budget::Budget;
 use crate::export::ExportProvider;
@@ -180,14 +180,39 @@ impl RequestSource for SocketReader {
         if self.buffered.buffer().len() >= buf.len() {
             return self.buffered.read_exact(buf);
         }
-        let deadline = std::time::Instant::now() + self.payload_timeout;
+        self.read_by(buf, Instant::now() + self.payload_timeout)
+    }
+
+    /// Reads and drops a refused WRITE's payload within the same payload
+    /// timeout, counted for the whole payload.
+    fn skip_payload(&mut self, mut len: u64) -> io::Result<()> {
+        let deadline = Instant::now() + self.payload_timeout;
+        let mut scratch = vec![0u8; SKIP_CHUNK_BYTES.min(len as usize)];
+        while len > 0 {
+            let n = scratch
+                .len()
+                .min(usize::try_from(len).unwrap_or(usize::MAX));
+            self.read_by(&mut scratch[..n], deadline)?;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes a refused WRITE's payload is read in (a buffer of the call).
+const SKIP_CHUNK_BYTES: usize = 64 << 10;
+
+impl SocketReader {
+    /// Fills `buf`, failing with `TimedOut` once `deadline` passes while
+    /// waiting for the socket.
+    fn read_by(&mut self, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
         let mut done = 0;
         let result = loop {
             if done == buf.len() {
                 break Ok(());
             }
             if self.buffered.buffer().is_empty() {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break Err(io::Error::new(
                         io::ErrorKind::TimedOut,

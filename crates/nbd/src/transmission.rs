@@ -131,6 +131,12 @@ pub(crate) trait RequestSource: Read + Send {
     fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<()> {
         self.read_exact(buf)
     }
+
+    /// Reads and drops the `len`-byte payload of a refused WRITE, with
+    /// the time bound of [`RequestSource::read_payload`].
+    fn skip_payload(&mut self, len: u64) -> io::Result<()> {
+        discard(self, len)
+    }
 }
 
 /// The sending half of a connection, shared by its workers, and the count
@@ -515,7 +521,7 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                 }
             }
             Plan::SkipPayloadThenReply(e) => {
-                if discard(reader, u64::from(req.length)).is_ok() && refuse(e) {
+                if reader.skip_payload(u64::from(req.length)).is_ok() && refuse(e) {
                     Next::Handled
                 } else {
                     Next::Stop

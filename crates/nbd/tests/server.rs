@@ -608,6 +608,35 @@ fn stalled_write_payload_releases_the_budget() {
 }
 
 #[test]
+fn a_refused_write_whose_payload_stalls_ends_its_connection() {
+    // A WRITE past the end is refused, but its payload must still be read
+    // to keep the stream in step; one that never comes may not hold the
+    // connection (and its reading thread) for ever.
+    let h = Harness::start(ServerConfig {
+        payload_timeout: Duration::from_millis(700),
+        ..ServerConfig::default()
+    });
+    let mut c = h.tcp();
+    let (size, _) = c.connect_go("disk");
+    c.send_request(0, CMD_WRITE, 1, size, 1 << 20, &[1u8; 100]);
+    let started = Instant::now();
+    assert!(c.at_eof(), "the stalled refused WRITE ends its connection");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // A refused WRITE whose payload does arrive is answered, and the
+    // connection goes on.
+    let mut d = h.tcp();
+    d.connect_go("disk");
+    d.send_request(0, CMD_WRITE, 2, size, 8, b"12345678");
+    assert_eq!(d.reply(), (NBD_ENOSPC, 2));
+    assert_eq!(d.simple(0, CMD_WRITE, 0, 2, b"ok"), 0);
+    h.stop();
+}
+
+#[test]
 fn connections_are_capped_and_silent_negotiations_dropped() {
     let h = Harness::start(ServerConfig {
         max_connections: 2,
