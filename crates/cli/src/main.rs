@@ -456,7 +456,7 @@ fn fsck(
             println!("data lost: {l}");
         }
         println!(
-            "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked; {}",
+            "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked, {} corrupted, {} LBAs past the data file; {}",
             store.display(),
             report.volumes,
             report.mapped_blocks,
@@ -464,6 +464,8 @@ fn fsck(
             report.duplicate_copies,
             report.blocks_rehashed,
             report.leaked_blocks,
+            report.corrupted_blocks,
+            report.lbas_outside_data_file,
             match report.exit_code() {
                 0 => "clean".to_string(),
                 1 => format!("{} problem(s) corrected", report.problems.len()),

@@ -42,6 +42,25 @@ pub struct FsckOptions {
     pub rehash: bool,
 }
 
+/// Lines of `problems` (and of `data_lost`) named one by one; past it,
+/// problems of a kind are summed up in one line each, so a store damaged
+/// throughout (a truncated or replaced data file) does not fill memory with
+/// messages.
+pub const NAMED_PROBLEMS_MAX: usize = 10_000;
+
+/// PBAs with corrupted data whose fingerprints a check without repair
+/// remembers, to count duplicates by their data's fingerprint (8 bytes
+/// each; past it, by the stored fingerprint).
+const MISMATCHED_REMEMBERED_MAX: usize = 1 << 20;
+
+/// Appends `line` to `lines` unless it already holds
+/// [`NAMED_PROBLEMS_MAX`] of them.
+fn push_named(lines: &mut Vec<String>, line: String) {
+    if lines.len() < NAMED_PROBLEMS_MAX {
+        lines.push(line);
+    }
+}
+
 /// The outcome of a check.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct FsckReport {
@@ -55,6 +74,15 @@ pub struct FsckReport {
     pub blocks_rehashed: u64,
     /// PBAs with a reference count but no mapping LBA (leaked space).
     pub leaked_blocks: u64,
+    /// Referenced PBAs whose data no longer matches the fingerprint they
+    /// were stored with (found by `rehash`): changed on disk, so every LBA
+    /// mapping them reads the changed bytes. A repair re-fingerprints them
+    /// (new writes of the old content then no longer share them) and lists
+    /// them in `data_lost`; it cannot bring the old bytes back.
+    pub corrupted_blocks: u64,
+    /// LBAs whose mapping points past the end of the data file (their
+    /// block is missing; a repair unmaps them).
+    pub lbas_outside_data_file: u64,
     /// Referenced PBAs whose fingerprint another referenced PBA also has: a
     /// copy inline dedup missed (not an error; out-of-line dedup merges
     /// them; with verify, possibly a true collision).
@@ -143,7 +171,10 @@ impl Engine {
         let mut refs = KeySorter::counting(m.mapped_blocks, budget, 16, scratch());
         let ids: Vec<_> = m.volumes.keys().copied().collect();
         r.volumes = ids.len() as u64;
+        // mappings past the data file's end: the first ones by LBA, and the
+        // number per volume (all unmapped by a repair)
         let mut outside: Vec<(crate::VolumeId, u64)> = Vec::new();
+        let mut outside_per_volume = std::collections::BTreeMap::<crate::VolumeId, u64>::new();
         let mut beyond: Vec<(crate::VolumeId, u64)> = Vec::new();
         let mut beyond_volumes = std::collections::BTreeSet::new();
         for id in &ids {
@@ -170,7 +201,7 @@ impl Engine {
                 v.map
                     .for_each_nonzero_u64(v.size_blocks()..map_end, |lba, _| {
                         // (the first 10 000 named, all unmapped by a repair)
-                        if beyond.len() < 10_000 {
+                        if beyond.len() < NAMED_PROBLEMS_MAX {
                             beyond.push((*id, lba));
                         }
                         beyond_volumes.insert(*id);
@@ -182,7 +213,10 @@ impl Engine {
                 if p < data_blocks {
                     refs.push(p << (64 - pba_bits), 1);
                 } else {
-                    outside.push((*id, lba));
+                    if outside.len() < NAMED_PROBLEMS_MAX {
+                        outside.push((*id, lba));
+                    }
+                    *outside_per_volume.entry(*id).or_default() += 1;
                 }
             });
         }
@@ -196,12 +230,29 @@ impl Engine {
         }
         for (id, lba) in &outside {
             let name = m.volumes[id].record.name.clone();
-            r.problems.push(format!(
-                "volume {name}: LBA {lba} maps past the end of the data file"
-            ));
-            r.data_lost.push(format!(
-                "volume {name}: LBA {lba} unmapped (its block is missing)"
-            ));
+            push_named(
+                &mut r.problems,
+                format!("volume {name}: LBA {lba} maps past the end of the data file"),
+            );
+            push_named(
+                &mut r.data_lost,
+                format!("volume {name}: LBA {lba} unmapped (its block is missing)"),
+            );
+        }
+        for (id, &count) in &outside_per_volume {
+            r.lbas_outside_data_file += count;
+            let named = outside.iter().filter(|(v, _)| v == id).count() as u64;
+            if count > named {
+                let name = &m.volumes[id].record.name;
+                r.problems.push(format!(
+                    "volume {name}: {} more LBAs map past the end of the data file",
+                    count - named
+                ));
+                r.data_lost.push(format!(
+                    "volume {name}: {} more LBAs unmapped (their blocks are missing)",
+                    count - named
+                ));
+            }
         }
 
         // one pass over the PBAs in order, each with the number of LBAs
@@ -227,7 +278,8 @@ impl Engine {
             Ok(self.hash.fingerprint(&block))
         };
         // PBAs (ascending) whose stored fingerprint does not match their
-        // data: each a problem (corruption), so this stays short
+        // data, remembered by a check without repair (a repair corrects the
+        // stored fingerprint at once instead)
         let mut mismatched: Vec<u64> = Vec::new();
         let mut dups = KeySorter::new(m.stored_blocks, budget, 16, scratch());
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
@@ -236,7 +288,7 @@ impl Engine {
                 if rc > want && want == 0 {
                     r.leaked_blocks += 1;
                 }
-                if r.problems.len() < 10_000 {
+                if r.problems.len() < NAMED_PROBLEMS_MAX {
                     r.problems.push(format!(
                         "PBA {p}: reference count {rc}, mapped by {want} LBA(s){}",
                         if rc < want {
@@ -262,10 +314,29 @@ impl Engine {
                 // (stored without inline dedup): filled in by a repair,
                 // not an error
                 if actual != stored && !needs_hash(p, &stored) {
-                    r.problems.push(format!(
-                        "PBA {p}: stored fingerprint does not match its data"
-                    ));
-                    mismatched.push(p);
+                    // the fingerprint page passed its checksum: the data
+                    // changed on disk, and no repair can undo that
+                    r.corrupted_blocks += 1;
+                    push_named(
+                        &mut r.problems,
+                        format!("PBA {p}: stored fingerprint does not match its data"),
+                    );
+                    push_named(
+                        &mut r.data_lost,
+                        format!(
+                            "PBA {p}: its data changed on disk; the {want} LBA(s) mapping it read the changed bytes{}",
+                            if opts.repair {
+                                " (re-fingerprinted, so new writes no longer share it)"
+                            } else {
+                                ""
+                            }
+                        ),
+                    );
+                    if opts.repair {
+                        m.fingerprints.set(p, &actual);
+                    } else if mismatched.len() < MISMATCHED_REMEMBERED_MAX {
+                        mismatched.push(p);
+                    }
                 }
                 actual
             } else {
@@ -342,9 +413,18 @@ impl Engine {
         // repair: unmap entries outside the data file or past the volume's
         // end, rebuild counts and fingerprints, make damaged volumes
         // writable
-        for (id, lba) in &outside {
+        for id in outside_per_volume.keys() {
             let v = m.volumes.get_mut(id).expect("listed above");
-            v.map.set_u64(*lba, 0);
+            // a map page's worth of LBAs at a time (bounded memory)
+            for from in (0..v.size_blocks()).step_by(4096) {
+                let to = (from + 4096).min(v.size_blocks());
+                for (lba, raw) in v.map.nonzero_u64(from..to) {
+                    if raw > data_blocks {
+                        // (an entry is PBA + 1: this PBA is past the end)
+                        v.map.set_u64(lba, 0);
+                    }
+                }
+            }
         }
         for id in &beyond_volumes {
             let v = m.volumes.get_mut(id).expect("listed above");

@@ -461,3 +461,109 @@ fn refcount_page_damaged_while_paged_out_stops_writes_until_repaired() {
     assert_eq!(repair(&path), 1);
     assert_intact(&path, &[("a", 600), ("b", 100)]);
 }
+
+#[test]
+fn rehash_reports_rotten_data_as_lost_and_a_repair_stops_sharing_it() {
+    // block 5 of volume a (content pattern(5), also mapped by volume b)
+    // rots on disk: the check names it as data lost; the repair says the
+    // same, re-fingerprints it, and a new write of the old content is then
+    // stored anew instead of sharing the rotten copy
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(a, 5 * 4096, &mut buf).unwrap();
+    drop(e);
+    let data = std::fs::read(path.join("data")).unwrap();
+    let at = data
+        .chunks(4096)
+        .position(|c| c == buf.as_slice())
+        .expect("block 5 stored") as u64;
+    flip(&path.join("data"), at * 4096 + 17);
+    let rehash = |repair| {
+        fsck(
+            &path,
+            FsckOptions {
+                repair,
+                rehash: true,
+            },
+        )
+        .unwrap()
+    };
+    let check = rehash(false);
+    assert_eq!(check.exit_code(), 4, "{check:?}");
+    assert_eq!(check.corrupted_blocks, 1);
+    assert_eq!(check.data_lost.len(), 1, "{:?}", check.data_lost);
+    assert!(
+        check.data_lost[0].contains("2 LBA(s)"),
+        "{:?}",
+        check.data_lost
+    );
+    let fixed = rehash(true);
+    assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
+    assert_eq!(fixed.corrupted_blocks, 1);
+    assert!(
+        fixed.data_lost[0].contains("re-fingerprinted"),
+        "{:?}",
+        fixed.data_lost
+    );
+    assert_eq!(rehash(false).exit_code(), 0);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let stored = e.stats().physical_blocks_stored;
+    let c = e.create_volume("c", 1 << 20).unwrap();
+    e.write(c, 0, &pattern(5), true).unwrap();
+    e.read(c, 0, &mut buf).unwrap();
+    assert!(buf == pattern(5), "a new write shared the rotten copy");
+    assert_eq!(e.stats().physical_blocks_stored, stored + 1);
+}
+
+#[test]
+fn a_truncated_data_file_is_reported_and_its_missing_blocks_unmapped() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let data = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path.join("data"))
+        .unwrap();
+    data.set_len(300 * 4096).unwrap();
+    drop(data);
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "{check:?}");
+    // volume a's blocks 300..600 were stored past the new end
+    assert_eq!(check.lbas_outside_data_file, 300);
+    assert_eq!(check.data_lost.len(), 300);
+    let fixed = fsck(
+        &path,
+        FsckOptions {
+            repair: true,
+            rehash: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
+    assert_eq!(
+        fsck(
+            &path,
+            FsckOptions {
+                repair: false,
+                rehash: true
+            }
+        )
+        .unwrap()
+        .exit_code(),
+        0
+    );
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    let mut buf = vec![0u8; 4096];
+    for i in [0u64, 299, 300, 599] {
+        e.read(a, i * 4096, &mut buf).unwrap();
+        if i < 300 {
+            assert!(buf == pattern(i), "block {i} lost");
+        } else {
+            assert!(buf.iter().all(|&b| b == 0), "block {i} still mapped");
+        }
+    }
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
