@@ -1505,9 +1505,9 @@ impl Engine {
             };
             // an earlier block of this request may have released the
             // stored copy (overwriting its last reference): then store anew
-            let live = |m: &Meta, p: u64| m.refcounts.get_u32(p) > 0;
+            // (or reached the most references a count holds)
             match (cands[i], keep(i)) {
-                (Candidate::Stored(p), true) if live(&m, p) => {
+                (Candidate::Stored(p), true) if m.shareable(p) => {
                     m.remap(vol, lba, Some(Pba(p)));
                     m.counters.duplicate_blocks += 1;
                     placement.push(Placement::Done);
@@ -1646,6 +1646,9 @@ impl Engine {
                         }
                     }
                 };
+                // (a copy with the most references a count holds is not
+                // shared: this block becomes the indexed copy instead)
+                let raced = raced.filter(|p| m.shareable(p.0));
                 let target = match raced {
                     Some(existing) if self.verified(existing, block(i), &mut m) => {
                         m.unreserve(*pba);

@@ -336,6 +336,16 @@ impl Meta {
         }
     }
 
+    /// True if another LBA may be mapped to PBA `p`: it is referenced, and
+    /// by fewer than `u32::MAX` LBAs (a reference count is 32 bits; a block
+    /// with that many references is not shared further, and a new write of
+    /// its content is stored as a new copy, so the count never wraps to 0
+    /// and frees a block in use).
+    pub fn shareable(&self, p: u64) -> bool {
+        let rc = self.refcounts.get_u32(p);
+        rc > 0 && rc < u32::MAX
+    }
+
     /// Records the fingerprint of a block stored without being indexed (its
     /// fingerprint is indexed for other bytes: a verify mismatch).
     pub fn record_unindexed(&mut self, pba: Pba, fp: Fingerprint) {
