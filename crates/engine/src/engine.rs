@@ -330,6 +330,9 @@ pub struct Engine {
     /// The page cache group of the maps and reference counts (shared with
     /// [`Meta::map_cache`]): its fault count is read without the lock.
     map_cache: std::sync::Arc<CacheGroup>,
+    /// The reverse index's page cache group (shared with
+    /// [`Meta::reverse_cache`]): its dropped writes, read without the lock.
+    reverse_cache: std::sync::Arc<CacheGroup>,
     /// Read cache keyed by PBA.
     cache: crate::cache::ReadCache,
     /// Which blocks inline dedup fingerprints.
@@ -454,6 +457,7 @@ impl Engine {
             refcounts: load(MetaFile::Refcounts, &map_cache, &mut damage, &mut |_, _| {})?,
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             map_cache: map_cache.clone(),
+            reverse_cache: reverse_cache.clone(),
             ..Meta::empty(index)
         };
         // the reverse index is read once: the check of its pages also
@@ -599,6 +603,7 @@ impl Engine {
         config: EngineConfig,
     ) -> Engine {
         let map_cache = meta.map_cache.clone();
+        let reverse_cache = meta.reverse_cache.clone();
         Engine {
             dir: None,
             damage: Vec::new(),
@@ -616,6 +621,7 @@ impl Engine {
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
             map_cache,
+            reverse_cache,
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
@@ -1146,7 +1152,7 @@ impl Engine {
     fn after_write(&self, fua: bool) -> Result<()> {
         // a write whose metadata update met an unreadable page fails (its
         // changes are never committed); one atomic load, no lock
-        if self.map_cache.load_errors() > 0 {
+        if self.map_cache.load_errors() > 0 || self.reverse_cache.writes_dropped() > 0 {
             return fault_check(&lock(&self.meta));
         }
         if fua {
@@ -2023,6 +2029,7 @@ pub(crate) fn fault_check(m: &Meta) -> Result<()> {
     Err(EngineError::MetadataUnreadable(
         m.map_cache
             .first_error()
+            .or_else(|| m.reverse_cache.first_error())
             .unwrap_or_else(|| "a metadata page could not be read back".into()),
     ))
 }
@@ -2069,4 +2076,39 @@ fn validate_size(size_bytes: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_reverse_index_write_stops_writes_and_commits() {
+        let d = tempfile::tempdir().unwrap();
+        let e = Engine::create(
+            &d.path().join("s"),
+            HashAlgorithm::Sha256,
+            EngineConfig::default(),
+        )
+        .unwrap();
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        e.write(v, 4096, &[2u8; BLOCK_SIZE], false).unwrap();
+        // as a fingerprint dropped on a page the reverse index could not
+        // read back (see pagecache's tests for the drop itself)
+        e.reverse_cache
+            .writes_dropped
+            .fetch_add(1, Ordering::Relaxed);
+        let err = e.write(v, 2 * 4096, &[3u8; BLOCK_SIZE], false).unwrap_err();
+        assert!(matches!(err, EngineError::MetadataUnreadable(_)), "{err:?}");
+        // the write before it is not committed
+        assert!(matches!(
+            e.flush().unwrap_err(),
+            EngineError::MetadataUnreadable(_)
+        ));
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        e.read(v, 0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 1));
+    }
 }

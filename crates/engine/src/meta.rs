@@ -76,6 +76,10 @@ pub struct Meta {
     /// (`--map-cache`); a page of theirs that cannot be read back is a
     /// fault ([`Meta::paging_faults`]).
     pub map_cache: std::sync::Arc<CacheGroup>,
+    /// The page cache of the reverse index (`--reverse-index-cache`): its
+    /// unreadable pages read as zeros (rebuildable), but a write dropped
+    /// for one is a fault ([`Meta::paging_faults`]).
+    pub reverse_cache: std::sync::Arc<CacheGroup>,
     /// Fingerprint per PBA (reverse index); stale (meaningless) for free PBAs.
     pub fingerprints: crate::reverse::ReverseIndex,
     /// The two-level fingerprint store (fingerprint → PBA).
@@ -530,7 +534,7 @@ impl Meta {
     /// (read-only until restart; the journal holds the last consistent
     /// state).
     pub fn paging_faults(&self) -> u64 {
-        self.map_cache.load_errors()
+        self.map_cache.load_errors() + self.reverse_cache.writes_dropped()
     }
 
     /// Puts a batch back after its commit failed, so the next commit carries it.

@@ -63,6 +63,11 @@ pub struct PageCacheStats {
     pub pages_evicted: u64,
     /// Pages that could not be read back or failed their checksum.
     pub load_errors: u64,
+    /// Writes dropped because their page could not be read back (an I/O
+    /// error: the page's entries could not be kept): in the reverse
+    /// index these stop commits as a map fault does, since a dropped
+    /// fingerprint would leave a reused block's old one in place.
+    pub writes_dropped: u64,
 }
 
 /// The budget and counters a group of [`CachedArray`]s share.
@@ -76,6 +81,7 @@ pub struct CacheGroup {
     pages_loaded: AtomicU64,
     pages_evicted: AtomicU64,
     load_errors: AtomicU64,
+    pub(crate) writes_dropped: AtomicU64,
     first_error: std::sync::Mutex<Option<String>>,
 }
 
@@ -102,7 +108,13 @@ impl CacheGroup {
             pages_loaded: self.pages_loaded.load(Relaxed),
             pages_evicted: self.pages_evicted.load(Relaxed),
             load_errors: self.load_errors.load(Relaxed),
+            writes_dropped: self.writes_dropped.load(Relaxed),
         }
+    }
+
+    /// Writes dropped so far because their page could not be read back.
+    pub fn writes_dropped(&self) -> u64 {
+        self.writes_dropped.load(Relaxed)
     }
 
     /// Pages that could not be read back so far.
@@ -578,11 +590,13 @@ impl Drop for Inner {
 impl Inner {
     /// Loads `page` and applies `change` (which writes within it) to the
     /// array, counting the page as resident if the change allocated it.
-    /// A page that cannot be loaded in a group that faults is left
-    /// untouched.
+    /// A page that cannot be loaded in a group that faults, or after an
+    /// I/O error, is left untouched, and the dropped write counted.
     #[inline]
     fn change_page(&mut self, page: u64, change: impl FnOnce(&mut PagedArray)) {
-        if self.load(page) {
+        if !self.load(page) {
+            self.group.writes_dropped.fetch_add(1, Relaxed);
+        } else {
             let before = self.array.allocated_pages();
             change(&mut self.array);
             if self.array.allocated_pages() > before {
@@ -843,6 +857,7 @@ mod tests {
         assert!(unreadable >= 2, "{unreadable}");
         assert_eq!(a.dirty_count(), 0, "zeros would be committed");
         assert!(zeros.load_errors() >= 2);
+        assert_eq!(zeros.writes_dropped(), unreadable);
     }
 
     #[test]
