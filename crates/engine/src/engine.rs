@@ -517,6 +517,13 @@ impl Engine {
         match load_skipped(&dir) {
             Ok(Some(mut saved)) => {
                 saved.set_capacity(config.skipped_buffer_bytes);
+                // (checked again when applied: a stale one is skipped)
+                meta.pending_merges.extend(
+                    saved
+                        .take_saved_merges()
+                        .into_iter()
+                        .take(crate::meta::MAX_PENDING_MERGES),
+                );
                 meta.skipped = saved;
             }
             Ok(None) => {}
@@ -969,9 +976,15 @@ impl Engine {
     /// duplicates.
     fn save_skipped(&self) {
         let Some(dir) = &self.dir else { return };
-        let snapshot = lock(&self.meta).skipped.clone();
+        let (mut snapshot, merges) = {
+            let m = lock(&self.meta);
+            let merges: Vec<(u64, u64)> = m.pending_merges.iter().map(|(a, b)| (*a, *b)).collect();
+            (m.skipped.clone(), merges)
+        };
+        let nothing_pending = snapshot.is_empty() && merges.is_empty();
+        snapshot.set_saved_merges(merges);
         let path = dir.root().join(SKIPPED_FILE);
-        let result = if snapshot.is_empty() {
+        let result = if nothing_pending {
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
                 _ => Ok(()),

@@ -59,6 +59,12 @@ pub struct SkippedBuffer {
     /// Whole volumes, with the next region to expand.
     volumes: BTreeMap<VolumeId, u64>,
     degradations: u64,
+    /// The pending merges of out-of-line dedup (copy PBA → kept PBA), in a
+    /// saved buffer only: [`Engine`](crate::Engine) keeps them apart while
+    /// running, and puts them here when it saves the buffer at a
+    /// checkpoint, so a restart keeps them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    saved_merges: Vec<(u64, u64)>,
     /// The last region a record fell in and whether `regions` holds it, so
     /// runs of writes to one region (sequential writes) search the set
     /// once. Cleared whenever `regions` changes.
@@ -67,6 +73,17 @@ pub struct SkippedBuffer {
 }
 
 impl SkippedBuffer {
+    /// Puts the pending merges (copy PBA → kept PBA) into a copy of the
+    /// buffer about to be saved.
+    pub fn set_saved_merges(&mut self, merges: Vec<(u64, u64)>) {
+        self.saved_merges = merges;
+    }
+
+    /// Takes the pending merges out of a buffer just loaded.
+    pub fn take_saved_merges(&mut self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.saved_merges)
+    }
+
     /// An empty buffer of `capacity_bytes`.
     pub fn new(capacity_bytes: usize) -> Self {
         SkippedBuffer {
