@@ -1636,7 +1636,9 @@ impl Engine {
                 filtered,
             } = p
             {
-                if !filtered {
+                // (a volume with T > 1 is left to the explicit full pass:
+                // the background pass would only drop its records)
+                if !filtered && threshold <= 1 {
                     m.skipped.record(vol, first + i as u64);
                 }
                 if !indexed {

@@ -169,8 +169,19 @@ impl Engine {
                 .filter(|(_, v)| v.record.sequence_threshold_blocks.unwrap_or(default_t) <= 1)
                 .map(|(id, v)| (*id, v.size_blocks()))
                 .collect();
+            // (unmapped ranges of a whole volume are passed over: only
+            // allocated map pages can hold mapped LBAs)
+            let crate::meta::Meta {
+                skipped, volumes, ..
+            } = &mut *m;
+            let per_page = crate::paged::U64_PER_PAGE;
+            let mapped = |v: VolumeId, start: u64, end: u64| {
+                volumes.get(&v).is_some_and(|vol| {
+                    (start / per_page..=(end - 1) / per_page).any(|pg| !vol.map.page_is_hole(pg))
+                })
+            };
             (
-                m.skipped.take(max_blocks, |v| sizes.get(&v).copied()),
+                skipped.take(max_blocks, |v| sizes.get(&v).copied(), mapped),
                 sizes,
             )
         };
@@ -777,6 +788,38 @@ mod tests {
             e.read(v, k * 4096, &mut got).unwrap();
             assert!(got.iter().all(|&b| b == (k % 10) as u8 + 1), "LBA {k}");
         }
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_whole_thin_volume_queued_is_scanned_only_where_mapped() {
+        // 1 TiB, two blocks mapped (one content, stored twice)
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 40).unwrap();
+        e.write(v, 4096, &[5u8; BLOCK_SIZE], false).unwrap();
+        e.write(v, (1 << 39) + 4096, &[5u8; BLOCK_SIZE], false)
+            .unwrap();
+        {
+            let mut m = lock(&e.meta);
+            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
+            m.skipped.record_volume(v);
+        }
+        let mut examined = 0;
+        for _ in 0..100 {
+            let r = e.dedup_pass(4096).unwrap();
+            examined += r.blocks_examined;
+            if !r.work_remaining {
+                break;
+            }
+        }
+        assert!(!e.dedup_pending());
+        // the 256-LBA regions that share an allocated map page (508 LBAs)
+        // with the two blocks, not 2^28 LBAs
+        assert!(
+            examined <= 6 * crate::skipped::REGION_BLOCKS,
+            "{examined} LBAs examined"
+        );
+        assert_eq!(e.stats().physical_blocks_stored, 1);
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 

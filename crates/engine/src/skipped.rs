@@ -31,6 +31,9 @@ use crate::block::VolumeId;
 /// Blocks per dirty region, the first coarser record.
 pub const REGION_BLOCKS: u64 = 256;
 const RECORD_BYTES: usize = 16;
+/// Regions without a mapped LBA that one [`SkippedBuffer::take`] passes
+/// over at most (16 Mi LBAs: a few milliseconds of map lookups).
+pub const EMPTY_REGIONS_PER_TAKE: u64 = 1 << 16;
 const REGION_BYTES: usize = 48;
 
 /// Figures of the skipped buffer.
@@ -188,15 +191,22 @@ impl SkippedBuffer {
 
     /// Takes up to about `max` block addresses to process, oldest first;
     /// regions and volumes are expanded into their LBAs (`size_blocks`
-    /// gives a volume's size; unknown volumes are dropped).
+    /// gives a volume's size; unknown volumes are dropped), except ranges
+    /// of LBAs for which `mapped(volume, start, end)` says none is mapped
+    /// (a whole thin volume is mostly unmapped). Passes over at most
+    /// [`EMPTY_REGIONS_PER_TAKE`] such regions per call, so a call costs
+    /// little whatever the volume's size (it may then return nothing while
+    /// work remains).
     pub fn take(
         &mut self,
         max: usize,
         size_blocks: impl Fn(VolumeId) -> Option<u64>,
+        mapped: impl Fn(VolumeId, u64, u64) -> bool,
     ) -> Vec<(VolumeId, u64)> {
         self.last_region = None;
         let mut out = Vec::with_capacity(max.min(4096));
-        while out.len() < max {
+        let mut empty_regions = 0;
+        while out.len() < max && empty_regions < EMPTY_REGIONS_PER_TAKE {
             if let Some(r) = self.records.pop_front() {
                 out.push(r);
                 continue;
@@ -204,7 +214,12 @@ impl SkippedBuffer {
             if let Some((v, region)) = self.regions.pop_first() {
                 let Some(size) = size_blocks(v) else { continue };
                 let start = region * REGION_BLOCKS;
-                out.extend((start..(start + REGION_BLOCKS).min(size)).map(|l| (v, l)));
+                let end = (start + REGION_BLOCKS).min(size);
+                if start < end && mapped(v, start, end) {
+                    out.extend((start..end).map(|l| (v, l)));
+                } else {
+                    empty_regions += 1;
+                }
                 continue;
             }
             let Some((&v, &next)) = self.volumes.iter().next() else {
@@ -219,7 +234,12 @@ impl SkippedBuffer {
                 self.volumes.remove(&v);
                 continue;
             }
-            out.extend((start..(start + REGION_BLOCKS).min(size)).map(|l| (v, l)));
+            let end = (start + REGION_BLOCKS).min(size);
+            if mapped(v, start, end) {
+                out.extend((start..end).map(|l| (v, l)));
+            } else {
+                empty_regions += 1;
+            }
             self.volumes.insert(v, next + 1);
         }
         out
@@ -260,14 +280,18 @@ mod tests {
         let v = VolumeId(1);
         b.record_volume(v);
         // the scan is past the first regions...
-        let first = b.take(3 * REGION_BLOCKS as usize, |_| Some(100 * REGION_BLOCKS));
+        let first = b.take(
+            3 * REGION_BLOCKS as usize,
+            |_| Some(100 * REGION_BLOCKS),
+            |_, _, _| true,
+        );
         assert_eq!(first.len(), 3 * REGION_BLOCKS as usize);
         // ...when blocks in them are written again
         b.record(v, 5);
         b.record_range(v, REGION_BLOCKS + 1, REGION_BLOCKS + 2);
         let mut seen = BTreeSet::new();
         loop {
-            let got = b.take(1000, |_| Some(100 * REGION_BLOCKS));
+            let got = b.take(1000, |_| Some(100 * REGION_BLOCKS), |_, _, _| true);
             if got.is_empty() {
                 break;
             }
@@ -288,7 +312,7 @@ mod tests {
         assert!(b.stats().used_bytes <= b.stats().capacity_bytes + REGION_BYTES as u64);
         let mut seen = BTreeSet::new();
         loop {
-            let got = b.take(1000, |_| Some(10_000));
+            let got = b.take(1000, |_| Some(10_000), |_, _, _| true);
             if got.is_empty() {
                 break;
             }
@@ -314,7 +338,7 @@ mod tests {
                 want.insert(lba);
             }
             // a region is taken (and forgotten), then written again
-            let got = b.take(300, |_| Some(100_000));
+            let got = b.take(300, |_| Some(100_000), |_, _, _| true);
             for (_, l) in &got {
                 want.remove(l);
             }
@@ -323,7 +347,7 @@ mod tests {
         }
         let mut seen = BTreeSet::new();
         loop {
-            let got = b.take(1000, |_| Some(100_000));
+            let got = b.take(1000, |_| Some(100_000), |_, _, _| true);
             if got.is_empty() {
                 break;
             }
