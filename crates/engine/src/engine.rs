@@ -66,6 +66,24 @@ fn load_skipped(
 /// Number of locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 64;
 
+/// What a read-modify-write read: the PBA its LBA mapped (None:
+/// unmapped) and [`Meta::reuse_epoch`] then. While both hold, the LBA's
+/// content is what was read: a mapped PBA's bytes change only after it is
+/// freed and reused, which a commit's return of freed blocks marks.
+#[derive(Debug, Clone, Copy)]
+struct Expect {
+    pba: Option<Pba>,
+    reuse_epoch: u64,
+}
+
+impl Expect {
+    /// True if LBA `lba` of `vol` still maps what was read.
+    fn holds(&self, m: &Meta, vol: VolumeId, lba: u64) -> bool {
+        m.reuse_epoch == self.reuse_epoch
+            && m.volumes.get(&vol).map(|v| v.get(Lba(lba))) == Some(self.pba)
+    }
+}
+
 /// Tunables of an open engine; every bound is in bytes.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -1083,9 +1101,16 @@ impl Engine {
 
     /// Reads whole blocks starting at `first` into `buf` (multiple of 4 KiB).
     fn read_blocks(&self, vol: VolumeId, first: u64, buf: &mut [u8]) -> Result<()> {
+        self.read_mapped(vol, first, buf).map(|_| ())
+    }
+
+    /// [`Engine::read_blocks`] that also tells what it read: the mapping of
+    /// the first block and the reuse epoch, as of the read (see
+    /// [`Expect`]).
+    fn read_mapped(&self, vol: VolumeId, first: u64, buf: &mut [u8]) -> Result<Expect> {
         let n = buf.len() / BLOCK_SIZE;
         let _guard = self.reuse.read().unwrap_or_else(|e| e.into_inner());
-        let pbas: Vec<Option<Pba>> = {
+        let (pbas, reuse_epoch): (Vec<Option<Pba>>, u64) = {
             let m = lock(&self.meta);
             let faults = m.paging_faults();
             let v = m
@@ -1097,7 +1122,11 @@ impl Engine {
                 // a map page of this request could not be read back
                 fault_check(&m)?;
             }
-            pbas
+            (pbas, m.reuse_epoch)
+        };
+        let read = Expect {
+            pba: pbas.first().copied().flatten(),
+            reuse_epoch,
         };
         let mut i = 0;
         while i < n {
@@ -1132,7 +1161,7 @@ impl Engine {
                 }
             }
         }
-        Ok(())
+        Ok(read)
     }
 
     /// Writes `data` to volume `vol` at byte `offset`, deduplicating inline.
@@ -1247,7 +1276,7 @@ impl Engine {
             first_full * BLOCK_SIZE_U64,
             Some(&data[..head]),
         )?;
-        self.write_full_blocks(vol, first_full, &data[head..tail_start])?;
+        self.write_full_blocks(vol, first_full, &data[head..tail_start], None)?;
         self.write_partial_span(
             vol,
             end_full * BLOCK_SIZE_U64,
@@ -1273,26 +1302,42 @@ impl Engine {
                 [((vol.0 as u64).wrapping_mul(31).wrapping_add(lba) % RMW_STRIPES as u64) as usize];
             let _g = lock(stripe);
             let mut block = vec![0u8; BLOCK_SIZE];
-            self.read_blocks(vol, lba, &mut block)?;
             let in_block = (pos - lba * BLOCK_SIZE_U64) as usize;
             let n = (block_end - pos) as usize;
-            match data {
-                Some(d) => block[in_block..in_block + n]
-                    .copy_from_slice(&d[(pos - start) as usize..(pos - start) as usize + n]),
-                None => block[in_block..in_block + n].fill(0),
+            // a whole-block write or TRIM of this LBA landing between the
+            // read and the write-back would be undone by it (its bytes
+            // outside ours replaced by older ones): the write-back maps
+            // only if the LBA still maps what was read, else it reads again
+            loop {
+                let read = self.read_mapped(vol, lba, &mut block)?;
+                match data {
+                    Some(d) => block[in_block..in_block + n]
+                        .copy_from_slice(&d[(pos - start) as usize..(pos - start) as usize + n]),
+                    None => block[in_block..in_block + n].fill(0),
+                }
+                if self.write_full_blocks(vol, lba, &block, Some(read))? {
+                    break;
+                }
             }
-            self.write_full_blocks(vol, lba, &block)?;
             pos = block_end;
         }
         Ok(())
     }
 
     /// Writes whole blocks (`data.len()` a multiple of 4 KiB) starting at
-    /// LBA `first`, with inline dedup.
-    fn write_full_blocks(&self, vol: VolumeId, first: u64, data: &[u8]) -> Result<()> {
+    /// LBA `first`, with inline dedup. With `expect` (one block), writes
+    /// only if LBA `first` still maps what was read ([`Expect`]); returns
+    /// false if it did not write for that reason.
+    fn write_full_blocks(
+        &self,
+        vol: VolumeId,
+        first: u64,
+        data: &[u8],
+        expect: Option<Expect>,
+    ) -> Result<bool> {
         let n = data.len() / BLOCK_SIZE;
         if n == 0 {
-            return Ok(());
+            return Ok(true);
         }
         let block = |i: usize| &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
         // fingerprint outside the lock; None for zero blocks
@@ -1315,7 +1360,7 @@ impl Engine {
                 _ => Some(self.hash.fingerprint(block(i))),
             })
             .collect();
-        self.place_blocks(vol, first, &fps, Some(data), None)
+        self.place_blocks(vol, first, &fps, Some(data), None, expect)
     }
 
     /// Whether one of CAFTL's write-path filters (pre-hashing, sampling)
@@ -1400,7 +1445,9 @@ impl Engine {
         // (place_blocks checks the range under its metadata lock)
         if !self.caftl_active() {
             // no CAFTL filter: every hashed block is looked up inline
-            return self.place_blocks(vol, first.0, fps, None, None);
+            return self
+                .place_blocks(vol, first.0, fps, None, None, None)
+                .map(|_| ());
         }
         // CAFTL's filters see the fingerprint's CRC instead of the data's
         let mut inline: Vec<bool> = fps
@@ -1409,7 +1456,8 @@ impl Engine {
             .collect();
         let fp = |i: usize| fps[i].unwrap_or(UNHASHED);
         self.caftl_filter(&mut inline, |i| crc32c::crc32c(&fp(i).0), fp)?;
-        self.place_blocks(vol, first.0, fps, None, Some(&inline))
+        self.place_blocks(vol, first.0, fps, None, Some(&inline), None)
+            .map(|_| ())
     }
 
     /// Hints that blocks with fingerprints `fps` are about to be written
@@ -1425,7 +1473,9 @@ impl Engine {
     /// fingerprint; `data` (if any) holds their bytes, written for misses.
     /// A block with `inline[i]` false (or fingerprint [`UNHASHED`]) is
     /// stored without an inline lookup, its fingerprint kept in the reverse
-    /// index for the out-of-line pass.
+    /// index for the out-of-line pass. With `expect`, nothing is mapped
+    /// unless LBA `first` still maps what a read-modify-write read
+    /// ([`Expect`]); returns false if so.
     fn place_blocks(
         &self,
         vol: VolumeId,
@@ -1433,7 +1483,8 @@ impl Engine {
         fps: &[Option<Fingerprint>],
         data: Option<&[u8]>,
         inline: Option<&[bool]>,
-    ) -> Result<()> {
+        expect: Option<Expect>,
+    ) -> Result<bool> {
         let n = fps.len();
         // phase 1: look every block up; hits and zeros are mapped at once
         // (after the sequence threshold has had its say); misses get a
@@ -1460,6 +1511,9 @@ impl Engine {
             .sequence_threshold_blocks
             .unwrap_or(self.config.sequence_threshold_blocks)
             .max(1);
+        if expect.is_some_and(|e| !e.holds(&m, vol, first)) {
+            return Ok(false);
+        }
         let block = |i: usize| data.map(|d| &d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
         // first block of the request with each new content; a
         // one-block request needs no map
@@ -1608,13 +1662,16 @@ impl Engine {
                 }),
                 Some(_) => None,
             };
-            if let Some(e) = gone {
+            // (or, for a read-modify-write, remapped meanwhile: read again)
+            let raced = expect.is_some_and(|e| !e.holds(&m, vol, first))
+                && placement.iter().any(|p| matches!(p, Placement::New { .. }));
+            if gone.is_some() || raced {
                 for p in &placement {
                     if let Placement::New { pba, .. } = p {
                         m.unreserve(*pba);
                     }
                 }
-                return Err(e);
+                return gone.map_or(Ok(false), Err);
             }
         }
 
@@ -1712,7 +1769,7 @@ impl Engine {
         self.note_change(&m);
         drop(m);
         self.selectivity.observe(selected_blocks, inline_dups);
-        Ok(())
+        Ok(true)
     }
 
     /// With `verify` on, true only if PBA `p` holds exactly `block` (a
@@ -1805,7 +1862,11 @@ impl Engine {
             for &p in &batch.frees {
                 self.cache.invalidate(p);
             }
-            lock(&self.meta).free.extend(batch.frees.iter().copied());
+            let mut m = lock(&self.meta);
+            m.free.extend(batch.frees.iter().copied());
+            if !batch.frees.is_empty() {
+                m.reuse_epoch += 1;
+            }
         }
         if c.journal.is_some() {
             c.checkpoint.add(batch.ops);
@@ -2096,6 +2157,63 @@ fn validate_size(size_bytes: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_back_over_a_remapped_block_is_refused() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        let mut block = vec![0u8; BLOCK_SIZE];
+        let read = e.read_mapped(v, 0, &mut block).unwrap();
+        // a whole-block write lands after the read
+        e.write(v, 0, &[2u8; BLOCK_SIZE], false).unwrap();
+        block[..512].fill(9);
+        assert!(!e.write_full_blocks(v, 0, &block, Some(read)).unwrap());
+        e.read(v, 0, &mut block).unwrap();
+        assert!(block.iter().all(|&b| b == 2));
+        // so does a commit that returns freed blocks for reuse: the bytes
+        // of what was read might be another block's now
+        let read = e.read_mapped(v, 0, &mut block).unwrap();
+        e.write(v, 4096, &[3u8; BLOCK_SIZE], false).unwrap();
+        e.write(v, 4096, &[4u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        assert!(!e.write_full_blocks(v, 0, &block, Some(read)).unwrap());
+        // unchanged: written
+        let read = e.read_mapped(v, 0, &mut block).unwrap();
+        block[..512].fill(9);
+        assert!(e.write_full_blocks(v, 0, &block, Some(read)).unwrap());
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_partial_write_racing_a_whole_block_write_never_brings_back_old_bytes() {
+        let e = std::sync::Arc::new(Engine::in_memory(HashAlgorithm::Sha256));
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        for round in 0..1500u32 {
+            let old = [(round % 200) as u8 + 1; BLOCK_SIZE];
+            e.write(v, 0, &old, false).unwrap();
+            let full: Vec<u8> = (0..BLOCK_SIZE)
+                .map(|i| (round as usize * 7 + i) as u8 | 1)
+                .collect();
+            let (a, b) = (e.clone(), e.clone());
+            let partial = std::thread::spawn(move || a.write(v, 0, &[0xee; 512], false));
+            let whole = {
+                let full = full.clone();
+                std::thread::spawn(move || b.write(v, 0, &full, false))
+            };
+            partial.join().unwrap().unwrap();
+            whole.join().unwrap().unwrap();
+            let mut got = vec![0u8; BLOCK_SIZE];
+            e.read(v, 0, &mut got).unwrap();
+            // either order leaves the whole write's bytes past the sector
+            assert!(
+                got[512..] == full[512..],
+                "round {round}: bytes neither write left"
+            );
+            assert!(got[..512] == full[..512] || got[..512].iter().all(|&x| x == 0xee));
+        }
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
 
     #[test]
     fn a_dropped_reverse_index_write_stops_writes_and_commits() {

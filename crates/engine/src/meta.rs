@@ -106,6 +106,10 @@ pub struct Meta {
     /// out the lowest first, so consecutive allocations get ascending PBAs
     /// that coalesce into one data write.
     pub free: crate::freespace::FreeSpace,
+    /// Times a commit returned freed blocks to `free` (so they may hold
+    /// other data from then on); a read-modify-write checks it did not
+    /// change under it.
+    pub reuse_epoch: u64,
     /// PBAs whose reference count reached 0 since the last journal commit;
     /// reusable only after the commit that records it (deferred free).
     pub pending_free: Vec<u64>,
