@@ -345,6 +345,9 @@ pub struct Engine {
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
     commit_wanted: AtomicBool,
+    /// Set by [`Engine::drop_without_closing`]: dropping the engine then
+    /// writes nothing (no commit, no checkpoint, no skipped-buffer save).
+    no_close_on_drop: AtomicBool,
     /// The page cache group of the maps and reference counts (shared with
     /// [`Meta::map_cache`]): its fault count is read without the lock.
     map_cache: std::sync::Arc<CacheGroup>,
@@ -645,6 +648,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            no_close_on_drop: AtomicBool::new(false),
             map_cache,
             reverse_cache,
             cache: crate::cache::ReadCache::new(config.read_cache_bytes),
@@ -1948,6 +1952,14 @@ impl Engine {
         Ok(())
     }
 
+    /// Drops the engine without closing it: nothing is committed or written
+    /// in place, and a journal replayed at open stays in the journal, to be
+    /// replayed again at the next open (`fsck` without `--repair` changes
+    /// nothing, as `e2fsck -n`). Uncommitted changes are lost.
+    pub fn drop_without_closing(self) {
+        self.no_close_on_drop.store(true, Ordering::Relaxed);
+    }
+
     /// Flushes and writes every committed change in place, leaving the
     /// journal empty; called at shutdown.
     pub fn close(&self) -> Result<()> {
@@ -2084,6 +2096,9 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        if self.no_close_on_drop.load(Ordering::Relaxed) {
+            return;
+        }
         // best effort; errors were reported to whoever called flush/close
         let _ = self.close();
     }

@@ -131,9 +131,19 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
         ..config
     };
     let engine = Engine::open(path, config)?;
-    let report = engine.check_and_repair(opts)?;
+    let report = match engine.check_and_repair(opts) {
+        Ok(r) => r,
+        Err(e) => {
+            // (a repair that failed committed nothing; a check writes nothing)
+            engine.drop_without_closing();
+            return Err(e);
+        }
+    };
     if report.repaired {
         engine.close()?;
+    } else {
+        // a check writes nothing to the store, as e2fsck -n
+        engine.drop_without_closing();
     }
     Ok(report)
 }

@@ -567,3 +567,50 @@ fn a_truncated_data_file_is_reported_and_its_missing_blocks_unmapped() {
     }
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+/// Every file of a store directory (but `lock`) with its bytes.
+fn store_files(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    let mut files = std::collections::BTreeMap::new();
+    for sub in ["", "maps"] {
+        for e in std::fs::read_dir(dir.join(sub)).unwrap().flatten() {
+            if e.file_type().unwrap().is_file() && e.file_name() != "lock" {
+                files.insert(e.path(), std::fs::read(e.path()).unwrap());
+            }
+        }
+    }
+    files
+}
+
+#[test]
+fn a_check_without_repair_writes_nothing() {
+    // a crash image with commits still in the journal: the check replays
+    // them in memory and leaves every file as it found it (e2fsck -n)
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    e.write(b, 300 * 4096, &pattern(1), true).unwrap();
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    let before = store_files(&crash);
+    for rehash in [false, true] {
+        let r = fsck(
+            &crash,
+            FsckOptions {
+                repair: false,
+                rehash,
+            },
+        )
+        .unwrap();
+        assert_eq!(r.exit_code(), 0, "{r:?}");
+        assert!(store_files(&crash) == before, "the check changed the store");
+    }
+    // and the store still opens with the journal's commit in it
+    assert_intact(&crash, &[("a", 600), ("b", 100)]);
+    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(e.volume("b").unwrap().0, 300 * 4096, &mut buf)
+        .unwrap();
+    assert!(buf == pattern(1));
+}
