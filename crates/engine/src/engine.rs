@@ -362,6 +362,13 @@ pub struct Engine {
     caftl: Mutex<crate::caftl::PrehashTable>,
     /// Totals of the out-of-line passes.
     pub(crate) out_of_line: Mutex<crate::outofline::OutOfLineStats>,
+    /// The background pass's merge scan, kept while it yields to
+    /// foreground traffic so the next pass resumes it (its merges are a
+    /// copy of at most `MAX_PENDING_MERGES` pending ones).
+    pub(crate) merge_scan: Mutex<Option<crate::outofline::MergeScan>>,
+    /// Bytes of that scan's merges (for `metadata_bytes_in_memory`; read
+    /// without its lock, which a running scan holds).
+    pub(crate) merge_scan_bytes: AtomicU64,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -655,6 +662,8 @@ impl Engine {
             selectivity: crate::selectivity::Selectivity::new(config.selectivity),
             caftl: Mutex::new(crate::caftl::PrehashTable::new(config.prehash_bytes)),
             out_of_line: Mutex::new(crate::outofline::OutOfLineStats::default()),
+            merge_scan: Mutex::new(None),
+            merge_scan_bytes: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -2018,7 +2027,8 @@ impl Engine {
                 index_entries: m.index.len(),
                 index_bytes_in_memory: m.index_bytes(),
                 index: m.index.stats(),
-                metadata_bytes_in_memory: m.array_bytes(),
+                metadata_bytes_in_memory: m.array_bytes()
+                    + self.merge_scan_bytes.load(Ordering::Relaxed),
                 ..Stats::default()
             };
             (s, m.free.len())

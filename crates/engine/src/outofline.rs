@@ -105,6 +105,22 @@ const SCAN_CHUNK: u64 = 1024;
 /// Skipped records examined under one hold of the metadata lock.
 const PASS_CHUNK: usize = 64;
 
+/// A scan of the volume maps applying merges (copy PBA → kept PBA), which
+/// can stop and resume ([`Engine::apply_pending_merges`]).
+#[derive(Debug, Default)]
+pub(crate) struct MergeScan {
+    merges: HashMap<u64, u64>,
+    /// Copies whose bytes are still to be compared with their kept PBA's
+    /// (`verify`), and those found to differ (never merged).
+    to_verify: Vec<u64>,
+    differ: std::collections::HashSet<u64>,
+    /// Volumes to scan, and where the scan is: `volumes[volume]`, map page
+    /// `page`.
+    volumes: Vec<VolumeId>,
+    volume: usize,
+    page: u64,
+}
+
 /// Bytes a planned merge costs in memory (an entry of a hash map of two
 /// u64s, and the resolve and verify sets), for the offline pass's batches.
 const MERGE_BYTES: u64 = 48;
@@ -324,47 +340,110 @@ impl Engine {
     }
 
     /// Applies the pending merges (the background pass's), leaving volumes
-    /// with a sequence threshold T > 1 as they are; those applied leave
-    /// `pending_merges` unless the scan yielded first. Returns the LBAs
+    /// with a sequence threshold T > 1 as they are. A scan that yields to
+    /// foreground traffic resumes where it stopped at the next call, over
+    /// the merges it started with (merges planned meanwhile wait for the
+    /// next scan), so steady light traffic cannot keep restarting it; the
+    /// merges of a finished scan leave `pending_merges`. Returns the LBAs
     /// remapped.
     fn apply_pending_merges(&self, should_yield: &dyn Fn() -> bool) -> Result<u64> {
-        let merges: HashMap<u64, u64> = {
-            let m = lock(&self.meta);
-            if m.pending_merges.is_empty() {
-                return Ok(0);
+        let mut slot = lock(&self.merge_scan);
+        let mut scan = match slot.take() {
+            Some(scan) => scan,
+            None => {
+                let m = lock(&self.meta);
+                if m.pending_merges.is_empty() {
+                    return Ok(0);
+                }
+                let merges = m.pending_merges.iter().map(|(a, b)| (*a, *b)).collect();
+                drop(m);
+                self.merge_scan_of(merges, None, true)
             }
-            m.pending_merges.iter().map(|(a, b)| (*a, *b)).collect()
         };
-        let (applied, finished) = self.apply_merges(&merges, None, true, should_yield)?;
+        self.merge_scan_bytes
+            .store(scan.merges.len() as u64 * MERGE_BYTES, Ordering::Relaxed);
+        let (applied, finished) = match self.run_merge_scan(&mut scan, should_yield) {
+            Ok(r) => r,
+            Err(e) => {
+                // (the merges stay pending; the next pass scans anew)
+                self.merge_scan_bytes.store(0, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
         if finished {
+            self.merge_scan_bytes.store(0, Ordering::Relaxed);
             let mut m = lock(&self.meta);
-            for (p, kept) in &merges {
+            for (p, kept) in &scan.merges {
                 // (one planned again meanwhile, onto another copy, stays)
                 if m.pending_merges.get(p) == Some(kept) {
                     m.pending_merges.remove(p);
                 }
             }
+        } else {
+            *slot = Some(scan);
         }
         Ok(applied)
     }
 
-    /// Remaps every LBA (of `only`, or of all volumes) mapped to a copy in
-    /// `merges` (copy PBA → kept PBA) onto the kept PBA, scanning the maps
-    /// in chunks. With `keep_sequences` (the background pass), volumes with
-    /// a sequence threshold T > 1 are left as they are: their copies were
-    /// stored apart on purpose (iDedup; SmartDedup §4.5), and only the
-    /// explicit full pass merges them. Returns the LBAs remapped and
-    /// whether the scan finished (false: `should_yield` stopped it).
-    fn apply_merges(
+    /// Applies `merges` (copy PBA → kept PBA) to every LBA of `only`, or of
+    /// all volumes, at once (the offline pass). Returns the LBAs remapped.
+    fn apply_merges(&self, merges: HashMap<u64, u64>, only: Option<VolumeId>) -> Result<u64> {
+        let mut scan = self.merge_scan_of(merges, only, false);
+        Ok(self.run_merge_scan(&mut scan, &|| false)?.0)
+    }
+
+    /// A scan applying `merges` to the volumes of `only` (or all); with
+    /// `keep_sequences` (the background pass), volumes with a sequence
+    /// threshold T > 1 are left as they are: their copies were stored apart
+    /// on purpose (iDedup; SmartDedup §4.5), and only the explicit full
+    /// pass merges them.
+    fn merge_scan_of(
         &self,
-        merges: &HashMap<u64, u64>,
+        merges: HashMap<u64, u64>,
         only: Option<VolumeId>,
         keep_sequences: bool,
+    ) -> MergeScan {
+        let m = lock(&self.meta);
+        let default_t = self.config.sequence_threshold_blocks;
+        let volumes = m
+            .volumes
+            .iter()
+            .filter(|(id, v)| {
+                only.is_none_or(|o| o == **id)
+                    && !(keep_sequences
+                        && v.record.sequence_threshold_blocks.unwrap_or(default_t) > 1)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let to_verify = if self.config.verify {
+            merges.keys().copied().collect()
+        } else {
+            Vec::new()
+        };
+        MergeScan {
+            merges,
+            to_verify,
+            differ: Default::default(),
+            volumes,
+            volume: 0,
+            page: 0,
+        }
+    }
+
+    /// Runs `scan` on from where it stopped, remapping every LBA mapped to
+    /// one of its copies onto the kept PBA, in chunks of map pages under
+    /// the metadata lock (only allocated pages: a 1 PiB replay volume is
+    /// sparse). Returns the LBAs remapped and whether it finished (false:
+    /// `should_yield` stopped it; calling again resumes).
+    fn run_merge_scan(
+        &self,
+        scan: &mut MergeScan,
         should_yield: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
-        if merges.is_empty() {
+        if scan.merges.is_empty() {
             return Ok((0, true));
         }
+        let merges = &scan.merges;
         let resolve = |mut p: u64| {
             let mut hops = 0;
             while let Some(&q) = merges.get(&p) {
@@ -380,42 +459,25 @@ impl Engine {
         // (a fingerprint collision, or a copy stored apart because its
         // bytes differed, stays apart); read under the metadata lock, so
         // neither block is released meanwhile
-        let mut differ = std::collections::HashSet::new();
-        if self.config.verify {
-            for &p in merges.keys() {
-                if should_yield() {
-                    return Ok((0, false)); // (two block reads per merge)
-                }
-                let target = Pba(resolve(p));
-                let mut m = lock(&self.meta);
-                // (an unreadable copy is not merged either)
-                let same = self
-                    .same_bytes(&mut m, Pba(p), vec![target])
-                    .is_ok_and(|kept| !kept.is_empty());
-                if !same {
-                    differ.insert(p);
-                }
+        while let Some(&p) = scan.to_verify.last() {
+            if should_yield() {
+                return Ok((0, false)); // (two block reads per merge)
             }
+            let target = Pba(resolve(p));
+            let mut m = lock(&self.meta);
+            // (an unreadable copy is not merged either)
+            let same = self
+                .same_bytes(&mut m, Pba(p), vec![target])
+                .is_ok_and(|kept| !kept.is_empty());
+            if !same {
+                scan.differ.insert(p);
+            }
+            scan.to_verify.pop();
         }
-        let volumes: Vec<VolumeId> = {
-            let m = lock(&self.meta);
-            let default_t = self.config.sequence_threshold_blocks;
-            m.volumes
-                .iter()
-                .filter(|(id, v)| {
-                    only.is_none_or(|o| o == **id)
-                        && !(keep_sequences
-                            && v.record.sequence_threshold_blocks.unwrap_or(default_t) > 1)
-                })
-                .map(|(id, _)| *id)
-                .collect()
-        };
-        // scan only allocated map pages (a 1 PiB replay volume is sparse)
         let per_page = crate::paged::U64_PER_PAGE;
         let pages_per_hold = SCAN_CHUNK.div_ceil(per_page);
         let mut applied = 0;
-        for vol in volumes {
-            let mut page = 0;
+        while let Some(&vol) = scan.volumes.get(scan.volume) {
             loop {
                 if should_yield() {
                     return Ok((applied, false)); // the merges stay pending
@@ -424,11 +486,11 @@ impl Engine {
                 let Some(pages) = m.volumes.get(&vol).map(|v| v.map.page_count()) else {
                     break;
                 };
-                if page >= pages {
+                if scan.page >= pages {
                     break;
                 }
-                let end_page = (page + pages_per_hold).min(pages);
-                for pg in page..end_page {
+                let end_page = (scan.page + pages_per_hold).min(pages);
+                for pg in scan.page..end_page {
                     if m.volumes[&vol].map.page_is_hole(pg) {
                         continue;
                     }
@@ -436,7 +498,7 @@ impl Engine {
                         let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(l))) else {
                             continue;
                         };
-                        if !merges.contains_key(&p.0) || differ.contains(&p.0) {
+                        if !merges.contains_key(&p.0) || scan.differ.contains(&p.0) {
                             continue;
                         }
                         let target = Pba(resolve(p.0));
@@ -457,8 +519,10 @@ impl Engine {
                 }
                 self.note_change(&m);
                 drop(m);
-                page = end_page;
+                scan.page = end_page;
             }
+            scan.volume += 1;
+            scan.page = 0;
         }
         Ok((applied, true))
     }
@@ -554,11 +618,10 @@ impl Engine {
                     return;
                 }
                 if merges.len() >= batch {
-                    match self.apply_merges(&merges, only, false, &|| false) {
-                        Ok((applied, _)) => r.lbas_remapped += applied,
+                    match self.apply_merges(std::mem::take(&mut merges), only) {
+                        Ok(applied) => r.lbas_remapped += applied,
                         Err(e) => failure = Some(e),
                     }
-                    merges.clear();
                 }
                 let m = lock(&self.meta);
                 // (a PBA freed and reused since the scan may hold a block
@@ -591,7 +654,7 @@ impl Engine {
             return Err(e);
         }
         merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
-        r.lbas_remapped += self.apply_merges(&merges, only, false, &|| false)?.0;
+        r.lbas_remapped += self.apply_merges(merges, only)?;
         r.merges_applied = r.lbas_remapped;
         let m = lock(&self.meta);
         r.work_remaining = !m.skipped.is_empty();
@@ -820,6 +883,50 @@ mod tests {
             "{examined} LBAs examined"
         );
         assert_eq!(e.stats().physical_blocks_stored, 1);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_merge_scan_that_keeps_yielding_resumes_and_finishes() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 30).unwrap();
+        let per_page = crate::paged::U64_PER_PAGE;
+        // ten contents, each stored twice, spread over ~300 map pages
+        let mut pairs = Vec::new();
+        for k in 0..10u64 {
+            let content = [k as u8 + 1; BLOCK_SIZE];
+            let (la, lb) = (k * 30 * per_page, k * 30 * per_page + 15 * per_page);
+            e.write(v, la * 4096, &content, false).unwrap();
+            e.write(v, lb * 4096, &content, false).unwrap();
+            let fp = e.hash.fingerprint(&content);
+            let mut m = lock(&e.meta);
+            let (a, b) = {
+                let map = &m.volumes[&v];
+                (map.get(Lba(la)).unwrap(), map.get(Lba(lb)).unwrap())
+            };
+            m.record_unindexed(a, fp);
+            m.record_unindexed(b, fp);
+            pairs.push((a.0.max(b.0), a.0.min(b.0)));
+        }
+        {
+            let mut m = lock(&e.meta);
+            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
+            m.pending_merges.extend(pairs);
+        }
+        // traffic arrives at every fourth check: a scan that started over
+        // each time would never get past the first few chunks
+        let checks = std::cell::Cell::new(0u32);
+        let traffic = || {
+            checks.set(checks.get() + 1);
+            checks.get().is_multiple_of(4)
+        };
+        let mut calls = 0;
+        while !lock(&e.meta).pending_merges.is_empty() {
+            e.apply_pending_merges(&traffic).unwrap();
+            calls += 1;
+            assert!(calls < 1000, "the scan never finishes");
+        }
+        assert_eq!(e.stats().physical_blocks_stored, 10);
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
