@@ -103,7 +103,10 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 return Ok(Outcome::Closed);
             }
             discard(r, u64::from(hdr.length))?;
-            let code = if known_option(option) {
+            let code = if option == proto::OPT_LIST {
+                // (LIST takes no data at all: any is invalid, as below)
+                proto::REP_ERR_INVALID
+            } else if known_option(option) {
                 proto::REP_ERR_TOO_BIG
             } else {
                 proto::REP_ERR_UNSUP

@@ -260,6 +260,13 @@ fn options_list_info_unsupported_abort() {
     c.s.write_all(&hdr).unwrap();
     c.s.write_all(&vec![0u8; 1 << 20]).unwrap();
     assert_eq!(c.option_reply().kind, REP_ERR_TOO_BIG);
+    // LIST takes no data, whatever its length
+    let mut hdr = IHAVEOPT.to_be_bytes().to_vec();
+    hdr.extend_from_slice(&OPT_LIST.to_be_bytes());
+    hdr.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    c.s.write_all(&hdr).unwrap();
+    c.s.write_all(&vec![0u8; 1 << 20]).unwrap();
+    assert_eq!(c.option_reply().kind, REP_ERR_INVALID);
 
     // INFO_NAME of the default export (empty name) is its canonical name.
     let (infos, fin) = c.info_or_go(OPT_INFO, "", &[INFO_NAME, INFO_DESCRIPTION]);
