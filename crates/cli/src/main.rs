@@ -468,10 +468,10 @@ fn fsck(
             report.lbas_outside_data_file,
             match report.exit_code() {
                 0 => "clean".to_string(),
-                1 => format!("{} problem(s) corrected", report.problems.len()),
+                1 => format!("{} problem(s) corrected", report.problem_count()),
                 _ => format!(
                     "{} problem(s) left uncorrected (run with --repair)",
-                    report.problems.len()
+                    report.problem_count()
                 ),
             }
         );

@@ -66,6 +66,11 @@ fn load_skipped(
 /// Number of locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 64;
 
+/// Read-modify-write attempts of one block that may find it remapped
+/// meanwhile and read again; the last one writes regardless, so a client
+/// rewriting the block without pause cannot stall a partial write.
+const RMW_ATTEMPTS: u32 = 64;
+
 /// What a read-modify-write read: the PBA its LBA mapped (None:
 /// unmapped) and [`Meta::reuse_epoch`] then. While both hold, the LBA's
 /// content is what was read: a mapped PBA's bytes change only after it is
@@ -985,8 +990,16 @@ impl Engine {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             m.sequences.forget(id);
+            let default_t = self.config.sequence_threshold_blocks;
             let v = m.volumes.get_mut(&id).expect("looked up above");
+            let was = v.record.sequence_threshold_blocks.unwrap_or(default_t);
             v.record.sequence_threshold_blocks = threshold_blocks;
+            if was > 1 && threshold_blocks.unwrap_or(default_t) <= 1 {
+                // its writes under T > 1 were not recorded for the
+                // background pass: it examines the volume whole (where
+                // mapped) instead
+                m.skipped.record_volume(id);
+            }
             m.state_dirty = true;
             m.change_count += 1;
         }
@@ -1321,14 +1334,17 @@ impl Engine {
             // read and the write-back would be undone by it (its bytes
             // outside ours replaced by older ones): the write-back maps
             // only if the LBA still maps what was read, else it reads again
-            loop {
+            for attempt in 1.. {
                 let read = self.read_mapped(vol, lba, &mut block)?;
                 match data {
                     Some(d) => block[in_block..in_block + n]
                         .copy_from_slice(&d[(pos - start) as usize..(pos - start) as usize + n]),
                     None => block[in_block..in_block + n].fill(0),
                 }
-                if self.write_full_blocks(vol, lba, &block, Some(read))? {
+                // (past RMW_ATTEMPTS, against a client rewriting this very
+                // block without pause, it writes what it has)
+                let expect = (attempt < RMW_ATTEMPTS).then_some(read);
+                if self.write_full_blocks(vol, lba, &block, expect)? {
                     break;
                 }
             }
@@ -1680,9 +1696,17 @@ impl Engine {
                 && placement.iter().any(|p| matches!(p, Placement::New { .. }));
             if gone.is_some() || raced {
                 for p in &placement {
-                    if let Placement::New { pba, .. } = p {
+                    if let Placement::New { pba, filtered, .. } = p {
                         m.unreserve(*pba);
+                        if raced && *filtered {
+                            m.counters.sequence_filtered_blocks -= 1;
+                        }
                     }
+                }
+                if raced {
+                    // (written again by the retry; a read-modify-write
+                    // is one block, mapped in phase 1 or not at all)
+                    m.counters.blocks_written -= n as u64;
                 }
                 return gone.map_or(Ok(false), Err);
             }
@@ -1737,9 +1761,20 @@ impl Engine {
                         }
                     }
                 };
-                // (a copy with the most references a count holds is not
-                // shared: this block becomes the indexed copy instead)
-                let raced = raced.filter(|p| m.shareable(p.0));
+                // (a copy whose count cannot take this block and its
+                // copies in this request is not shared: this block becomes
+                // the indexed copy instead)
+                let raced = raced.filter(|p| {
+                    let copies = if has_copies {
+                        placement
+                            .iter()
+                            .filter(|q| matches!(q, Placement::SameAs(j) if *j == i))
+                            .count() as u64
+                    } else {
+                        0
+                    };
+                    m.shareable_by(p.0, 1 + copies)
+                });
                 let target = match raced {
                     Some(existing) if self.verified(existing, block(i), &mut m) => {
                         m.unreserve(*pba);

@@ -42,10 +42,11 @@ pub struct FsckOptions {
     pub rehash: bool,
 }
 
-/// Lines of `problems` (and of `data_lost`) named one by one; past it,
-/// problems of a kind are summed up in one line each, so a store damaged
-/// throughout (a truncated or replaced data file) does not fill memory with
-/// messages.
+/// Lines of `problems` (and of `data_lost`) listed one by one; past it,
+/// further ones are only counted (`problems_not_listed`,
+/// `data_lost_not_listed`, and one closing line each saying how many), so a
+/// store damaged throughout (a truncated or replaced data file) does not
+/// fill memory with messages.
 pub const NAMED_PROBLEMS_MAX: usize = 10_000;
 
 /// PBAs with corrupted data whose fingerprints a check without repair
@@ -53,11 +54,39 @@ pub const NAMED_PROBLEMS_MAX: usize = 10_000;
 /// each; past it, by the stored fingerprint).
 const MISMATCHED_REMEMBERED_MAX: usize = 1 << 20;
 
-/// Appends `line` to `lines` unless it already holds
-/// [`NAMED_PROBLEMS_MAX`] of them.
-fn push_named(lines: &mut Vec<String>, line: String) {
-    if lines.len() < NAMED_PROBLEMS_MAX {
-        lines.push(line);
+impl FsckReport {
+    /// Lists a problem, or counts it past [`NAMED_PROBLEMS_MAX`].
+    fn note_problem(&mut self, line: String) {
+        if self.problems.len() < NAMED_PROBLEMS_MAX {
+            self.problems.push(line);
+        } else {
+            self.problems_not_listed += 1;
+        }
+    }
+
+    /// Lists lost data, or counts it past [`NAMED_PROBLEMS_MAX`].
+    fn note_lost(&mut self, line: String) {
+        if self.data_lost.len() < NAMED_PROBLEMS_MAX {
+            self.data_lost.push(line);
+        } else {
+            self.data_lost_not_listed += 1;
+        }
+    }
+
+    /// Closes the lists with how many were only counted.
+    fn close_lists(&mut self) {
+        if self.problems_not_listed > 0 {
+            self.problems.push(format!(
+                "... and {} more problems not listed",
+                self.problems_not_listed
+            ));
+        }
+        if self.data_lost_not_listed > 0 {
+            self.data_lost.push(format!(
+                "... and {} more not listed",
+                self.data_lost_not_listed
+            ));
+        }
     }
 }
 
@@ -94,9 +123,20 @@ pub struct FsckReport {
     /// Problems that a repair could fix only by discarding data (listed
     /// also in `problems`).
     pub data_lost: Vec<String>,
+    /// Problems found past the first [`NAMED_PROBLEMS_MAX`] listed.
+    pub problems_not_listed: u64,
+    /// Lost data found past the first [`NAMED_PROBLEMS_MAX`] listed.
+    pub data_lost_not_listed: u64,
 }
 
 impl FsckReport {
+    /// Problems found, listed or not (the closing "more not listed" line
+    /// not counted).
+    pub fn problem_count(&self) -> u64 {
+        self.problems.len() as u64 - u64::from(self.problems_not_listed > 0)
+            + self.problems_not_listed
+    }
+
     /// e2fsck-style exit code: 0 clean, 1 corrected, 4 uncorrected.
     pub fn exit_code(&self) -> i32 {
         if self.problems.is_empty() {
@@ -131,7 +171,7 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
         ..config
     };
     let engine = Engine::open(path, config)?;
-    let report = match engine.check_and_repair(opts) {
+    let mut report = match engine.check_and_repair(opts) {
         Ok(r) => r,
         Err(e) => {
             // (a repair that failed committed nothing; a check writes nothing)
@@ -139,6 +179,7 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
             return Err(e);
         }
     };
+    report.close_lists();
     if report.repaired {
         engine.close()?;
     } else {
@@ -232,7 +273,7 @@ impl Engine {
         }
         for (id, lba) in &beyond {
             let v = &m.volumes[id];
-            r.problems.push(format!(
+            r.note_problem(format!(
                 "volume {}: LBA {lba} is past the volume's end ({} blocks) but mapped",
                 v.record.name,
                 v.size_blocks()
@@ -240,14 +281,12 @@ impl Engine {
         }
         for (id, lba) in &outside {
             let name = m.volumes[id].record.name.clone();
-            push_named(
-                &mut r.problems,
-                format!("volume {name}: LBA {lba} maps past the end of the data file"),
-            );
-            push_named(
-                &mut r.data_lost,
-                format!("volume {name}: LBA {lba} unmapped (its block is missing)"),
-            );
+            r.note_problem(format!(
+                "volume {name}: LBA {lba} maps past the end of the data file"
+            ));
+            r.note_lost(format!(
+                "volume {name}: LBA {lba} unmapped (its block is missing)"
+            ));
         }
         for (id, &count) in &outside_per_volume {
             r.lbas_outside_data_file += count;
@@ -298,16 +337,14 @@ impl Engine {
                 if rc > want && want == 0 {
                     r.leaked_blocks += 1;
                 }
-                if r.problems.len() < NAMED_PROBLEMS_MAX {
-                    r.problems.push(format!(
-                        "PBA {p}: reference count {rc}, mapped by {want} LBA(s){}",
-                        if rc < want {
-                            " (would be freed while in use)"
-                        } else {
-                            ""
-                        }
-                    ));
-                }
+                r.note_problem(format!(
+                    "PBA {p}: reference count {rc}, mapped by {want} LBA(s){}",
+                    if rc < want {
+                        " (would be freed while in use)"
+                    } else {
+                        ""
+                    }
+                ));
                 if opts.repair {
                     m.refcounts.set_u32(p, want);
                 }
@@ -327,13 +364,10 @@ impl Engine {
                     // the fingerprint page passed its checksum: the data
                     // changed on disk, and no repair can undo that
                     r.corrupted_blocks += 1;
-                    push_named(
-                        &mut r.problems,
-                        format!("PBA {p}: stored fingerprint does not match its data"),
-                    );
-                    push_named(
-                        &mut r.data_lost,
-                        format!(
+                    r.note_problem(format!(
+                        "PBA {p}: stored fingerprint does not match its data"
+                    ));
+                    r.note_lost(format!(
                             "PBA {p}: its data changed on disk; the {want} LBA(s) mapping it read the changed bytes{}",
                             if opts.repair {
                                 " (re-fingerprinted, so new writes no longer share it)"

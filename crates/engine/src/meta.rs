@@ -350,8 +350,14 @@ impl Meta {
     /// its content is stored as a new copy, so the count never wraps to 0
     /// and frees a block in use).
     pub fn shareable(&self, p: u64) -> bool {
-        let rc = self.refcounts.get_u32(p);
-        rc > 0 && rc < u32::MAX
+        self.shareable_by(p, 1)
+    }
+
+    /// True if `lbas` more LBAs may be mapped to PBA `p` ([`Meta::shareable`]
+    /// for several at once: a block and its copies in one request).
+    pub fn shareable_by(&self, p: u64, lbas: u64) -> bool {
+        let rc = u64::from(self.refcounts.get_u32(p));
+        rc > 0 && rc + lbas <= u64::from(u32::MAX)
     }
 
     /// Records the fingerprint of a block stored without being indexed (its

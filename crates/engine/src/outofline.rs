@@ -119,6 +119,9 @@ pub(crate) struct MergeScan {
     volumes: Vec<VolumeId>,
     volume: usize,
     page: u64,
+    /// What the scan covers (see [`Engine::volumes_to_merge`]).
+    only: Option<VolumeId>,
+    keep_sequences: bool,
 }
 
 /// Bytes a planned merge costs in memory (an entry of a hash map of two
@@ -403,18 +406,7 @@ impl Engine {
         only: Option<VolumeId>,
         keep_sequences: bool,
     ) -> MergeScan {
-        let m = lock(&self.meta);
-        let default_t = self.config.sequence_threshold_blocks;
-        let volumes = m
-            .volumes
-            .iter()
-            .filter(|(id, v)| {
-                only.is_none_or(|o| o == **id)
-                    && !(keep_sequences
-                        && v.record.sequence_threshold_blocks.unwrap_or(default_t) > 1)
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let volumes = self.volumes_to_merge(only, keep_sequences);
         let to_verify = if self.config.verify {
             merges.keys().copied().collect()
         } else {
@@ -427,7 +419,25 @@ impl Engine {
             volumes,
             volume: 0,
             page: 0,
+            only,
+            keep_sequences,
         }
+    }
+
+    /// The volumes a merge scan covers: `only` (or all), without those
+    /// with a sequence threshold T > 1 if `keep_sequences`.
+    fn volumes_to_merge(&self, only: Option<VolumeId>, keep_sequences: bool) -> Vec<VolumeId> {
+        let m = lock(&self.meta);
+        let default_t = self.config.sequence_threshold_blocks;
+        m.volumes
+            .iter()
+            .filter(|(id, v)| {
+                only.is_none_or(|o| o == **id)
+                    && !(keep_sequences
+                        && v.record.sequence_threshold_blocks.unwrap_or(default_t) > 1)
+            })
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// Runs `scan` on from where it stopped, remapping every LBA mapped to
@@ -477,13 +487,38 @@ impl Engine {
         let per_page = crate::paged::U64_PER_PAGE;
         let pages_per_hold = SCAN_CHUNK.div_ceil(per_page);
         let mut applied = 0;
-        while let Some(&vol) = scan.volumes.get(scan.volume) {
+        loop {
+            let Some(&vol) = scan.volumes.get(scan.volume) else {
+                // volumes created while a paused scan waited (their LBAs
+                // may have been mapped to its copies since) are scanned
+                // too before it ends
+                let later: Vec<VolumeId> = self
+                    .volumes_to_merge(scan.only, scan.keep_sequences)
+                    .into_iter()
+                    .filter(|v| !scan.volumes.contains(v))
+                    .collect();
+                if later.is_empty() {
+                    break;
+                }
+                scan.volumes.extend(later);
+                continue;
+            };
             loop {
                 if should_yield() {
                     return Ok((applied, false)); // the merges stay pending
                 }
                 let mut m = lock(&self.meta);
-                let Some(pages) = m.volumes.get(&vol).map(|v| v.map.page_count()) else {
+                let default_t = self.config.sequence_threshold_blocks;
+                let Some(pages) = m
+                    .volumes
+                    .get(&vol)
+                    // (a threshold raised meanwhile: left as it is now)
+                    .filter(|v| {
+                        !(scan.keep_sequences
+                            && v.record.sequence_threshold_blocks.unwrap_or(default_t) > 1)
+                    })
+                    .map(|v| v.map.page_count())
+                else {
                     break;
                 };
                 if scan.page >= pages {
@@ -534,8 +569,9 @@ impl Engine {
     /// index budget. The (fingerprint key, PBA) pairs are sorted through a
     /// scratch file in the store ([`crate::keysort`]), and the merges it
     /// plans are applied whenever a batch of them fills (the index
-    /// budget's worth at 48 bytes each, at least 65 536), so memory stays
-    /// about twice the index budget whatever the store's size. `progress` receives (PBAs examined, PBAs in all) during the
+    /// budget's worth at 48 bytes each, at least 65 536; checked between
+    /// runs of equal fingerprints), so memory does not grow with the
+    /// store. `progress` receives (PBAs examined, PBAs in all) during the
     /// scan.
     ///
     /// Errors: [`EngineError::NoSuchVolume`]; reading blocks or the scratch
@@ -756,7 +792,7 @@ impl Drop for WorkerHandle {
 
 #[cfg(test)]
 mod tests {
-    use crate::block::{Lba, BLOCK_SIZE};
+    use crate::block::{Lba, Pba, BLOCK_SIZE};
     use crate::engine::{lock, UNHASHED};
     use crate::{Engine, EngineConfig, HashAlgorithm};
 
@@ -928,6 +964,68 @@ mod tests {
         }
         assert_eq!(e.stats().physical_blocks_stored, 10);
         assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_paused_merge_scan_also_covers_volumes_created_meanwhile() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 32).unwrap();
+        let far = 1000 * crate::paged::U64_PER_PAGE;
+        let content = [6u8; BLOCK_SIZE];
+        e.write(v, 0, &content, false).unwrap();
+        e.write(v, far * 4096, &content, false).unwrap();
+        let fp = e.hash.fingerprint(&content);
+        let (a, b) = {
+            let mut m = lock(&e.meta);
+            let (a, b) = {
+                let map = &m.volumes[&v];
+                (map.get(Lba(0)).unwrap(), map.get(Lba(far)).unwrap())
+            };
+            m.record_unindexed(a, fp);
+            m.record_unindexed(b, fp);
+            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
+            m.pending_merges.insert(a.0.max(b.0), a.0.min(b.0));
+            (a.0.min(b.0), a.0.max(b.0))
+        };
+        // the scan pauses after its first chunk...
+        let first = std::cell::Cell::new(true);
+        let pause = || !first.replace(false);
+        e.apply_pending_merges(&pause).unwrap();
+        assert!(lock(&e.merge_scan).is_some(), "the scan did not pause");
+        // ...and a volume created meanwhile maps the copy
+        let w = e.create_volume("w", 1 << 20).unwrap();
+        lock(&e.meta).remap(w, Lba(0), Some(Pba(b)));
+        while !lock(&e.meta).pending_merges.is_empty() {
+            e.apply_pending_merges(&|| false).unwrap();
+        }
+        assert_eq!(lock(&e.meta).volumes[&w].get(Lba(0)), Some(Pba(a)));
+        assert_eq!(e.stats().physical_blocks_stored, 1);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn lowering_a_sequence_threshold_queues_the_volume() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.set_sequence_threshold("v", Some(4)).unwrap();
+        e.write(v, 0, &[8u8; BLOCK_SIZE], false).unwrap();
+        let s = e.stats().skipped;
+        assert_eq!((s.records, s.volumes), (0, 0), "a T > 1 write was recorded");
+        e.set_sequence_threshold("v", None).unwrap();
+        assert_eq!(e.stats().skipped.volumes, 1);
+    }
+
+    #[test]
+    fn sharing_leaves_room_for_a_request_s_own_copies() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[9u8; BLOCK_SIZE], false).unwrap();
+        let mut m = lock(&e.meta);
+        let p = m.volumes[&v].get(Lba(0)).unwrap().0;
+        m.refcounts.set_u32(p, u32::MAX - 3);
+        assert!(m.shareable(p) && m.shareable_by(p, 3));
+        assert!(!m.shareable_by(p, 4));
+        m.refcounts.set_u32(p, 1);
     }
 
     #[test]
