@@ -1464,7 +1464,11 @@ impl Engine {
     /// hashing or storing data. Used to replay content-fingerprinted traces
     /// through the real engine (with [`Engine::simulated`]).
     ///
-    /// Errors: [`EngineError::OutOfRange`] if the blocks pass the volume's end.
+    /// Errors: [`EngineError::OutOfRange`] if the blocks pass the volume's
+    /// end; [`EngineError::ReadOnly`] for a volume served read-only;
+    /// [`EngineError::MetadataUnreadable`] and
+    /// [`EngineError::DataSyncFailed`] once the store stopped committing,
+    /// as for [`Engine::write`].
     pub fn write_fingerprinted(
         &self,
         vol: VolumeId,
@@ -1535,6 +1539,11 @@ impl Engine {
                 size_bytes: volume.record.size_bytes,
             });
         }
+        // (a client write checked these already; a replayed one did not)
+        if volume.read_only() {
+            return Err(EngineError::ReadOnly(volume.record.name.clone()));
+        }
+        fault_check(&m)?;
         let threshold = volume
             .record
             .sequence_threshold_blocks
@@ -2295,6 +2304,12 @@ mod tests {
             .fetch_add(1, Ordering::Relaxed);
         let err = e.write(v, 2 * 4096, &[3u8; BLOCK_SIZE], false).unwrap_err();
         assert!(matches!(err, EngineError::MetadataUnreadable(_)), "{err:?}");
+        // a replayed write too
+        let fp = e.hash.fingerprint(&[3u8; BLOCK_SIZE]);
+        assert!(matches!(
+            e.write_fingerprinted(v, Lba(2), &[Some(fp)]).unwrap_err(),
+            EngineError::MetadataUnreadable(_)
+        ));
         // the write before it is not committed
         assert!(matches!(
             e.flush().unwrap_err(),
