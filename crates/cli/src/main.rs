@@ -145,7 +145,13 @@ fn main() {
     };
     if matches!(
         cli.command,
-        Some(Command::Replay(_) | Command::Trace(_) | Command::Sweep(_) | Command::Stats { .. })
+        Some(
+            Command::Replay(_)
+                | Command::Trace(_)
+                | Command::Sweep(_)
+                | Command::Stats { .. }
+                | Command::Fsck { .. }
+        )
     ) {
         // a report piped into `head` ends quietly when the reader goes
         // (the server, and commands talking to it, keep ignoring SIGPIPE)
@@ -164,11 +170,12 @@ fn main() {
 /// True if the command line names the `fsck` subcommand (its first
 /// argument that is not an option or the value of `--store`).
 fn invoked_fsck() -> bool {
-    let mut args = std::env::args().skip(1);
+    // (OS strings: a non-UTF-8 argument must not panic here)
+    let mut args = std::env::args_os().skip(1);
     while let Some(a) = args.next() {
         if a == "--store" {
             args.next();
-        } else if !a.starts_with('-') {
+        } else if !a.as_encoded_bytes().starts_with(b"-") {
             return a == "fsck";
         }
     }

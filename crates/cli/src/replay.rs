@@ -5,7 +5,6 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use dedupd_sim::{Format, Progress, ReplayConfig, Report, StreamBy};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -129,8 +128,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let report = result?;
     let json = serde_json::to_string_pretty(&report)?;
     if let Some(path) = &args.report {
-        std::fs::write(path, format!("{json}\n"))
-            .with_context(|| format!("writing {}", path.display()))?;
+        dedupd_sim::output::write_whole(path, format!("{json}\n").as_bytes())?;
     }
     if args.json {
         println!("{json}");

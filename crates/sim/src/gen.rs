@@ -197,8 +197,8 @@ fn check(spec: &GenSpec) -> Result<()> {
     }
     for s in &spec.streams {
         if let Locality::Good { mean_reuse_blocks } = s.locality {
-            if mean_reuse_blocks.is_nan() || mean_reuse_blocks < 1.0 {
-                return bad("mean reuse distance must be at least 1 block");
+            if !mean_reuse_blocks.is_finite() || mean_reuse_blocks < 1.0 {
+                return bad("mean reuse distance must be a finite number of blocks, at least 1");
             }
         }
     }
@@ -279,12 +279,17 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
                         // geometric on {1, 2, …} with mean m: p = 1/m
                         let p = 1.0 / mean_reuse_blocks;
                         let u: f64 = rng.random();
+                        let denominator = (1.0 - p).ln();
                         let k = if p >= 1.0 {
                             1.0
+                        } else if denominator == 0.0 {
+                            // a mean so large that 1 − p rounds to 1: as
+                            // far back as the history goes
+                            f64::INFINITY
                         } else {
-                            ((1.0 - u).ln() / (1.0 - p).ln()).floor() + 1.0
+                            ((1.0 - u).ln() / denominator).floor() + 1.0
                         };
-                        (k as usize).min(n)
+                        (k as usize).clamp(1, n)
                     }
                 };
                 run_dist = Some(dist);
@@ -325,4 +330,40 @@ pub fn generate(spec: &GenSpec, path: &Path) -> Result<u64> {
     )?;
     dest.commit()?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(mean_reuse_blocks: f64) -> GenSpec {
+        GenSpec {
+            streams: vec![StreamSpec {
+                locality: Locality::Good { mean_reuse_blocks },
+                share: 1,
+                name: "good".into(),
+            }],
+            size_bytes: 2000 * 4096,
+            block_bytes: 4096,
+            volume_bytes: 1 << 30,
+            sequential: false,
+            dup_percent: 50.0,
+            copy_runs: false,
+            seed: 3,
+        }
+    }
+
+    #[test]
+    fn a_huge_mean_reuse_distance_generates_and_an_infinite_one_is_refused() {
+        // 1 − 1/m rounds to 1: the distance is as far back as the history
+        // goes (it panicked reading past the history before)
+        for m in [1e17, 1e300] {
+            let mut out = Vec::new();
+            assert_eq!(generate_to(&spec(m), &mut out, "t").unwrap(), 2000);
+        }
+        for m in [f64::INFINITY, f64::NAN, 0.5] {
+            let err = generate_to(&spec(m), Vec::new(), "t").unwrap_err();
+            assert!(err.to_string().contains("mean reuse distance"), "{err}");
+        }
+    }
 }

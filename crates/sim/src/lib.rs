@@ -22,7 +22,7 @@ pub mod error;
 pub mod gen;
 pub mod input;
 pub mod native;
-mod output;
+pub mod output;
 pub mod plot;
 pub mod reader;
 pub mod replay;

@@ -59,6 +59,48 @@ impl OutputFile {
             .persist(&self.path)
             .map_err(|e| e.error)
             .map_err(io_err(&self.name))?;
-        Ok(())
+        sync_parent(&self.path).map_err(io_err(&self.name))
     }
+}
+
+/// Syncs the directory holding `path`, so a rename into it is durable.
+fn sync_parent(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
+/// Writes `bytes` to `path` whole or not at all (a temporary file renamed
+/// over it): an interrupted write leaves an existing file as it was.
+///
+/// Errors: I/O, naming `path`.
+pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
+    let out = OutputFile::create(path)?;
+    std::io::Write::write_all(&mut out.file()?, bytes).map_err(io_err(out.name()))?;
+    out.commit()
+}
+
+/// Runs `write` on a temporary path beside `path` (with its extension),
+/// then renames the result over `path`: for writers that take a path
+/// (the plotting backends). A failure leaves `path` as it was.
+///
+/// Errors: those of `write`; renaming.
+pub fn write_via_temporary(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let name = path.display().to_string();
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".dedupd-output-{}-{file_name}", std::process::id()));
+    let result = write(&tmp).and_then(|()| {
+        std::fs::rename(&tmp, path)
+            .and_then(|()| sync_parent(path))
+            .map_err(io_err(&name))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }

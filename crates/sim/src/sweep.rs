@@ -250,12 +250,12 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(io_err(&name))?;
     let mut files = Vec::new();
     let csv = dir.join("results.csv");
-    std::fs::write(&csv, to_csv(rows)).map_err(io_err(&name))?;
+    crate::output::write_whole(&csv, to_csv(rows).as_bytes())?;
     files.push(csv);
     let json = dir.join("results.json");
     let text = serde_json::to_string_pretty(rows)
         .map_err(|e| TraceError::Config(format!("encoding results: {e}")))?;
-    std::fs::write(&json, text + "\n").map_err(io_err(&name))?;
+    crate::output::write_whole(&json, (text + "\n").as_bytes())?;
     files.push(json);
     let mut traces: Vec<&str> = Vec::new();
     for r in rows {
@@ -264,6 +264,14 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     for t in traces {
+        // (a figure plots the bounded policies against their budget; a
+        // trace swept with `exact` alone has none to draw)
+        if !rows
+            .iter()
+            .any(|r| r.trace == t && r.index_memory_bytes.is_some())
+        {
+            continue;
+        }
         let stem = t.replace(
             |c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)),
             "_",
@@ -274,7 +282,9 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         ] {
             for ext in ["png", "svg"] {
                 let path = dir.join(format!("{stem}-{kind}.{ext}"));
-                crate::plot::draw(rows, t, what, &path)?;
+                crate::output::write_via_temporary(&path, |tmp| {
+                    crate::plot::draw(rows, t, what, tmp)
+                })?;
                 files.push(path);
             }
         }
@@ -293,5 +303,39 @@ mod tests {
             trace_names(&[t("a/t.fiu"), t("b/t.fiu"), t("c/u.fiu")]),
             ["a/t.fiu", "b/t.fiu", "u.fiu"]
         );
+    }
+
+    #[test]
+    fn outputs_replace_files_whole_and_skip_figures_without_bounded_points() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("results.csv"), "old").unwrap();
+        let exact = SweepRow {
+            trace: "t".into(),
+            policy: "exact".into(),
+            index_memory_bytes: None,
+            ..SweepRow::default()
+        };
+        // `exact` alone: the tables, no figure (and no error)
+        let files = write_outputs(std::slice::from_ref(&exact), dir.path()).unwrap();
+        assert_eq!(files.len(), 2, "{files:?}");
+        let csv = std::fs::read_to_string(dir.path().join("results.csv")).unwrap();
+        assert_eq!(csv, to_csv(std::slice::from_ref(&exact)));
+        let bounded = SweepRow {
+            policy: "g-lru".into(),
+            index_memory_bytes: Some(1 << 20),
+            ..exact.clone()
+        };
+        let files = write_outputs(&[exact, bounded], dir.path()).unwrap();
+        assert_eq!(files.len(), 6, "{files:?}");
+        // no temporary file left beside them
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.starts_with(".dedupd-output-")),
+            "{names:?}"
+        );
+        assert_eq!(names.len(), 6, "{names:?}");
     }
 }
