@@ -108,7 +108,10 @@ pub fn call(
 pub type Handler = dyn Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value> + Send + Sync;
 
 /// Serves control requests on `listener` until `stop` is set, answering
-/// each with `handle` (one thread per connection).
+/// each with `handle` (one thread per connection); then stops accepting
+/// and returns once every request already taken is answered (a volume
+/// delete or offline pass running at shutdown finishes before the store
+/// is closed).
 pub fn serve(
     listener: UnixListener,
     stop: Arc<AtomicBool>,
@@ -116,19 +119,25 @@ pub fn serve(
 ) {
     let handle = Arc::new(handle);
     listener.set_nonblocking(true).ok();
+    let mut running: Vec<std::thread::JoinHandle<()>> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
+        running.retain(|t| !t.is_finished());
         match listener.accept() {
             Ok((stream, _)) => {
                 let handle = handle.clone();
-                std::thread::spawn(move || {
+                running.push(std::thread::spawn(move || {
                     let _ = answer(stream, &*handle);
-                });
+                }));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(50))
             }
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
+    }
+    drop(listener);
+    for t in running {
+        let _ = t.join();
     }
 }
 
@@ -297,6 +306,32 @@ mod tests {
         let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
         assert_eq!(r, Value::Null);
         stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn stopping_waits_for_the_operations_already_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(socket_path(dir.path())).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let (s, d) = (stop.clone(), done.clone());
+        let server = std::thread::spawn(move || {
+            serve(listener, s, move |_, _| {
+                std::thread::sleep(Duration::from_millis(500));
+                d.store(true, Ordering::SeqCst);
+                Ok(Value::Null)
+            })
+        });
+        let client = {
+            let dir = dir.path().to_path_buf();
+            std::thread::spawn(move || call(&dir, &Request::VolumeList, &mut |_, _| {}))
+        };
+        // the request is taken, then the server is told to stop
+        std::thread::sleep(Duration::from_millis(200));
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+        assert!(done.load(Ordering::SeqCst), "serve returned mid-operation");
+        assert_eq!(client.join().unwrap().unwrap(), Value::Null);
     }
 
     #[test]

@@ -299,9 +299,13 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     let signal_handle = signals.handle();
     {
         let handle = handle.clone();
+        let stop = stop.clone();
         std::thread::spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 eprintln!("dedupd: signal {sig}: finishing in-flight requests");
+                // the control socket stops accepting too; its requests
+                // already taken finish before the store is closed
+                stop.store(true, Ordering::Relaxed);
                 handle.shutdown();
             }
         });
