@@ -792,7 +792,7 @@ impl Drop for WorkerHandle {
 
 #[cfg(test)]
 mod tests {
-    use crate::block::{Lba, Pba, BLOCK_SIZE};
+    use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE};
     use crate::engine::{lock, UNHASHED};
     use crate::{Engine, EngineConfig, HashAlgorithm};
 
@@ -867,6 +867,28 @@ mod tests {
         }
     }
 
+    /// Writes `content` at LBAs `la` and `lb` of `v` (two copies: inline
+    /// dedup is off), records their fingerprint as a pass would, plans the
+    /// merge of the higher PBA onto the lower and empties the skipped
+    /// buffer. Returns (kept PBA, copy PBA).
+    fn planned_merge(e: &Engine, v: VolumeId, la: u64, lb: u64, content: &[u8]) -> (u64, u64) {
+        e.write(v, la * 4096, content, false).unwrap();
+        e.write(v, lb * 4096, content, false).unwrap();
+        let fp = e.hash.fingerprint(content);
+        let mut m = lock(&e.meta);
+        let (a, b) = {
+            let map = &m.volumes[&v];
+            (map.get(Lba(la)).unwrap(), map.get(Lba(lb)).unwrap())
+        };
+        assert_ne!(a, b);
+        m.record_unindexed(a, fp);
+        m.record_unindexed(b, fp);
+        m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
+        let (kept, copy) = (a.0.min(b.0), a.0.max(b.0));
+        m.pending_merges.insert(copy, kept);
+        (kept, copy)
+    }
+
     #[test]
     fn the_offline_pass_applies_its_merges_in_bounded_batches() {
         let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
@@ -928,26 +950,9 @@ mod tests {
         let v = e.create_volume("v", 1 << 30).unwrap();
         let per_page = crate::paged::U64_PER_PAGE;
         // ten contents, each stored twice, spread over ~300 map pages
-        let mut pairs = Vec::new();
         for k in 0..10u64 {
-            let content = [k as u8 + 1; BLOCK_SIZE];
-            let (la, lb) = (k * 30 * per_page, k * 30 * per_page + 15 * per_page);
-            e.write(v, la * 4096, &content, false).unwrap();
-            e.write(v, lb * 4096, &content, false).unwrap();
-            let fp = e.hash.fingerprint(&content);
-            let mut m = lock(&e.meta);
-            let (a, b) = {
-                let map = &m.volumes[&v];
-                (map.get(Lba(la)).unwrap(), map.get(Lba(lb)).unwrap())
-            };
-            m.record_unindexed(a, fp);
-            m.record_unindexed(b, fp);
-            pairs.push((a.0.max(b.0), a.0.min(b.0)));
-        }
-        {
-            let mut m = lock(&e.meta);
-            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
-            m.pending_merges.extend(pairs);
+            let la = k * 30 * per_page;
+            planned_merge(&e, v, la, la + 15 * per_page, &[k as u8 + 1; BLOCK_SIZE]);
         }
         // traffic arrives at every fourth check: a scan that started over
         // each time would never get past the first few chunks
@@ -971,22 +976,7 @@ mod tests {
         let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
         let v = e.create_volume("v", 1 << 32).unwrap();
         let far = 1000 * crate::paged::U64_PER_PAGE;
-        let content = [6u8; BLOCK_SIZE];
-        e.write(v, 0, &content, false).unwrap();
-        e.write(v, far * 4096, &content, false).unwrap();
-        let fp = e.hash.fingerprint(&content);
-        let (a, b) = {
-            let mut m = lock(&e.meta);
-            let (a, b) = {
-                let map = &m.volumes[&v];
-                (map.get(Lba(0)).unwrap(), map.get(Lba(far)).unwrap())
-            };
-            m.record_unindexed(a, fp);
-            m.record_unindexed(b, fp);
-            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
-            m.pending_merges.insert(a.0.max(b.0), a.0.min(b.0));
-            (a.0.min(b.0), a.0.max(b.0))
-        };
+        let (a, b) = planned_merge(&e, v, 0, far, &[6u8; BLOCK_SIZE]);
         // the scan pauses after its first chunk...
         let first = std::cell::Cell::new(true);
         let pause = || !first.replace(false);
@@ -1034,24 +1024,9 @@ mod tests {
         let path = d.path().join("s");
         let e = Engine::create(&path, HashAlgorithm::Sha256, inline_off()).unwrap();
         let v = e.create_volume("v", 1 << 20).unwrap();
-        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
-        e.write(v, 4096, &[1u8; BLOCK_SIZE], false).unwrap();
-        let (a, b) = {
-            let m = lock(&e.meta);
-            let map = &m.volumes[&v];
-            (map.get(Lba(0)).unwrap(), map.get(Lba(1)).unwrap())
-        };
-        assert_ne!(a, b);
-        {
-            // both hashed by a pass, a merge planned, their LBAs no longer
-            // in the skipped buffer
-            let fp = e.hash.fingerprint(&[1u8; BLOCK_SIZE]);
-            let mut m = lock(&e.meta);
-            m.record_unindexed(a, fp);
-            m.record_unindexed(b, fp);
-            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
-            m.pending_merges.insert(b.0.max(a.0), b.0.min(a.0));
-        }
+        // both hashed by a pass, a merge planned, their LBAs no longer in
+        // the skipped buffer
+        planned_merge(&e, v, 0, 1, &[1u8; BLOCK_SIZE]);
         e.close().unwrap();
         drop(e);
         let e = Engine::open(&path, inline_off()).unwrap();
