@@ -59,7 +59,12 @@ use crate::fingerprint::Fingerprint;
 
 /// Bytes of one index entry (64-bit key, 64-bit PBA), in memory and on disk.
 pub const ENTRY_BYTES: usize = 16;
+/// Group entries per 64-byte cache line (an entry is a `(u64, u64)`).
+const ENTRIES_PER_LINE: usize = 64 / std::mem::size_of::<Entry>();
 const GROUP_PAGE: usize = 4096;
+/// Largest scratch buffer, in pages, the index keeps between group reads
+/// and writes (a larger one, for a skewed group, is freed after use).
+const PAGE_BUF_KEPT_PAGES: usize = 4;
 const GROUP_HEADER: usize = 32;
 const GROUP_MAGIC: u32 = u32::from_le_bytes(*b"DDFG");
 const NONE: u32 = u32::MAX;
@@ -502,6 +507,10 @@ pub struct FingerprintIndex {
     mem_entries: u64,
     mem_bytes: u64,
     store: Box<dyn GroupStore>,
+    /// Scratch bytes of one on-disk group being read or written, kept
+    /// between evictions instead of allocated for each (at most
+    /// [`PAGE_BUF_KEPT_PAGES`] pages are kept).
+    page_buf: Vec<u8>,
     free_runs: BTreeMap<u32, u32>,
     end_page: u32,
     tick: u64,
@@ -570,6 +579,7 @@ impl FingerprintIndex {
             mem_entries: 0,
             mem_bytes: 0,
             store,
+            page_buf: Vec::new(),
             free_runs: BTreeMap::new(),
             end_page: 0,
             tick: 0,
@@ -1049,9 +1059,18 @@ impl FingerprintIndex {
         }
         for &(key, g) in &pending {
             let entries = &self.groups[g as usize].entries;
-            if let Ok(i) = find(entries, key, self.cfg.prefix_bits) {
-                if !is_ghost(entries[i].1) {
-                    hits.push(Pba(entries[i].1));
+            match find(entries, key, self.cfg.prefix_bits) {
+                Ok(i) => {
+                    if !is_ghost(entries[i].1) {
+                        hits.push(Pba(entries[i].1));
+                    }
+                }
+                // a miss is usually inserted here next: the insert shifts
+                // every entry from i on, so bring those lines in too
+                Err(i) => {
+                    for e in entries[i..].iter().step_by(ENTRIES_PER_LINE) {
+                        prefetch_read(e);
+                    }
                 }
             }
         }
@@ -1364,11 +1383,40 @@ impl FingerprintIndex {
         Ok(())
     }
 
-    fn read_group(&self, leaf: &Leaf, prefix: u32) -> io::Result<Vec<Entry>> {
-        let mut buf = vec![0u8; leaf.disk_pages as usize * GROUP_PAGE];
-        self.store
-            .read_at(&mut buf, leaf.disk_page as u64 * GROUP_PAGE as u64)?;
-        Ok(decode_group(&buf, prefix).unwrap_or_default())
+    fn read_group(&mut self, leaf: &Leaf, prefix: u32) -> io::Result<Vec<Entry>> {
+        let mut buf = std::mem::take(&mut self.page_buf);
+        buf.clear();
+        buf.resize(leaf.disk_pages as usize * GROUP_PAGE, 0);
+        let read = self
+            .store
+            .read_at(&mut buf, leaf.disk_page as u64 * GROUP_PAGE as u64);
+        let entries = read.map(|()| decode_group(&buf, prefix).unwrap_or_default());
+        self.keep_page_buf(buf);
+        entries
+    }
+
+    /// Writes `entries` as the on-disk group of `prefix` at `page`
+    /// (`pages` long).
+    fn write_group_at(
+        &mut self,
+        prefix: u32,
+        entries: &[Entry],
+        page: u32,
+        pages: u32,
+    ) -> io::Result<()> {
+        let mut buf = std::mem::take(&mut self.page_buf);
+        encode_group(prefix, entries, pages, &mut buf);
+        let written = self.store.write_at(&buf, page as u64 * GROUP_PAGE as u64);
+        self.keep_page_buf(buf);
+        written
+    }
+
+    /// Keeps `buf` as the scratch buffer unless it grew past
+    /// [`PAGE_BUF_KEPT_PAGES`] pages (a skewed group's).
+    fn keep_page_buf(&mut self, buf: Vec<u8>) {
+        if buf.capacity() <= PAGE_BUF_KEPT_PAGES * GROUP_PAGE {
+            self.page_buf = buf;
+        }
     }
 
     fn write_group(&mut self, prefix: u32, leaf: Leaf, entries: &[Entry]) -> io::Result<()> {
@@ -1390,10 +1438,7 @@ impl FingerprintIndex {
                 self.alloc_run(pages)?
             };
             self.stats.eviction_writes += 1;
-            if let Err(e) = self.store.write_at(
-                &encode_group(prefix, entries, pages),
-                page as u64 * GROUP_PAGE as u64,
-            ) {
+            if let Err(e) = self.write_group_at(prefix, entries, page, pages) {
                 if !in_place {
                     self.free_run(page, pages);
                 }
@@ -1528,10 +1573,7 @@ impl FingerprintIndex {
             }
             let pages = pages_for(entries.len());
             let page = self.alloc_run(pages)?;
-            self.store.write_at(
-                &encode_group(prefix, &entries, pages),
-                page as u64 * GROUP_PAGE as u64,
-            )?;
+            self.write_group_at(prefix, &entries, page, pages)?;
             self.stats.entries_on_disk += entries.len() as u64;
             *self.leaf_mut(prefix) = Leaf {
                 mem: NONE,
@@ -1600,8 +1642,11 @@ fn pages_for(entries: usize) -> u32 {
         .max(1) as u32
 }
 
-fn encode_group(prefix: u32, entries: &[Entry], pages: u32) -> Vec<u8> {
-    let mut out = vec![0u8; pages as usize * GROUP_PAGE];
+/// Encodes `entries` as the on-disk group of `prefix` into `out`, which
+/// becomes `pages` pages long.
+fn encode_group(prefix: u32, entries: &[Entry], pages: u32, out: &mut Vec<u8>) {
+    out.clear();
+    out.resize(pages as usize * GROUP_PAGE, 0);
     for (i, (k, p)) in entries.iter().enumerate() {
         let o = GROUP_HEADER + i * ENTRY_BYTES;
         out[o..o + 8].copy_from_slice(&k.to_le_bytes());
@@ -1615,7 +1660,6 @@ fn encode_group(prefix: u32, entries: &[Entry], pages: u32) -> Vec<u8> {
     out[4..8].copy_from_slice(&prefix.to_le_bytes());
     out[8..12].copy_from_slice(&(entries.len() as u32).to_le_bytes());
     out[12..16].copy_from_slice(&crc.to_le_bytes());
-    out
 }
 
 /// Decodes an on-disk group; `None` if its header or checksum is wrong.
@@ -2099,7 +2143,10 @@ mod tests {
     #[test]
     fn group_codec_detects_damage() {
         let e = vec![(5u64, 9u64), (7, 11)];
-        let mut b = encode_group(3, &e, 1);
+        let mut b = vec![0xaa; 3 * GROUP_PAGE];
+        encode_group(3, &e, 1, &mut b);
+        assert_eq!(b.len(), GROUP_PAGE);
+        assert!(b[GROUP_HEADER + 2 * ENTRY_BYTES..].iter().all(|&x| x == 0));
         assert_eq!(decode_group(&b, 3), Some(e));
         assert_eq!(decode_group(&b, 4), None);
         b[40] ^= 1;
