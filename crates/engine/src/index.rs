@@ -256,6 +256,11 @@ impl GroupStore for MemoryGroupStore {
     }
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
         let end = offset as usize + data.len();
+        if offset as usize == self.0.len() {
+            // appending (the store grows): no zero fill first
+            self.0.extend_from_slice(data);
+            return Ok(());
+        }
         if self.0.len() < end {
             self.0.resize(end, 0);
         }
