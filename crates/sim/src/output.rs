@@ -27,10 +27,13 @@ impl OutputFile {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
-        let tmp = tempfile::Builder::new()
-            .prefix(".dedupd-output-")
-            .tempfile_in(dir)
-            .map_err(io_err(&name))?;
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(".dedupd-output-");
+        // as an ordinary new file: 0666 less the umask (a temporary
+        // file's default, 0600, would hide results from other users)
+        #[cfg(unix)]
+        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+        let tmp = builder.tempfile_in(dir).map_err(io_err(&name))?;
         Ok(OutputFile {
             tmp,
             path: path.to_path_buf(),
@@ -103,4 +106,31 @@ pub fn write_via_temporary(path: &Path, write: impl FnOnce(&Path) -> Result<()>)
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The process's umask, from `/proc/self/status` (Linux).
+    fn umask() -> Option<u32> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("Umask:"))?;
+        u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn output_files_get_an_ordinary_files_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let Some(mask) = umask() else {
+            panic!("no Umask line in /proc/self/status");
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.csv");
+        write_whole(&path, b"a,b\n").unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o666 & !mask);
+        assert_eq!(std::fs::read(&path).unwrap(), b"a,b\n");
+    }
 }
