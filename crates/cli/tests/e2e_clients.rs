@@ -227,6 +227,17 @@ fn bad_store_paths_get_clear_errors() {
         "dedupd wrote into a foreign directory"
     );
 
+    // an I/O error names the file and the system's reason, once
+    let odd = tmp.path().join("odd-store");
+    assert!(dedupd(&odd, &["init"]).status.success());
+    let _ = std::fs::remove_file(odd.join("lock"));
+    std::fs::create_dir(odd.join("lock")).unwrap();
+    let out = dedupd(&odd, &["volume", "list"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("lock"), "stderr: {err}");
+    assert_eq!(err.matches("Is a directory").count(), 1, "stderr: {err}");
+
     // a second server on the same store is refused
     let store = tmp.path().join("store");
     let server = Server::start(&store, &[]);

@@ -6,13 +6,13 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// An I/O error of the backing files; `context` says what was being done.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Io {
         /// What the engine was doing.
         context: String,
-        /// The operating system's error.
-        #[source]
-        source: std::io::Error,
+        /// The operating system's error (part of the message, so not also
+        /// given as the error's source: a chain would print it twice).
+        cause: std::io::Error,
     },
     /// The backing file system is full. Stored data and metadata are intact;
     /// reads keep working.
@@ -97,7 +97,10 @@ impl EngineError {
             _ if source.kind() == std::io::ErrorKind::StorageFull => {
                 EngineError::NoSpace { context }
             }
-            _ => EngineError::Io { context, source },
+            _ => EngineError::Io {
+                context,
+                cause: source,
+            },
         }
     }
 }

@@ -44,9 +44,16 @@ pub enum TraceError {
     /// Bad configuration (unknown policy, bad generator parameters, …).
     #[error("{0}")]
     Config(String),
-    /// An engine error outside any single request.
+    /// An engine error outside any single request (part of the message,
+    /// so not also given as the error's source).
     #[error("engine: {0}")]
-    Engine(#[from] dedupd_engine::EngineError),
+    Engine(dedupd_engine::EngineError),
+}
+
+impl From<dedupd_engine::EngineError> for TraceError {
+    fn from(e: dedupd_engine::EngineError) -> Self {
+        TraceError::Engine(e)
+    }
 }
 
 /// Result with [`TraceError`].
