@@ -621,10 +621,11 @@ fn print_stats(v: &Value) {
     );
     if let Some(c) = v.get("connections_open").and_then(Value::as_u64) {
         println!(
-            "NBD connections open         {c} ({} total, {} refused at the limit; read buffers {}; payload in flight {})",
+            "NBD connections open         {c} ({} total, {} refused at the limit; read buffers {}; kept request buffers {}; payload in flight {})",
             u("connections_total"),
             u("connections_refused"),
             human(u("connection_read_buffer_bytes")),
+            human(u("connection_kept_buffer_bytes")),
             human(u("inflight_bytes"))
         );
     }

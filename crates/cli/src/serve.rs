@@ -402,6 +402,7 @@ fn answer(
             v["inflight_bytes"] = s.inflight_bytes.into();
             v["connections_refused"] = s.connections_refused.into();
             v["connection_read_buffer_bytes"] = s.read_buffer_bytes.into();
+            v["connection_kept_buffer_bytes"] = s.kept_buffer_bytes.into();
             v
         }
         Request::VolumeList => serde_json::to_value(engine.volumes())?,

@@ -91,14 +91,17 @@ fn run_transmission(input: &[u8]) -> Vec<u8> {
     let writer = Arc::new(ReplyWriter::new(Box::new(sink.clone()), Box::new(|| {})));
     let budget = Budget::new(1 << 20);
     let (requests, stopping) = (AtomicU64::new(0), AtomicBool::new(false));
+    let kept = AtomicU64::new(0);
     let res = Resources {
         workers: 2,
         budget: &budget,
         requests_total: &requests,
         stopping: &stopping,
+        kept_buffer_bytes: &kept,
     };
     run(&mut Cursor::new(input), writer, mem(64 * 1024), &res);
     assert_eq!(budget.in_use(), 0);
+    assert_eq!(kept.load(std::sync::atomic::Ordering::Relaxed), 0);
     let out = sink.0.lock().unwrap().clone();
     out
 }

@@ -125,6 +125,14 @@ pub(crate) trait RequestSource: Read + Send {
     /// unsure.
     fn input_pending(&mut self) -> bool;
 
+    /// Waits up to `timeout` for input; false if none arrived (end of
+    /// stream counts as input: the next read finds it). A source that
+    /// cannot wait answers true at once.
+    fn wait_input(&mut self, timeout: std::time::Duration) -> bool {
+        let _ = timeout;
+        true
+    }
+
     /// Reads a WRITE payload whole. A source over a socket bounds the time
     /// this may take (the payload holds its share of the server's
     /// in-flight budget meanwhile) and fails once it is exceeded.
@@ -344,6 +352,9 @@ pub(crate) struct Resources<'a> {
     /// answered `NBD_ESHUTDOWN` (at most [`SHUTDOWN_REPLIES`] of them) and
     /// reading stops at the end of what the client has sent.
     pub stopping: &'a AtomicBool,
+    /// Bytes of request buffers kept for reuse by all connections (see
+    /// [`KEPT_BUFFER_BYTES`]).
+    pub kept_buffer_bytes: &'a AtomicU64,
 }
 
 /// Requests a connection answers with `NBD_ESHUTDOWN` after the server
@@ -351,10 +362,16 @@ pub(crate) struct Resources<'a> {
 /// sending cannot hold the shutdown up).
 pub(crate) const SHUTDOWN_REPLIES: usize = 1024;
 
-/// Bytes of payload buffer a worker keeps between requests (reused, so a
-/// request's buffer is neither allocated nor zeroed again); a larger one
-/// is freed after its request.
+/// Largest request buffer a connection keeps for reuse after its request
+/// (so the next request's buffer is neither allocated nor zeroed again); a
+/// larger one is freed at once. A connection keeps at most one per worker,
+/// and frees them all once its client has sent nothing for
+/// [`IDLE_BUFFER_FREE_AFTER`], so idle connections hold none.
 const KEPT_BUFFER_BYTES: usize = (1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN;
+
+/// How long a connection waits for its client with nothing to read before
+/// it frees its kept request buffers.
+pub(crate) const IDLE_BUFFER_FREE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A request read whole, ready to execute.
 struct Job {
@@ -396,6 +413,12 @@ struct Connection<'a, R: ?Sized> {
     res: &'a Resources<'a>,
     /// Requests answered `NBD_ESHUTDOWN` so far.
     shutdown_replies: AtomicUsize,
+    /// Buffers of finished requests, for the next ones.
+    spare: Mutex<Vec<Vec<u8>>>,
+    /// Set while the reading worker waits for a client that has sent
+    /// nothing for [`IDLE_BUFFER_FREE_AFTER`]: buffers are then freed, not
+    /// kept.
+    idle: AtomicBool,
 }
 
 /// Runs the transmission phase until the client disconnects, breaks the
@@ -416,6 +439,8 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
         read_only: export.read_only(),
         res,
         shutdown_replies: AtomicUsize::new(0),
+        spare: Mutex::new(Vec::new()),
+        idle: AtomicBool::new(false),
     };
     let workers = res.workers.max(1);
     std::thread::scope(|scope| {
@@ -431,16 +456,16 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
         }
         conn.work();
     });
+    conn.free_spare_buffers();
 }
 
 impl<R: RequestSource + ?Sized> Connection<'_, R> {
     /// One worker: read a request, execute it, reply; until reading stops.
     fn work(&self) {
-        let mut buf = Vec::new();
         loop {
             let next = {
                 let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-                let next = self.next(&mut **reader, &mut buf);
+                let next = self.next(&mut **reader);
                 if matches!(next, Next::Stop) {
                     // before the reader is released: the next worker to
                     // take it must see the stop, not block reading a
@@ -451,9 +476,9 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
             };
             match next {
                 Next::Job(job) => {
-                    buf = execute(job, self.export, self.writer);
-                    if buf.capacity() > KEPT_BUFFER_BYTES {
-                        buf = Vec::new();
+                    let buf = execute(job, self.export, self.writer);
+                    if buf.capacity() <= KEPT_BUFFER_BYTES {
+                        self.keep_buffer(buf);
                     }
                 }
                 Next::Handled => {}
@@ -465,8 +490,50 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         }
     }
 
+    /// Keeps a finished request's buffer for a later request.
+    fn keep_buffer(&self, buf: Vec<u8>) {
+        if buf.capacity() == 0 {
+            return;
+        }
+        self.res
+            .kept_buffer_bytes
+            .fetch_add(buf.capacity() as u64, Ordering::Relaxed);
+        self.spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buf);
+        // (after the push: a reader that went idle before it has freed it,
+        // or is seen idle here)
+        if self.idle.load(Ordering::SeqCst) {
+            self.free_spare_buffers();
+        }
+    }
+
+    /// A kept buffer, or a new empty one.
+    fn take_buffer(&self) -> Vec<u8> {
+        let buf = self
+            .spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
+        self.res
+            .kept_buffer_bytes
+            .fetch_sub(buf.capacity() as u64, Ordering::Relaxed);
+        buf
+    }
+
+    /// Frees every kept buffer.
+    fn free_spare_buffers(&self) {
+        let freed = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|e| e.into_inner()));
+        let bytes: usize = freed.iter().map(Vec::capacity).sum();
+        self.res
+            .kept_buffer_bytes
+            .fetch_sub(bytes as u64, Ordering::Relaxed);
+    }
+
     /// Reads the next request whole; the caller holds the reading half.
-    fn next(&self, reader: &mut R, buf: &mut Vec<u8>) -> Next {
+    fn next(&self, reader: &mut R) -> Next {
         let writer = self.writer;
         if self.done.load(Ordering::SeqCst) || writer.is_dead() {
             return Next::Stop;
@@ -488,11 +555,17 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         let waiting = !reader.input_pending();
         if waiting {
             writer.set_awaiting_client(true);
+            if !reader.wait_input(IDLE_BUFFER_FREE_AFTER) {
+                // the client may stay idle for hours
+                self.idle.store(true, Ordering::SeqCst);
+                self.free_spare_buffers();
+            }
         }
         let mut hdr = [0u8; proto::REQUEST_HEADER_LEN];
         let got = reader.read_exact(&mut hdr);
         if waiting {
             writer.set_awaiting_client(false);
+            self.idle.store(false, Ordering::SeqCst);
         }
         if got.is_err() {
             return Next::Stop;
@@ -538,7 +611,7 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                     _ => 0,
                 };
                 let guard = self.res.budget.acquire(bytes);
-                let mut buf = std::mem::take(buf);
+                let mut buf = self.take_buffer();
                 if req.command == Command::Write {
                     ensure_len(&mut buf, len);
                     if reader.read_payload(&mut buf[..len]).is_err() {

@@ -705,3 +705,36 @@ fn requests_sent_before_shutdown_get_eshutdown() {
     assert!(c.at_eof());
     h.stop();
 }
+
+#[test]
+fn idle_connections_keep_no_request_buffers() {
+    let config = ServerConfig::default();
+    let workers = config.workers_per_connection as u64;
+    let h = Harness::start(config);
+    let mut clients: Vec<Client<std::net::TcpStream>> = (0..3)
+        .map(|_| {
+            let mut c = h.tcp();
+            c.connect_go("disk");
+            c
+        })
+        .collect();
+    for c in &mut clients {
+        for i in 0..4u64 {
+            c.send_request(0, CMD_READ, i, i << 20, 1 << 20, &[]);
+        }
+        for _ in 0..4 {
+            assert_eq!(c.reply().0, 0);
+            assert_eq!(c.read_n(1 << 20).len(), 1 << 20);
+        }
+    }
+    let kept = h.server.stats().kept_buffer_bytes;
+    assert!(kept <= 3 * workers * ((1 << 20) + 16), "{kept} bytes kept");
+    // every connection now waits for its client: none keeps a buffer
+    wait_until("idle connections to free their buffers", || {
+        h.server.stats().kept_buffer_bytes == 0
+    });
+    for c in &mut clients {
+        assert_eq!(c.read(0, 2).unwrap().len(), 2);
+    }
+    h.stop();
+}
