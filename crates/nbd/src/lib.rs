@@ -61,4 +61,7 @@ mod transmission;
 mod fuzz_tests;
 
 pub use export::{Export, ExportError, ExportInfo, ExportProvider};
-pub use server::{Server, ServerConfig, ServerStats, ShutdownHandle, READ_BUFFER_BYTES};
+pub use server::{
+    Server, ServerConfig, ServerStats, ShutdownHandle, READ_BUFFER_BYTES, TCP_KEEPALIVE_IDLE,
+    TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_PROBES,
+};

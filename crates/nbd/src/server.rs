@@ -58,9 +58,12 @@ pub struct ServerConfig {
     /// holds its share of the in-flight budget meanwhile), or the
     /// connection is dropped. Default 60 s.
     pub payload_timeout: Duration,
-    /// During negotiation, a read that gets nothing for this long ends the
-    /// connection (an idle connection in transmission is kept). Default
-    /// 30 s.
+    /// Negotiation must end (in transmission, or the client's abort)
+    /// within this time of the connection's accept, or the connection is
+    /// closed: a client that stalls, or keeps asking options, cannot hold
+    /// a connection slot. An idle connection in transmission is kept (TCP
+    /// keepalive probes find a vanished peer: [`TCP_KEEPALIVE_IDLE`]).
+    /// Default 30 s.
     pub handshake_timeout: Duration,
 }
 
@@ -74,6 +77,55 @@ impl Default for ServerConfig {
             handshake_timeout: Duration::from_secs(30),
         }
     }
+}
+
+/// Idle time of a TCP connection before keepalive probes start; with
+/// [`TCP_KEEPALIVE_INTERVAL`] and [`TCP_KEEPALIVE_PROBES`], a peer that
+/// vanished without closing (power loss, a network partition) is found
+/// and its connection closed within about two minutes.
+pub const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+/// Time between keepalive probes.
+pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Unanswered keepalive probes after which the connection is closed.
+pub const TCP_KEEPALIVE_PROBES: u32 = 6;
+
+/// Turns on TCP keepalive for `stream` with the timings above.
+fn set_keepalive(stream: &TcpStream) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| -> io::Result<()> {
+        // SAFETY: setsockopt on a socket we own, with a pointer to a live
+        // c_int and its size.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPIDLE,
+        TCP_KEEPALIVE_IDLE.as_secs() as libc::c_int,
+    )?;
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPINTVL,
+        TCP_KEEPALIVE_INTERVAL.as_secs() as libc::c_int,
+    )?;
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPCNT,
+        TCP_KEEPALIVE_PROBES as libc::c_int,
+    )
 }
 
 /// A snapshot of a server's counters.
@@ -158,6 +210,8 @@ impl ReplySink for Box<dyn Socket> {
 struct SocketReader {
     buffered: BufReader<Box<dyn Socket>>,
     payload_timeout: Duration,
+    /// While negotiating: when reading must have ended.
+    deadline: Option<Instant>,
 }
 
 impl SocketReader {
@@ -168,6 +222,18 @@ impl SocketReader {
 
 impl Read for SocketReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(deadline) = self.deadline {
+            if self.buffered.buffer().is_empty() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "negotiation not finished in time",
+                    ));
+                }
+                self.socket().set_recv_timeout(Some(left))?;
+            }
+        }
         self.buffered.read(buf)
     }
 }
@@ -366,8 +432,9 @@ impl Server {
         }
     }
 
-    /// Accepts NBD clients on `listener` (TCP_NODELAY is set on each
-    /// accepted socket) until shutdown, then waits for this listener's
+    /// Accepts NBD clients on `listener` (TCP_NODELAY and keepalive,
+    /// [`TCP_KEEPALIVE_IDLE`], are set on each accepted socket) until
+    /// shutdown, then waits for this listener's
     /// connections to finish and returns `Ok(())`.
     ///
     /// Errors: a failure to configure or poll the listener. Failed
@@ -380,6 +447,7 @@ impl Server {
             let (stream, _) = listener.accept()?;
             stream.set_nonblocking(false)?;
             stream.set_nodelay(true)?;
+            set_keepalive(&stream)?;
             Ok(Box::new(stream))
         })
     }
@@ -530,29 +598,25 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     let mut reader = SocketReader {
         buffered: BufReader::with_capacity(READ_BUFFER_BYTES, read_half),
         payload_timeout: shared.config.payload_timeout,
+        deadline: Some(Instant::now() + shared.config.handshake_timeout),
     };
     let mut writer: Box<dyn Socket> = socket;
     // Replies of one option leave together (negotiate flushes per option).
     let mut buffered = BufWriter::new(&mut writer);
-    // A client that stops sending during negotiation is dropped; an idle
-    // client in transmission is not (it may send its next request in
+    // A client that does not finish negotiating in time is dropped; an
+    // idle client in transmission is not (it may send its next request in
     // hours).
-    let outcome = reader
-        .socket()
-        .set_recv_timeout(Some(shared.config.handshake_timeout))
-        .map_err(handshake::HandshakeError::from)
-        .and_then(|()| {
-            handshake::negotiate(
-                &mut reader,
-                &mut buffered,
-                shared.provider.as_ref(),
-                &shared.stopping,
-            )
-        })
-        .and_then(|o| {
-            reader.socket().set_recv_timeout(None)?;
-            Ok(o)
-        });
+    let outcome = handshake::negotiate(
+        &mut reader,
+        &mut buffered,
+        shared.provider.as_ref(),
+        &shared.stopping,
+    )
+    .and_then(|o| {
+        reader.deadline = None;
+        reader.socket().set_recv_timeout(None)?;
+        Ok(o)
+    });
     drop(buffered);
     let hangup_half = Arc::new(hangup_half);
     if let Ok(Outcome::Transmission { export }) = outcome {

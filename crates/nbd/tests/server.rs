@@ -738,3 +738,86 @@ fn idle_connections_keep_no_request_buffers() {
     }
     h.stop();
 }
+
+#[test]
+fn a_client_that_keeps_negotiating_is_dropped_at_the_deadline() {
+    let h = Harness::start(ServerConfig {
+        handshake_timeout: Duration::from_millis(800),
+        ..ServerConfig::default()
+    });
+    let mut c = h.tcp();
+    c.greet(proto::FLAG_C_FIXED_NEWSTYLE);
+    let started = Instant::now();
+    // each option is answered, well within the per-read time, but the
+    // negotiation as a whole never ends
+    let mut answered = 0;
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut header = proto::IHAVEOPT.to_be_bytes().to_vec();
+        header.extend_from_slice(&OPT_LIST.to_be_bytes());
+        header.extend_from_slice(&0u32.to_be_bytes());
+        if c.s.write_all(&header).is_err() || !list_answered(&mut c.s) {
+            break;
+        }
+        answered += 1;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "still negotiating after {answered} options"
+        );
+    }
+    assert!(answered >= 2, "only {answered} options answered");
+    assert!(started.elapsed() >= Duration::from_millis(700));
+    wait_until("the connection to close", || {
+        h.server.stats().connections_open == 0
+    });
+    h.stop();
+}
+
+/// Reads the replies to NBD_OPT_LIST up to its ACK; false if the
+/// connection ends first.
+fn list_answered(s: &mut impl std::io::Read) -> bool {
+    loop {
+        let mut h = [0u8; 20];
+        if s.read_exact(&mut h).is_err() {
+            return false;
+        }
+        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut data = vec![0u8; len];
+        if s.read_exact(&mut data).is_err() {
+            return false;
+        }
+        if kind == REP_ACK {
+            return true;
+        }
+    }
+}
+
+#[test]
+fn tcp_connections_are_kept_alive() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    let server_port = c.s.peer_addr().unwrap().port();
+    let client_port = c.s.local_addr().unwrap().port();
+    // the server's end of the connection, in /proc/net/tcp: its timer
+    // field ("tr") is 2 while a keepalive timer runs
+    let port = |field: &str| u16::from_str_radix(field.rsplit(':').next().unwrap(), 16).unwrap();
+    // (the retransmit timer, 01, runs instead until the client's ACK of
+    // the last reply arrives)
+    let timer = || {
+        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let line = tcp
+            .lines()
+            .skip(1)
+            .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+            .find(|f| port(&f[1]) == server_port && port(&f[2]) == client_port)
+            .expect("the server's socket in /proc/net/tcp");
+        line[5].split(':').next().unwrap().to_string()
+    };
+    wait_until("a keepalive timer on the server's socket", || {
+        timer() == "02"
+    });
+    assert_eq!(c.read(0, 2).unwrap().len(), 2);
+    h.stop();
+}
