@@ -20,6 +20,10 @@ use crate::export::ExportProvider;
 use crate::handshake::{self, Outcome};
 use crate::transmission::{self, ReplySink, ReplyWriter, RequestSource, Resources};
 
+/// After shutdown began, connections still open this long have their
+/// reading side shut down (a client stalled in the middle of a request
+/// header would otherwise hold the shutdown up).
+const SHUTDOWN_STOP_READING_AFTER: Duration = Duration::from_secs(5);
 /// How often an idle accept loop checks for shutdown.
 const ACCEPT_POLL_MS: libc::c_int = 50;
 /// A reply write that makes no progress for this long (the client does not
@@ -246,8 +250,16 @@ impl RequestSource for SocketReader {
 
     fn wait_input(&mut self, timeout: Duration) -> bool {
         let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
-        !self.buffered.buffer().is_empty()
-            || wait_readable(self.socket().raw_fd(), ms).unwrap_or(true)
+        if !self.buffered.buffer().is_empty() {
+            return true;
+        }
+        match wait_readable(self.socket().raw_fd(), ms) {
+            Ok(readable) => readable,
+            // a signal: not input (the caller waits again)
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => false,
+            // let the read find the error
+            Err(_) => true,
+        }
     }
 
     /// Reads the payload within the payload timeout of the call: each read
@@ -318,9 +330,9 @@ struct Shared {
     config: ServerConfig,
     stopping: AtomicBool,
     budget: Arc<Budget>,
-    /// Clones of every open connection's socket, to shut their reading
-    /// side down on server shutdown.
-    connections: Mutex<HashMap<u64, Box<dyn Socket>>>,
+    /// Every open connection's socket (a clone) and phase, for the
+    /// shutdown.
+    connections: Mutex<HashMap<u64, Registered>>,
     next_id: AtomicU64,
     connections_open: AtomicU64,
     connections_total: AtomicU64,
@@ -330,7 +342,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Box<dyn Socket>>> {
+    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Registered>> {
         self.connections.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -361,16 +373,20 @@ impl std::fmt::Debug for ShutdownHandle {
 impl ShutdownHandle {
     /// Starts the shutdown of the server and returns at once: every
     /// `serve_*` call stops accepting within about 50 ms, every open
-    /// connection stops reading new requests (its socket's reading side is
-    /// shut down), in-flight requests finish and are replied to, then the
-    /// `serve_*` calls return. Connections still negotiating get
-    /// `NBD_REP_ERR_SHUTDOWN` or are closed. A client that does not read
+    /// connection in transmission answers what its client has already sent
+    /// with `NBD_ESHUTDOWN` and stops reading within about 100 ms, in-flight
+    /// requests finish and are replied to, connections end with FIN (what
+    /// a client sends after it is read and dropped), then the `serve_*`
+    /// calls return. Connections still negotiating get
+    /// `NBD_REP_ERR_SHUTDOWN` or are closed (their reading side is shut
+    /// down). A connection still open 5 s later has its reading side shut
+    /// down too. A client that does not read
     /// its replies is given 10 s per reply before its connection is
     /// dropped. Idempotent and permanent.
     pub fn shutdown(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        for socket in self.shared.registry().values() {
-            stop_socket(socket.as_ref());
+        for r in self.shared.registry().values() {
+            stop_socket(r.socket.as_ref(), r.transmitting.load(Ordering::SeqCst));
         }
     }
 
@@ -497,6 +513,22 @@ impl Server {
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
+        // In-flight requests finish and connections stop reading by
+        // themselves; one whose client stalls in the middle of a request
+        // header has its reading side shut down after a while.
+        let forced_at = Instant::now() + SHUTDOWN_STOP_READING_AFTER;
+        let mut forced = false;
+        while self.shared.stopping.load(Ordering::SeqCst)
+            && threads.iter().any(|t| !t.is_finished())
+        {
+            if !forced && Instant::now() >= forced_at {
+                for r in self.shared.registry().values() {
+                    let _ = r.socket.shutdown_socket(Shutdown::Read);
+                }
+                forced = true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         for t in threads {
             let _ = t.join();
         }
@@ -538,11 +570,25 @@ impl Server {
     }
 }
 
-/// Stops reading from a connection at shutdown, and bounds how long its
-/// remaining replies may block on a client that does not read them.
-fn stop_socket(socket: &dyn Socket) {
+/// A connection as the shutdown sees it: a handle on its socket, and
+/// whether it has reached transmission.
+struct Registered {
+    socket: Box<dyn Socket>,
+    transmitting: Arc<AtomicBool>,
+}
+
+/// At shutdown, bounds how long a connection's remaining replies may
+/// block on a client that does not read them, and stops a negotiating
+/// connection's reading (its reading side is shut down). A connection in
+/// transmission stops reading by itself once nothing more has arrived
+/// (its reading side stays open: data a client sends after the server's
+/// FIN is then read and dropped, where a shut reading side would answer
+/// it with a reset that destroys replies not yet delivered).
+fn stop_socket(socket: &dyn Socket, transmitting: bool) {
     let _ = socket.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
-    let _ = socket.shutdown_socket(Shutdown::Read);
+    if !transmitting {
+        let _ = socket.shutdown_socket(Shutdown::Read);
+    }
 }
 
 /// Waits up to `timeout_ms` for `fd` to become readable.
@@ -589,10 +635,17 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     // A client that stops reading its replies cannot block a worker (and
     // the budget its reply holds) for ever.
     let _ = socket.set_send_timeout(Some(STALLED_CLIENT_SEND_TIMEOUT));
-    shared.registry().insert(id, control);
+    let transmitting = Arc::new(AtomicBool::new(false));
+    shared.registry().insert(
+        id,
+        Registered {
+            socket: control,
+            transmitting: Arc::clone(&transmitting),
+        },
+    );
     // A shutdown that ran before the registration did not see this socket.
     if shared.stopping.load(Ordering::SeqCst) {
-        stop_socket(socket.as_ref());
+        stop_socket(socket.as_ref(), false);
     }
 
     let mut reader = SocketReader {
@@ -617,6 +670,9 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         reader.socket().set_recv_timeout(None)?;
         Ok(o)
     });
+    // (a shutdown from now on leaves reading to the transmission phase;
+    // one just before shut the reading side, which it will find)
+    transmitting.store(true, Ordering::SeqCst);
     drop(buffered);
     let hangup_half = Arc::new(hangup_half);
     if let Ok(Outcome::Transmission { export }) = outcome {

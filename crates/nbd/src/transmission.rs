@@ -373,6 +373,9 @@ const KEPT_BUFFER_BYTES: usize = (1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN;
 /// it frees its kept request buffers.
 pub(crate) const IDLE_BUFFER_FREE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How often a connection waiting for its client checks for shutdown.
+pub(crate) const STOP_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// A request read whole, ready to execute.
 struct Job {
     req: Request,
@@ -540,9 +543,8 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         }
         // during shutdown, requests the client has already sent are
         // answered NBD_ESHUTDOWN (proto.md "Terminating the transmission
-        // phase"); reading stops when nothing more has arrived (the
-        // socket's reading side is shut down, so a read finds end of
-        // stream) or after SHUTDOWN_REPLIES
+        // phase"); reading stops when nothing more has arrived or after
+        // SHUTDOWN_REPLIES
         let stopping = self.res.stopping.load(Ordering::SeqCst);
         if stopping
             && (self.shutdown_replies.fetch_add(1, Ordering::SeqCst) >= SHUTDOWN_REPLIES
@@ -555,10 +557,20 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         let waiting = !reader.input_pending();
         if waiting {
             writer.set_awaiting_client(true);
-            if !reader.wait_input(IDLE_BUFFER_FREE_AFTER) {
-                // the client may stay idle for hours
-                self.idle.store(true, Ordering::SeqCst);
-                self.free_spare_buffers();
+            // wait for the client in short steps: a shutdown stops the
+            // wait, and a client idle for long (maybe hours) lets the
+            // connection free its kept buffers
+            let mut waited = std::time::Duration::ZERO;
+            while !reader.wait_input(STOP_POLL_INTERVAL) {
+                if self.res.stopping.load(Ordering::SeqCst) {
+                    writer.set_awaiting_client(false);
+                    return Next::Stop;
+                }
+                waited += STOP_POLL_INTERVAL;
+                if waited >= IDLE_BUFFER_FREE_AFTER && !self.idle.load(Ordering::SeqCst) {
+                    self.idle.store(true, Ordering::SeqCst);
+                    self.free_spare_buffers();
+                }
             }
         }
         let mut hdr = [0u8; proto::REQUEST_HEADER_LEN];

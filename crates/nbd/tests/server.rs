@@ -821,3 +821,25 @@ fn tcp_connections_are_kept_alive() {
     assert_eq!(c.read(0, 2).unwrap().len(), 2);
     h.stop();
 }
+
+#[test]
+fn shutdown_reads_what_clients_send_after_the_servers_fin() {
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    assert_eq!(c.simple(0, CMD_WRITE, 0, 2, b"ok"), 0);
+    let shutdown = h.server.shutdown_handle();
+    shutdown.shutdown();
+    // the server ends the idle connection with FIN
+    assert!(c.at_eof());
+    // the client says goodbye as the spec asks after a shutdown: the
+    // server reads and drops it instead of answering with a reset
+    c.send_request(0, CMD_DISC, 9, 0, 0, &[]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        c.s.take_error().unwrap().is_none(),
+        "the server reset the connection"
+    );
+    c.s.shutdown(Shutdown::Write).unwrap();
+    h.stop();
+}
