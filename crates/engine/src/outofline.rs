@@ -111,9 +111,14 @@ const PASS_CHUNK: usize = 64;
 pub(crate) struct MergeScan {
     merges: HashMap<u64, u64>,
     /// Copies whose bytes are still to be compared with their kept PBA's
-    /// (`verify`), and those found to differ (never merged).
+    /// (`verify`), those found to differ (never merged), and the
+    /// [`crate::meta::Meta::reuse_epoch`] at which each of the others was
+    /// found the same: a comparison holds only while no freed block was
+    /// reused (the copy could since hold new content with the same
+    /// fingerprint), so a later epoch compares again before remapping.
     to_verify: Vec<u64>,
     differ: std::collections::HashSet<u64>,
+    same_at: HashMap<u64, u64>,
     /// Volumes to scan, and where the scan is: `volumes[volume]`, map page
     /// `page`.
     volumes: Vec<VolumeId>,
@@ -125,8 +130,9 @@ pub(crate) struct MergeScan {
 }
 
 /// Bytes a planned merge costs in memory (an entry of a hash map of two
-/// u64s, and the resolve and verify sets), for the offline pass's batches.
-const MERGE_BYTES: u64 = 48;
+/// u64s, and the resolve and verify sets and map), for the offline pass's
+/// batches.
+const MERGE_BYTES: u64 = 64;
 
 impl Engine {
     /// True if out-of-line work is pending.
@@ -416,6 +422,7 @@ impl Engine {
             merges,
             to_verify,
             differ: Default::default(),
+            same_at: HashMap::new(),
             volumes,
             volume: 0,
             page: 0,
@@ -479,7 +486,9 @@ impl Engine {
             let same = self
                 .same_bytes(&mut m, Pba(p), vec![target])
                 .is_ok_and(|kept| !kept.is_empty());
-            if !same {
+            if same {
+                scan.same_at.insert(p, m.reuse_epoch);
+            } else {
                 scan.differ.insert(p);
             }
             scan.to_verify.pop();
@@ -541,15 +550,28 @@ impl Engine {
                         // (a block stored unhashed since the merge was
                         // planned has no fingerprint to compare)
                         let fp = m.fingerprint_of(p);
-                        if target != p
-                            && fp != crate::engine::UNHASHED
-                            && m.shareable(target.0)
-                            && m.fingerprint_of(target) == fp
+                        if target == p
+                            || fp == crate::engine::UNHASHED
+                            || !m.shareable(target.0)
+                            || m.fingerprint_of(target) != fp
                         {
-                            m.remap(vol, Lba(l), Some(target));
-                            m.counters.out_of_line_duplicates += 1;
-                            applied += 1;
+                            continue;
                         }
+                        // `verify`: compared again (under this hold of the
+                        // lock) if a freed block was reused since
+                        if self.config.verify && scan.same_at.get(&p.0) != Some(&m.reuse_epoch) {
+                            let same = self
+                                .same_bytes(&mut m, p, vec![target])
+                                .is_ok_and(|kept| !kept.is_empty());
+                            if !same {
+                                scan.differ.insert(p.0);
+                                continue;
+                            }
+                            scan.same_at.insert(p.0, m.reuse_epoch);
+                        }
+                        m.remap(vol, Lba(l), Some(target));
+                        m.counters.out_of_line_duplicates += 1;
+                        applied += 1;
                     }
                 }
                 self.note_change(&m);
@@ -887,6 +909,50 @@ mod tests {
         let (kept, copy) = (a.0.min(b.0), a.0.max(b.0));
         m.pending_merges.insert(copy, kept);
         (kept, copy)
+    }
+
+    #[test]
+    fn a_paused_verified_merge_compares_again_once_blocks_were_reused() {
+        let cfg = EngineConfig {
+            verify: true,
+            ..inline_off()
+        };
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let content = [3u8; BLOCK_SIZE];
+        let (kept, copy) = planned_merge(&e, v, 0, 1, &content);
+        // the scan finds the copy the same as the kept block, then yields
+        let calls = std::cell::Cell::new(0);
+        let yield_after_verifying = || {
+            calls.set(calls.get() + 1);
+            calls.get() > 1
+        };
+        assert_eq!(e.apply_pending_merges(&yield_after_verifying).unwrap(), 0);
+        // meanwhile: the copy's LBA is overwritten and the copy freed and
+        // reused for a write of the same content, which a verified write
+        // stores apart because the kept block rotted on disk
+        e.write(v, 4096, &[4u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        e.backend
+            .write_blocks(Pba(kept), &[0xee; BLOCK_SIZE])
+            .unwrap();
+        e.write(v, 3 * 4096, &content, false).unwrap();
+        {
+            let mut m = lock(&e.meta);
+            let p = m.volumes[&v].get(Lba(3)).unwrap();
+            assert_eq!(p.0, copy, "the freed copy was not reused");
+            let fp = e.hash.fingerprint(&content);
+            m.record_unindexed(p, fp);
+        }
+        // the resumed scan compares again and leaves LBA 3 alone
+        e.apply_pending_merges(&|| false).unwrap();
+        let mut got = vec![0u8; BLOCK_SIZE];
+        e.read(v, 3 * 4096, &mut got).unwrap();
+        assert!(
+            got == content,
+            "LBA 3 was merged onto a block with other bytes"
+        );
+        assert!(e.stats().verify_mismatches >= 1);
     }
 
     #[test]
