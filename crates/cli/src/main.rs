@@ -412,6 +412,12 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
         report["physical_blocks_before"],
         report["physical_blocks_after"]
     );
+    let unreadable = report["blocks_unreadable"].as_u64().unwrap_or(0);
+    if unreadable > 0 {
+        eprintln!(
+            "dedupd: warning: {unreadable} stored blocks could not be read and were left unmerged; `dedupd fsck --rehash` (server stopped) names them"
+        );
+    }
     Ok(())
 }
 

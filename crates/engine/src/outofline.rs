@@ -95,6 +95,11 @@ pub struct PassReport {
     pub lbas_remapped: u64,
     /// Pending merges applied by a map scan.
     pub merges_applied: u64,
+    /// Stored blocks without a fingerprint that could not be read (an I/O
+    /// error of the data file): left as they are, unmerged (`dedupd fsck
+    /// --rehash` names them). Only the offline pass counts them; it goes
+    /// on past them.
+    pub blocks_unreadable: u64,
     /// True if work remains (skipped records or pending merges).
     pub work_remaining: bool,
 }
@@ -649,9 +654,11 @@ impl Engine {
                 let mut fp = m.fingerprint_of(Pba(q));
                 if fp == crate::engine::UNHASHED {
                     let mut block = vec![0u8; crate::block::BLOCK_SIZE];
-                    self.backend
-                        .read_blocks(Pba(q), &mut block)
-                        .map_err(|e| EngineError::io(format!("reading PBA {q}"), e))?;
+                    if self.backend.read_blocks(Pba(q), &mut block).is_err() {
+                        // (one bad block does not stop the pass)
+                        r.blocks_unreadable += 1;
+                        continue;
+                    }
                     fp = self.hash.fingerprint(&block);
                     m.record_unindexed(Pba(q), fp);
                     r.blocks_hashed += 1;
@@ -953,6 +960,64 @@ mod tests {
             "LBA 3 was merged onto a block with other bytes"
         );
         assert!(e.stats().verify_mismatches >= 1);
+    }
+
+    /// Block data in memory whose one PBA fails to read (EIO).
+    struct OneBadBlock {
+        inner: crate::backend::MemoryBackend,
+        bad: u64,
+    }
+
+    impl crate::backend::BlockBackend for OneBadBlock {
+        fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> std::io::Result<()> {
+            let blocks = (buf.len() / BLOCK_SIZE) as u64;
+            if (pba.0..pba.0 + blocks).contains(&self.bad) {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            self.inner.read_blocks(pba, buf)
+        }
+        fn write_blocks(&self, pba: Pba, data: &[u8]) -> std::io::Result<()> {
+            self.inner.write_blocks(pba, data)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            self.inner.sync()
+        }
+        fn len_bytes(&self) -> std::io::Result<u64> {
+            self.inner.len_bytes()
+        }
+    }
+
+    #[test]
+    fn the_offline_pass_goes_on_past_an_unreadable_block() {
+        let mut e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        for k in 0..6u64 {
+            // contents 1, 2, 3, each twice, stored unhashed
+            e.write(v, k * 4096, &[(k % 3) as u8 + 1; BLOCK_SIZE], false)
+                .unwrap();
+        }
+        let old = std::mem::replace(
+            &mut e.backend,
+            Box::new(crate::backend::MemoryBackend::default()),
+        );
+        let mut data = vec![0u8; 6 * BLOCK_SIZE];
+        old.read_blocks(Pba(0), &mut data).unwrap();
+        let inner = crate::backend::MemoryBackend::default();
+        crate::backend::BlockBackend::write_blocks(&inner, Pba(0), &data).unwrap();
+        let bad = lock(&e.meta).volumes[&v].get(Lba(0)).unwrap().0;
+        e.backend = Box::new(OneBadBlock { inner, bad });
+        let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+        assert_eq!(r.blocks_unreadable, 1);
+        // the other two contents merged; the unreadable block's LBA and
+        // its twin stay as they were
+        assert_eq!(r.lbas_remapped, 2);
+        assert_eq!(e.stats().physical_blocks_stored, 4);
+        let mut got = vec![0u8; BLOCK_SIZE];
+        for k in 1..6u64 {
+            e.read(v, k * 4096, &mut got).unwrap();
+            assert!(got.iter().all(|&b| b == (k % 3) as u8 + 1), "LBA {k}");
+        }
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
     #[test]
