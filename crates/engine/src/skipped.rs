@@ -15,10 +15,12 @@
 //! whose write the checkpoint puts in place. Writes after the checkpoint
 //! are in the journal; at the next start each volume-map page the journal
 //! replays adds its LBAs as dirty regions. A crash therefore loses no
-//! pending work of committed writes; what it can lose is bounded to the
-//! batch the out-of-line worker had taken but not yet committed (at most
-//! one pass batch), and, if `skipped.json` cannot be written (a full file
-//! system), the records since its last save. A damaged `skipped.json`
+//! pending work of committed writes; what it can lose is the records the
+//! out-of-line worker took (and merges a finished scan dropped) after the
+//! last commit a checkpoint put in place and before the checkpoint saved
+//! its copy, if their remaps were not committed before the crash, and, if
+//! `skipped.json` cannot be written (a full file system), the records
+//! since its last save. Only space is lost, never data. A damaged `skipped.json`
 //! queues every volume whole. `dedupd dedup --offline` (a full pass) finds
 //! any duplicate all the same.
 
