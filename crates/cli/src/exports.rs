@@ -76,6 +76,16 @@ struct VolumeExport {
     size_bytes: u64,
 }
 
+/// [`to_export_error`] for a WRITE or WRITE_ZEROES: past the end (the
+/// volume was shrunk while the connection was open) is `ENOSPC`, as the
+/// spec asks of writes past the export's end.
+fn to_write_error(e: EngineError) -> ExportError {
+    match e {
+        EngineError::OutOfRange { .. } => ExportError::NoSpace,
+        other => to_export_error(other),
+    }
+}
+
 fn to_export_error(e: EngineError) -> ExportError {
     match e {
         EngineError::NoSpace { .. } => ExportError::NoSpace,
@@ -105,7 +115,7 @@ impl Export for VolumeExport {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
         self.engine
             .write(self.id, offset, data, fua)
-            .map_err(to_export_error)
+            .map_err(to_write_error)
     }
     fn flush(&self) -> Result<(), ExportError> {
         self.engine.flush().map_err(to_export_error)
@@ -118,6 +128,38 @@ impl Export for VolumeExport {
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
         self.engine
             .write_zeroes(self.id, offset, len, fua)
-            .map_err(to_export_error)
+            .map_err(to_write_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dedupd_engine::HashAlgorithm;
+
+    #[test]
+    fn writes_past_a_volume_shrunk_under_a_connection_get_enospc() {
+        let engine = Arc::new(Engine::in_memory(HashAlgorithm::Sha256));
+        engine.create_volume("v", 1 << 20).unwrap();
+        let exports = VolumeExports::new(Arc::clone(&engine));
+        let export = exports.open("v").unwrap();
+        assert_eq!(export.size_bytes(), 1 << 20);
+        engine.resize_volume("v", 1 << 19).unwrap();
+        let block = vec![1u8; 4096];
+        let past = 600 * 1024;
+        assert!(matches!(
+            export.write(past, &block, false),
+            Err(ExportError::NoSpace)
+        ));
+        assert!(matches!(
+            export.write_zeroes(past, 4096, false),
+            Err(ExportError::NoSpace)
+        ));
+        let mut buf = vec![0u8; 4096];
+        assert!(matches!(
+            export.read(past, &mut buf),
+            Err(ExportError::Invalid(_))
+        ));
+        export.write(0, &block, false).unwrap();
     }
 }
