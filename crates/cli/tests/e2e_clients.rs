@@ -238,6 +238,46 @@ fn bad_store_paths_get_clear_errors() {
     assert!(err.contains("lock"), "stderr: {err}");
     assert_eq!(err.matches("Is a directory").count(), 1, "stderr: {err}");
 
+    // a store on a read-only file system (a read-only bind mount): the
+    // error says so, and the store is untouched
+    let ro = tmp.path().join("ro-view");
+    std::fs::create_dir(&ro).unwrap();
+    let mount = |args: &[&str]| {
+        let st = std::process::Command::new("mount")
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount {args:?}");
+    };
+    mount(&["--bind", odd.to_str().unwrap(), ro.to_str().unwrap()]);
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(ro.clone());
+    mount(&["-o", "remount,bind,ro", ro.to_str().unwrap()]);
+    std::fs::remove_dir(odd.join("lock")).unwrap();
+    let before: Vec<_> = std::fs::read_dir(&odd)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    for args in [&["fsck"][..], &["volume", "list"]] {
+        let out = dedupd(&ro, args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("read-only file system"),
+            "{args:?} stderr: {err}"
+        );
+    }
+    let after: Vec<_> = std::fs::read_dir(&odd)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(before, after);
+
     // a second server on the same store is refused
     let store = tmp.path().join("store");
     let server = Server::start(&store, &[]);

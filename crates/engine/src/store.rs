@@ -486,7 +486,16 @@ fn lock(root: &Path) -> Result<File> {
         .create(true)
         .truncate(false)
         .open(&p)
-        .map_err(|e| EngineError::io(format!("opening {}", p.display()), e))?;
+        .map_err(|e| {
+            let why = if e.raw_os_error() == Some(libc::EROFS) {
+                " (the store is on a read-only file system; every command that \
+                 opens a store, fsck included, needs it writable: opening takes \
+                 a lock file and rebuilds the on-disk fingerprint store)"
+            } else {
+                ""
+            };
+            EngineError::io(format!("opening {}{why}", p.display()), e)
+        })?;
     // SAFETY: flock on a file descriptor we own.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
