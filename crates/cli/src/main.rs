@@ -536,6 +536,10 @@ fn print_stats(v: &Value) {
         "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
         u("sequence_filtered_blocks")
     );
+    println!(
+        "verify mismatches            {} (fingerprint hits whose bytes differed, --verify: stored apart)",
+        u("verify_mismatches")
+    );
     print_page_cache("reverse index in memory     ", &v["reverse_index"]);
     print_page_cache("maps + refcounts in memory  ", &v["map_cache"]);
     let ol = &v["out_of_line"];
@@ -642,7 +646,7 @@ fn print_stats(v: &Value) {
 fn print_page_cache(label: &str, c: &serde_json::Value) {
     let n = |k: &str| c[k].as_u64().unwrap_or(0);
     println!(
-        "{label} {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors)",
+        "{label} {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors, {} writes dropped)",
         human(n("resident_bytes")),
         match n("cache_bytes") {
             0 => "unbounded".to_string(),
@@ -651,6 +655,7 @@ fn print_page_cache(label: &str, c: &serde_json::Value) {
         n("pinned_pages"),
         n("pages_loaded"),
         n("pages_evicted"),
-        n("load_errors")
+        n("load_errors"),
+        n("writes_dropped")
     );
 }
