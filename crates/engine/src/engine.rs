@@ -2000,7 +2000,10 @@ impl Engine {
         c.checkpoint_bytes_written += c.checkpoint.bytes;
         c.checkpoint = CheckpointBuffer::default();
         if let Some(j) = c.journal.as_mut() {
-            j.reset();
+            // (the checkpoint itself is complete; on failure the next
+            // commit retries the restart first)
+            j.reset()
+                .map_err(|e| EngineError::io("restarting the journal after a checkpoint", e))?;
         }
         Ok(())
     }

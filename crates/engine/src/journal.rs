@@ -303,6 +303,11 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
     })
 }
 
+/// Bytes at the start of the journal zeroed when it restarts after a
+/// checkpoint ([`Journal::reset`]): one page, covering the first
+/// transaction's header whatever the device's sector size.
+pub const INVALIDATE_BYTES: usize = 4096;
+
 /// Reads the chain of valid transactions from the start of `file`: each
 /// with a good checksum and a sequence number one more than the previous.
 /// Stops at the first torn, stale or foreign transaction.
@@ -347,6 +352,11 @@ pub struct Journal {
     written_bytes: u64,
     /// Sequence number of the next transaction.
     next_seq: u64,
+    /// A restart at offset 0 was asked for and its invalidation of the old
+    /// chain has not succeeded yet: the next commit retries it first (and
+    /// fails if it fails), so no transaction is written after an old chain
+    /// whose start may already be zeroed, nor over one still readable.
+    reset_pending: bool,
     observer: crate::observe::Observer,
 }
 
@@ -355,6 +365,7 @@ impl Journal {
     /// `write_offset_bytes` with sequence number `next_seq`.
     pub fn new(file: File, write_offset_bytes: u64, next_seq: u64) -> Self {
         Journal {
+            reset_pending: false,
             file,
             write_offset_bytes,
             written_bytes: 0,
@@ -403,6 +414,9 @@ impl Journal {
     /// Appends one transaction and makes it durable (one `fdatasync`).
     /// On error nothing is committed and the write offset is unchanged.
     pub fn commit(&mut self, ops: &[Op]) -> io::Result<u64> {
+        if self.reset_pending {
+            self.reset()?;
+        }
         let seq = self.next_seq;
         let bytes = encode_txn(seq, ops);
         self.file.write_all_at(&bytes, self.write_offset_bytes)?;
@@ -427,9 +441,29 @@ impl Journal {
     }
 
     /// Restarts the journal at offset 0 after a checkpoint put every
-    /// committed transaction in place.
-    pub fn reset(&mut self) {
+    /// committed transaction in place. The old chain is first made
+    /// unreadable (its first [`INVALIDATE_BYTES`] zeroed and synced): the
+    /// next transaction overwrites it in place, and a crash that persisted
+    /// only some of that write's sectors must not leave a prefix of the old
+    /// chain valid, which recovery would replay over the newer files.
+    ///
+    /// Errors: the write or sync fails; the next [`Journal::commit`] then
+    /// tries again before it writes anything, and fails if that fails.
+    pub fn reset(&mut self) -> io::Result<()> {
+        self.reset_pending = true;
+        let zeros = [0u8; INVALIDATE_BYTES];
+        self.file.write_all_at(&zeros, 0)?;
+        self.observer.emit(crate::observe::IoEvent::Write {
+            file: "journal",
+            offset: 0,
+            data: &zeros,
+        });
+        self.file.sync_data()?;
+        self.observer
+            .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes = 0;
+        self.reset_pending = false;
+        Ok(())
     }
 
     /// Empties the journal file (after a checkpoint, at shutdown), so the
@@ -573,8 +607,11 @@ mod tests {
             j.commit(&sample_ops()).unwrap();
         }
         assert_eq!(read_chain(&f).unwrap().len(), 3);
-        // a checkpoint restarts at 0: a short new transaction leaves stale tails behind
-        j.reset();
+        // a checkpoint restarts at 0: the old chain is unreadable at once
+        // (a torn first transaction cannot expose a prefix of it), and a
+        // short new transaction leaves stale tails behind
+        j.reset().unwrap();
+        assert!(read_chain(&f).unwrap().is_empty());
         j.commit(&[Op::Remove {
             file: MetaFile::Map(VolumeId(2)),
         }])

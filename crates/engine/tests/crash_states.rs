@@ -8,7 +8,9 @@
 //! builds post-crash states — at each sync boundary and at random points,
 //! with everything synced before the point plus a random subset of the
 //! writes not yet synced, some metadata pages torn (only their first 512-byte
-//! sectors written) — then opens each state and checks (the index has
+//! sectors written), some journal writes torn (only some of their sectors
+//! written, in any order: after a checkpoint the journal restarts over its
+//! old chain) — then opens each state and checks (the index has
 //! a tiny budget, so out-of-line dedup passes remap blocks in between):
 //! - the metadata invariants hold (reference counts, free space, index);
 //! - every write acknowledged by a FLUSH (or FUA) reads back intact;
@@ -171,6 +173,29 @@ fn crash_state(
                         &mut c,
                         &Ev::Write(f.clone(), *off, data[..sectors * 512].to_vec()),
                     );
+                }
+                // a journal write of which only some sectors reached the
+                // disk, in any order (power loss): its end without its
+                // start, or any subset
+                (2, Ev::Write(f, off, data)) if n == "journal" && data.len() > 512 => {
+                    let suffix_from = (rng.below(2) == 0).then(|| rng.below(data.len() as u64));
+                    let mut at = 0usize;
+                    while at < data.len() {
+                        // sectors are aligned on the file's 512-byte boundaries
+                        let end = (((*off as usize + at) / 512 + 1) * 512 - *off as usize)
+                            .min(data.len());
+                        let keep = match suffix_from {
+                            Some(cut) => at as u64 >= cut,
+                            None => rng.below(2) == 0,
+                        };
+                        if keep {
+                            apply(
+                                &mut c,
+                                &Ev::Write(f.clone(), *off + at as u64, data[at..end].to_vec()),
+                            );
+                        }
+                        at = end;
+                    }
                 }
                 _ => apply(&mut c, p),
             }
