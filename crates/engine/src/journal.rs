@@ -28,10 +28,6 @@ use crate::paged::PAYLOAD_SIZE;
 
 const TXN_MAGIC: u64 = u64::from_le_bytes(*b"DDJTXN01");
 const HEADER_BYTES: usize = 8 + 8 + 4 + 8; // magic, seq, record count, body length
-/// Largest transaction body accepted when reading (guards against garbage
-/// lengths): 1 GiB.
-const MAX_BODY_BYTES: u64 = 1 << 30;
-
 /// A metadata file of the store, as named in journal records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MetaFile {
@@ -225,11 +221,14 @@ fn header_len(header: &[u8]) -> Result<(u64, u64), DecodeError> {
         return Err(DecodeError::BadMagic);
     }
     let seq = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+    // (no bound but the bytes there are: the reader checks the total
+    // against the file's length before reading, so a transaction of any
+    // size the writer wrote replays)
     let body = u64::from_le_bytes(header[20..28].try_into().expect("8 bytes"));
-    if body > MAX_BODY_BYTES {
-        return Err(DecodeError::Malformed("body length"));
-    }
-    Ok((seq, HEADER_BYTES as u64 + body + 4))
+    let total = body
+        .checked_add(HEADER_BYTES as u64 + 4)
+        .ok_or(DecodeError::Malformed("body length"))?;
+    Ok((seq, total))
 }
 
 /// Decodes one whole transaction from `bytes` (which may extend past it).
@@ -321,7 +320,7 @@ pub fn read_chain(file: &File) -> io::Result<Vec<Txn>> {
         let Ok((seq, total)) = header_len(&header) else {
             break;
         };
-        if off + total > len {
+        if total > len - off {
             break;
         }
         if let Some(prev) = out.last() {
@@ -622,6 +621,15 @@ mod tests {
         // a torn header at 0 leaves nothing to replay
         f.write_all_at(&[0u8; 4], 0).unwrap();
         assert!(read_chain(&f).unwrap().is_empty());
+        // a header announcing more bytes than the file holds (any size up
+        // to 2^64) ends the chain without reading or allocating them
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 9);
+        j.commit(&sample_ops()).unwrap();
+        assert_eq!(read_chain(&f).unwrap().len(), 1);
+        for body in [1u64 << 40, u64::MAX - 8, u64::MAX] {
+            f.write_all_at(&body.to_le_bytes(), 20).unwrap();
+            assert!(read_chain(&f).unwrap().is_empty(), "body {body}");
+        }
     }
 
     /// A transaction of raw records (tag, file kind, file id, argument,
