@@ -450,7 +450,11 @@ impl StoreDir {
             self.observer
                 .emit(crate::observe::IoEvent::Sync { file: &name(*file) });
         }
-        if dir_changed {
+        // also when only existing files were written: a file this batch
+        // found in place may have been created by an open since the last
+        // sync of its directory (its entry not yet durable), and the
+        // journal is restarted after this
+        if dir_changed || !open.is_empty() {
             sync_dir(&self.root.join("maps"))?;
             sync_dir(&self.root)?;
         }
