@@ -482,6 +482,12 @@ fn fsck(
             match report.exit_code() {
                 0 => "clean".to_string(),
                 1 => format!("{} problem(s) corrected", report.problem_count()),
+                // a repair without --rehash would not see (nor fix) the
+                // blocks whose bytes no longer match their fingerprints
+                _ if report.corrupted_blocks > 0 => format!(
+                    "{} problem(s) left uncorrected (run with --repair --rehash)",
+                    report.problem_count()
+                ),
                 _ => format!(
                     "{} problem(s) left uncorrected (run with --repair)",
                     report.problem_count()
