@@ -469,7 +469,7 @@ fn fsck(
             println!("data lost: {l}");
         }
         println!(
-            "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked, {} corrupted, {} LBAs past the data file; {}",
+            "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked, {} corrupted, {} unreadable, {} LBAs past the data file; {}",
             store.display(),
             report.volumes,
             report.mapped_blocks,
@@ -478,10 +478,16 @@ fn fsck(
             report.blocks_rehashed,
             report.leaked_blocks,
             report.corrupted_blocks,
+            report.unreadable_blocks,
             report.lbas_outside_data_file,
             match report.exit_code() {
                 0 => "clean".to_string(),
                 1 => format!("{} problem(s) corrected", report.problem_count()),
+                _ if report.repaired => format!(
+                    "{} problem(s) found, repaired but for {} unreadable block(s) left as they are",
+                    report.problem_count(),
+                    report.unreadable_blocks
+                ),
                 // a repair without --rehash would not see (nor fix) the
                 // blocks whose bytes no longer match their fingerprints
                 _ if report.corrupted_blocks > 0 => format!(

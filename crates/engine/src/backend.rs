@@ -203,3 +203,48 @@ impl BlockBackend for NullBackend {
         Ok(0)
     }
 }
+
+/// Block data in memory of which one chosen PBA fails to read with EIO
+/// (tests of how unreadable blocks are handled). Clones share the data and
+/// the choice.
+#[cfg(test)]
+#[derive(Clone, Default)]
+pub(crate) struct OneBadBlock {
+    inner: std::sync::Arc<MemoryBackend>,
+    bad: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[cfg(test)]
+impl OneBadBlock {
+    /// No block fails yet.
+    pub(crate) fn new() -> Self {
+        let b = OneBadBlock::default();
+        b.bad.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        b
+    }
+    /// From now on reads of `pba` fail.
+    pub(crate) fn fail(&self, pba: Pba) {
+        self.bad.store(pba.0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+impl BlockBackend for OneBadBlock {
+    fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> io::Result<()> {
+        let blocks = buf.len() as u64 / BLOCK_SIZE_U64;
+        let bad = self.bad.load(std::sync::atomic::Ordering::Relaxed);
+        if (pba.0..pba.0 + blocks).contains(&bad) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.inner.read_blocks(pba, buf)
+    }
+    fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
+        self.inner.write_blocks(pba, data)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+    fn len_bytes(&self) -> io::Result<u64> {
+        self.inner.len_bytes()
+    }
+}

@@ -112,6 +112,11 @@ pub struct FsckReport {
     /// LBAs whose mapping points past the end of the data file (their
     /// block is missing; a repair unmaps them).
     pub lbas_outside_data_file: u64,
+    /// Referenced PBAs whose data could not be read where the check needed
+    /// it (an I/O error of the data file): listed in `problems` and
+    /// `data_lost`, left as they are by a repair (which then exits 4), and
+    /// not compared with other blocks.
+    pub unreadable_blocks: u64,
     /// Referenced PBAs whose fingerprint another referenced PBA also has: a
     /// copy inline dedup missed (not an error; out-of-line dedup merges
     /// them; with verify, possibly a true collision).
@@ -137,11 +142,12 @@ impl FsckReport {
             + self.problems_not_listed
     }
 
-    /// e2fsck-style exit code: 0 clean, 1 corrected, 4 uncorrected.
+    /// e2fsck-style exit code: 0 clean, 1 corrected, 4 uncorrected (also
+    /// after a repair that left unreadable blocks).
     pub fn exit_code(&self) -> i32 {
         if self.problems.is_empty() {
             0
-        } else if self.repaired {
+        } else if self.repaired && self.unreadable_blocks == 0 {
             1
         } else {
             4
@@ -319,12 +325,11 @@ impl Engine {
             *stored == crate::engine::UNHASHED
                 || fp_damaged_pages.binary_search(&(p / per_page)).is_ok()
         };
+        // (None: the block cannot be read; the check goes on without it)
         let mut block = vec![0u8; BLOCK_SIZE];
-        let mut hash_of = |p: u64| -> Result<Fingerprint> {
-            self.backend
-                .read_blocks(Pba(p), &mut block)
-                .map_err(|e| crate::error::EngineError::io(format!("reading PBA {p}"), e))?;
-            Ok(self.hash.fingerprint(&block))
+        let mut hash_of = |p: u64| -> Option<Fingerprint> {
+            self.backend.read_blocks(Pba(p), &mut block).ok()?;
+            Some(self.hash.fingerprint(&block))
         };
         // PBAs (ascending) whose stored fingerprint does not match their
         // data, remembered by a check without repair (a repair corrects the
@@ -356,7 +361,14 @@ impl Engine {
             let stored = m.fingerprint_of(Pba(p));
             let fp = if opts.rehash || needs_hash(p, &stored) {
                 r.blocks_rehashed += 1;
-                let actual = hash_of(p)?;
+                let Some(actual) = hash_of(p) else {
+                    r.unreadable_blocks += 1;
+                    r.note_problem(format!("PBA {p}: cannot be read (I/O error)"));
+                    r.note_lost(format!(
+                        "PBA {p}: cannot be read; the {want} LBA(s) mapping it fail to read (left as they are)"
+                    ));
+                    return Ok(());
+                };
                 // an all-zero entry is a block not fingerprinted yet
                 // (stored without inline dedup): filled in by a repair,
                 // not an error
@@ -418,37 +430,26 @@ impl Engine {
         // equal fingerprints on two referenced PBAs: a duplicate copy that
         // inline dedup missed (memory-only lookups under a small budget) —
         // not an inconsistency; out-of-line dedup merges them
-        let mut fp_of = |m: &crate::meta::Meta, p: u64| -> Result<Fingerprint> {
+        // (None: unreadable now)
+        let mut fp_of = |m: &crate::meta::Meta, p: u64| -> Option<Fingerprint> {
             let stored = m.fingerprint_of(Pba(p));
             if needs_hash(p, &stored) || mismatched.binary_search(&p).is_ok() {
                 hash_of(p)
             } else {
-                Ok(stored)
+                Some(stored)
             }
         };
-        let mut dup_failure = None;
         dups.for_each_sorted::<std::io::Error>(|pairs| {
             crate::keysort::for_each_equal_key_run(pairs, |run| {
-                if dup_failure.is_some() {
-                    return;
-                }
-                let fps: Result<Vec<Fingerprint>> =
-                    run.iter().map(|&(_, p)| fp_of(&m, p)).collect();
-                match fps {
-                    Ok(mut fps) => {
-                        fps.sort_unstable();
-                        r.duplicate_copies +=
-                            fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
-                    }
-                    Err(e) => dup_failure = Some(e),
-                }
+                // (a block unreadable by now is left out of the count)
+                let mut fps: Vec<Fingerprint> =
+                    run.iter().filter_map(|&(_, p)| fp_of(&m, p)).collect();
+                fps.sort_unstable();
+                r.duplicate_copies += fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
             });
             Ok(())
         })
         .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
-        if let Some(e) = dup_failure {
-            return Err(e);
-        }
 
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);
@@ -482,11 +483,13 @@ impl Engine {
         }
         // the fingerprints of referenced blocks: wrong ones, missing ones
         // (blocks stored unhashed) and those on damaged pages, from the data
+        // (an unreadable block keeps what it has)
         for p in 0..rc_len {
             if m.refcounts.get_u32(p) > 0 {
-                let fp = fp_of(&m, p)?;
-                if fp != m.fingerprint_of(Pba(p)) {
-                    m.fingerprints.set(p, &fp);
+                if let Some(fp) = fp_of(&m, p) {
+                    if fp != m.fingerprint_of(Pba(p)) {
+                        m.fingerprints.set(p, &fp);
+                    }
                 }
             }
         }
@@ -528,6 +531,45 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::fingerprint::HashAlgorithm;
+
+    #[test]
+    fn an_unreadable_block_is_reported_and_the_check_goes_on() {
+        let bad = crate::backend::OneBadBlock::new();
+        let e = Engine::in_memory_over(
+            HashAlgorithm::Sha256,
+            EngineConfig::default(),
+            Box::new(bad.clone()),
+        );
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        for k in 0..4u64 {
+            e.write(v, k * 4096, &[k as u8 + 1; 4096], false).unwrap();
+        }
+        e.flush().unwrap();
+        let p = lock(&e.meta).volumes[&v].get(crate::block::Lba(1)).unwrap();
+        bad.fail(p);
+        let rehash = FsckOptions {
+            rehash: true,
+            ..FsckOptions::default()
+        };
+        let r = e.check_and_repair(rehash).unwrap();
+        assert_eq!(r.unreadable_blocks, 1);
+        assert_eq!(r.referenced_blocks, 4);
+        assert_eq!(r.blocks_rehashed, 4);
+        assert!(r.data_lost.iter().any(|l| l.contains("cannot be read")));
+        assert_eq!(r.exit_code(), 4);
+        // a repair leaves it as it is, and still says so
+        let r = e
+            .check_and_repair(FsckOptions {
+                repair: true,
+                rehash: true,
+            })
+            .unwrap();
+        assert!(r.repaired);
+        assert_eq!(r.unreadable_blocks, 1);
+        assert_eq!(r.exit_code(), 4);
+        assert_eq!(lock(&e.meta).volumes[&v].get(crate::block::Lba(1)), Some(p));
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
 
     #[test]
     fn a_mapping_past_the_volume_end_is_reported_and_unmapped() {

@@ -962,50 +962,17 @@ mod tests {
         assert!(e.stats().verify_mismatches >= 1);
     }
 
-    /// Block data in memory whose one PBA fails to read (EIO).
-    struct OneBadBlock {
-        inner: crate::backend::MemoryBackend,
-        bad: u64,
-    }
-
-    impl crate::backend::BlockBackend for OneBadBlock {
-        fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> std::io::Result<()> {
-            let blocks = (buf.len() / BLOCK_SIZE) as u64;
-            if (pba.0..pba.0 + blocks).contains(&self.bad) {
-                return Err(std::io::Error::from_raw_os_error(libc::EIO));
-            }
-            self.inner.read_blocks(pba, buf)
-        }
-        fn write_blocks(&self, pba: Pba, data: &[u8]) -> std::io::Result<()> {
-            self.inner.write_blocks(pba, data)
-        }
-        fn sync(&self) -> std::io::Result<()> {
-            self.inner.sync()
-        }
-        fn len_bytes(&self) -> std::io::Result<u64> {
-            self.inner.len_bytes()
-        }
-    }
-
     #[test]
     fn the_offline_pass_goes_on_past_an_unreadable_block() {
-        let mut e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let bad = crate::backend::OneBadBlock::new();
+        let e = Engine::in_memory_over(HashAlgorithm::Sha256, inline_off(), Box::new(bad.clone()));
         let v = e.create_volume("v", 1 << 20).unwrap();
         for k in 0..6u64 {
             // contents 1, 2, 3, each twice, stored unhashed
             e.write(v, k * 4096, &[(k % 3) as u8 + 1; BLOCK_SIZE], false)
                 .unwrap();
         }
-        let old = std::mem::replace(
-            &mut e.backend,
-            Box::new(crate::backend::MemoryBackend::default()),
-        );
-        let mut data = vec![0u8; 6 * BLOCK_SIZE];
-        old.read_blocks(Pba(0), &mut data).unwrap();
-        let inner = crate::backend::MemoryBackend::default();
-        crate::backend::BlockBackend::write_blocks(&inner, Pba(0), &data).unwrap();
-        let bad = lock(&e.meta).volumes[&v].get(Lba(0)).unwrap().0;
-        e.backend = Box::new(OneBadBlock { inner, bad });
+        bad.fail(lock(&e.meta).volumes[&v].get(Lba(0)).unwrap());
         let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
         assert_eq!(r.blocks_unreadable, 1);
         // the other two contents merged; the unreadable block's LBA and
