@@ -501,6 +501,11 @@ fn fsck(
             }
         );
     }
+    if let Some(e) = &report.close_error {
+        eprintln!(
+            "dedupd: warning: the repair is committed (the next start replays it from the journal), but writing it in place failed: {e}"
+        );
+    }
     std::process::exit(report.exit_code());
 }
 

@@ -132,6 +132,10 @@ pub struct FsckReport {
     pub problems_not_listed: u64,
     /// Lost data found past the first [`NAMED_PROBLEMS_MAX`] listed.
     pub data_lost_not_listed: u64,
+    /// Set when a repair was committed (its journal transaction is
+    /// durable, and replays at the next start) but closing the store, which
+    /// puts it in place, failed: why. The report stands.
+    pub close_error: Option<String>,
 }
 
 impl FsckReport {
@@ -187,7 +191,11 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
     };
     report.close_lists();
     if report.repaired {
-        engine.close()?;
+        // (the repair is committed: its report, with the data it lost, is
+        // not thrown away because putting it in place failed)
+        if let Err(e) = engine.close() {
+            report.close_error = Some(e.to_string());
+        }
     } else {
         // a check writes nothing to the store, as e2fsck -n
         engine.drop_without_closing();
