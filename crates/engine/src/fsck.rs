@@ -212,6 +212,7 @@ impl Engine {
             .map_err(|e| crate::error::EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
         let mut m = lock(&self.meta);
+        let faults_before = m.paging_faults();
         // (sorted: looked up for every referenced block)
         let mut fp_damaged_pages: Vec<u64> = self
             .damage
@@ -459,6 +460,11 @@ impl Engine {
         })
         .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
 
+        // a map or count page that could not be read back during the check
+        // read as zeros: its figures are wrong, so no report is given
+        if m.paging_faults() > faults_before {
+            crate::engine::fault_check(&m)?;
+        }
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);
         }
@@ -577,6 +583,46 @@ mod tests {
         assert_eq!(r.exit_code(), 4);
         assert_eq!(lock(&e.meta).volumes[&v].get(crate::block::Lba(1)), Some(p));
         assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_map_page_unreadable_during_the_check_stops_it_without_a_report() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store");
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let a = e.create_volume("a", 8 << 20).unwrap();
+        let b = e.create_volume("b", 8 << 20).unwrap();
+        for k in 0..600u64 {
+            e.write(a, k * 4096, &[(k % 200) as u8 + 1; 4096], false)
+                .unwrap();
+        }
+        e.write(b, 0, &[9u8; 4096], false).unwrap();
+        e.close().unwrap();
+        drop(e);
+        // one page of cache for every map and the counts: the check pages
+        // each map in turn, and a's second page goes bad after the open
+        let config = EngineConfig {
+            map_cache_bytes: 4064,
+            ..EngineConfig::default()
+        };
+        let e = Engine::open(&path, config).unwrap();
+        let mut buf = vec![0u8; 4096];
+        e.read(b, 0, &mut buf).unwrap();
+        let map = std::fs::read_dir(path.join("maps"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .min()
+            .unwrap();
+        let mut bytes = std::fs::read(&map).unwrap();
+        bytes[4096 + 100] ^= 0x20;
+        std::fs::write(&map, bytes).unwrap();
+        let err = e.check_and_repair(FsckOptions::default()).unwrap_err();
+        assert!(
+            matches!(err, crate::error::EngineError::MetadataUnreadable(_)),
+            "{err}"
+        );
+        e.drop_without_closing();
     }
 
     #[test]
