@@ -67,7 +67,8 @@ enum Command {
     /// Check the store's metadata (the server must be stopped). Exit codes as
     /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
     /// operational error, 16 usage error. Memory: the caches and index
-    /// budget below, whatever the store's size.
+    /// budget below, whatever the store's size (a repair also holds the
+    /// metadata pages it changes until its commit).
     Fsck {
         /// Repair: rebuild reference counts, reverse index and free space
         /// from the volume maps and data.
