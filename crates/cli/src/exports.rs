@@ -26,11 +26,12 @@ impl VolumeExports {
         if !name.is_empty() {
             return Some(name.to_string());
         }
-        let vols = self.engine.volumes();
-        if vols.iter().any(|v| v.name == "default") {
+        // (names only: no map is read for a client's handshake)
+        let vols = self.engine.volume_names();
+        if vols.iter().any(|(name, _)| name == "default") {
             Some("default".to_string())
         } else if vols.len() == 1 {
-            Some(vols[0].name.clone())
+            Some(vols[0].0.clone())
         } else {
             None
         }
@@ -40,11 +41,11 @@ impl VolumeExports {
 impl ExportProvider for VolumeExports {
     fn list(&self) -> Vec<ExportInfo> {
         self.engine
-            .volumes()
+            .volume_names()
             .into_iter()
-            .map(|v| ExportInfo {
-                description: format!("dedupd volume, {} bytes", v.size_bytes),
-                name: v.name,
+            .map(|(name, size_bytes)| ExportInfo {
+                description: format!("dedupd volume, {size_bytes} bytes"),
+                name,
             })
             .collect()
     }

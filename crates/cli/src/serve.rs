@@ -249,7 +249,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         UnixListener::bind(&ctl_path).with_context(|| format!("binding {}", ctl_path.display()))?;
     let stop = Arc::new(AtomicBool::new(false));
 
-    let names: Vec<String> = engine.volumes().into_iter().map(|v| v.name).collect();
+    let names: Vec<String> = engine.volume_names().into_iter().map(|(n, _)| n).collect();
     let first = names
         .iter()
         .find(|n| *n == "default")

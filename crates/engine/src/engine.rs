@@ -319,6 +319,10 @@ struct CommitState {
 /// or shrunk (32 MiB of volume).
 pub const RELEASE_PIECE_BLOCKS: u64 = 8192;
 
+/// LBAs of a volume map [`Engine::volumes`] counts under one hold of the
+/// metadata lock (about 260 map pages).
+pub const VOLUME_COUNT_CHUNK_BLOCKS: u64 = 1 << 17;
+
 /// Where a block of a write ends up, decided under the metadata lock.
 enum Placement {
     Done,
@@ -731,22 +735,50 @@ impl Engine {
 
     // ---- volumes ---------------------------------------------------------
 
-    /// Every volume, ordered by id.
+    /// Every volume, ordered by id, with its mapped bytes. Counting reads
+    /// every map page; the metadata lock is taken for
+    /// [`VOLUME_COUNT_CHUNK_BLOCKS`] LBAs at a time, so I/O goes on
+    /// meanwhile (the counts are then as of slightly different moments).
     pub fn volumes(&self) -> Vec<VolumeInfo> {
-        let m = lock(&self.meta);
-        m.volumes
-            .values()
-            .map(|v| {
-                let mapped = v.map.count_nonzero_u64(0..v.size_blocks());
-                VolumeInfo {
+        let mut out: Vec<VolumeInfo> = {
+            let m = lock(&self.meta);
+            m.volumes
+                .values()
+                .map(|v| VolumeInfo {
                     id: v.record.id,
                     name: v.record.name.clone(),
                     size_bytes: v.record.size_bytes,
-                    mapped_bytes: mapped * BLOCK_SIZE_U64,
+                    mapped_bytes: 0,
                     read_only: v.read_only(),
                     sequence_threshold_blocks: v.record.sequence_threshold_blocks,
-                }
-            })
+                })
+                .collect()
+        };
+        for info in &mut out {
+            let blocks = info.size_bytes / BLOCK_SIZE_U64;
+            let mut mapped = 0;
+            let mut from = 0;
+            while from < blocks {
+                let to = (from + VOLUME_COUNT_CHUNK_BLOCKS).min(blocks);
+                let m = lock(&self.meta);
+                let Some(v) = m.volumes.get(&info.id) else {
+                    break; // deleted meanwhile
+                };
+                mapped += v.map.count_nonzero_u64(from..to.min(v.size_blocks()));
+                from = to;
+            }
+            info.mapped_bytes = mapped * BLOCK_SIZE_U64;
+        }
+        out
+    }
+
+    /// Every volume's name and size in bytes, ordered by id: what NBD
+    /// export listing and name resolution need, without reading any map.
+    pub fn volume_names(&self) -> Vec<(String, u64)> {
+        let m = lock(&self.meta);
+        m.volumes
+            .values()
+            .map(|v| (v.record.name.clone(), v.record.size_bytes))
             .collect()
     }
 
