@@ -203,10 +203,18 @@ fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
                 }
             }
         });
+        // a panic in the handler is answered as an error (the keepalive
+        // thread must stop either way, or the client would wait for ever
+        // and the server's shutdown with it)
         let reply = match serde_json::from_str::<Request>(&line) {
-            Ok(req) => match handle(req, &mut progress) {
-                Ok(result) => serde_json::json!({"ok": true, "result": result}),
-                Err(e) => serde_json::json!({"ok": false, "error": format!("{e:#}")}),
+            Ok(req) => match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                handle(req, &mut progress)
+            })) {
+                Ok(Ok(result)) => serde_json::json!({"ok": true, "result": result}),
+                Ok(Err(e)) => serde_json::json!({"ok": false, "error": format!("{e:#}")}),
+                Err(_) => {
+                    serde_json::json!({"ok": false, "error": "internal error (the operation panicked; see the server's output)"})
+                }
             },
             Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
         };
@@ -306,6 +314,23 @@ mod tests {
         let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
         assert_eq!(r, Value::Null);
         stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_panicking_operation_is_answered_and_does_not_hold_the_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(socket_path(dir.path())).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let server = std::thread::spawn(move || {
+            serve(listener, s, move |_, _| -> anyhow::Result<Value> {
+                panic!("a bug in an operation")
+            })
+        });
+        let e = call(dir.path(), &Request::VolumeList, &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("internal error"), "{e}");
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
     }
 
     #[test]
