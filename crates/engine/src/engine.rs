@@ -972,6 +972,9 @@ impl Engine {
         let (id, old_blocks) = {
             let m = lock(&self.meta);
             let id = volume_id(&m, name)?;
+            if m.volumes[&id].deleting {
+                return Err(EngineError::NoSuchVolume(format!("{name} (being deleted)")));
+            }
             (id, m.volumes[&id].size_blocks())
         };
         // shrinking: release the blocks past the new end in pieces first
@@ -981,8 +984,12 @@ impl Engine {
         }
         {
             let mut m = lock(&self.meta);
-            let id = volume_id(&m, name)?;
-            let old_blocks = m.volumes[&id].size_blocks();
+            // the volume released above, not another one that took its name
+            // meanwhile (deleted and created again)
+            let Some(v) = m.volumes.get(&id).filter(|v| !v.deleting) else {
+                return Err(EngineError::NoSuchVolume(name.into()));
+            };
+            let old_blocks = v.size_blocks();
             let mut left = Vec::new();
             m.volumes[&id]
                 .map
