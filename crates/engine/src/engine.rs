@@ -66,9 +66,12 @@ fn load_skipped(
 /// Number of locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 64;
 
-/// Read-modify-write attempts of one block that may find it remapped
-/// meanwhile and read again; the last one writes regardless, so a client
-/// rewriting the block without pause cannot stall a partial write.
+/// Read-modify-write attempts of one block that may find it remapped (or
+/// any freed block reused) meanwhile and read again. Past them, each
+/// attempt holds off the reuse of freed blocks from its read to its
+/// write-back, so only a write of this very LBA can make it fail; after as
+/// many more, the write fails ([`EngineError::Busy`]) rather than undo
+/// another write.
 const RMW_ATTEMPTS: u32 = 64;
 
 /// What a read-modify-write read: the PBA its LBA mapped (None:
@@ -1173,8 +1176,15 @@ impl Engine {
     /// the first block and the reuse epoch, as of the read (see
     /// [`Expect`]).
     fn read_mapped(&self, vol: VolumeId, first: u64, buf: &mut [u8]) -> Result<Expect> {
-        let n = buf.len() / BLOCK_SIZE;
         let _guard = self.reuse.read().unwrap_or_else(|e| e.into_inner());
+        self.read_mapped_guarded(vol, first, buf)
+    }
+
+    /// [`Engine::read_mapped`] for a caller holding the `reuse` read guard
+    /// (taken once: a second read lock of one thread can deadlock with a
+    /// waiting writer).
+    fn read_mapped_guarded(&self, vol: VolumeId, first: u64, buf: &mut [u8]) -> Result<Expect> {
+        let n = buf.len() / BLOCK_SIZE;
         let (pbas, reuse_epoch): (Vec<Option<Pba>>, u64) = {
             let m = lock(&self.meta);
             let faults = m.paging_faults();
@@ -1373,19 +1383,33 @@ impl Engine {
             // read and the write-back would be undone by it (its bytes
             // outside ours replaced by older ones): the write-back maps
             // only if the LBA still maps what was read, else it reads again
-            for attempt in 1.. {
-                let read = self.read_mapped(vol, lba, &mut block)?;
+            let mut written = false;
+            for attempt in 1..=2 * RMW_ATTEMPTS {
+                // (past RMW_ATTEMPTS: no freed block is reused until the
+                // write-back, so only a write of this LBA can fail it; the
+                // write path takes no `reuse` lock, commits come after it)
+                let _no_reuse = (attempt > RMW_ATTEMPTS)
+                    .then(|| self.reuse.read().unwrap_or_else(|e| e.into_inner()));
+                let read = if _no_reuse.is_some() {
+                    self.read_mapped_guarded(vol, lba, &mut block)?
+                } else {
+                    self.read_mapped(vol, lba, &mut block)?
+                };
                 match data {
                     Some(d) => block[in_block..in_block + n]
                         .copy_from_slice(&d[(pos - start) as usize..(pos - start) as usize + n]),
                     None => block[in_block..in_block + n].fill(0),
                 }
-                // (past RMW_ATTEMPTS, against a client rewriting this very
-                // block without pause, it writes what it has)
-                let expect = (attempt < RMW_ATTEMPTS).then_some(read);
-                if self.write_full_blocks(vol, lba, &block, expect)? {
+                if self.write_full_blocks(vol, lba, &block, Some(read))? {
+                    written = true;
                     break;
                 }
+            }
+            if !written {
+                return Err(EngineError::Busy(format!(
+                    "partial write of LBA {lba}: the block was rewritten during each of {} attempts",
+                    2 * RMW_ATTEMPTS
+                )));
             }
             pos = block_end;
         }

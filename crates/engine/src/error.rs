@@ -85,6 +85,11 @@ pub enum EngineError {
     /// An argument is not acceptable (bad name, size not a multiple of 4 KiB, ...).
     #[error("{0}")]
     InvalidArgument(String),
+    /// A partial-block write found its block rewritten by other writes
+    /// during every one of its read-modify-write attempts; nothing was
+    /// written (retrying is safe).
+    #[error("busy: {0}")]
+    Busy(String),
 }
 
 impl EngineError {
