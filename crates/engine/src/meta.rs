@@ -312,6 +312,8 @@ impl Meta {
 
     /// Puts `fp` → `pba` in the in-memory index (the PBA already stores it).
     pub fn index_insert(&mut self, fp: Fingerprint, pba: Pba) -> std::io::Result<()> {
+        // (a write between its lookups and its placement looks again)
+        self.index_inserts += 1;
         self.with_index(|index, live, rc| index.insert_with_refcount(&fp, pba, live, rc))
     }
 
