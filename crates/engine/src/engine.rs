@@ -1525,7 +1525,9 @@ impl Engine {
     /// Writes blocks known only by fingerprint (`None`: a zero block)
     /// starting at LBA `first` of `vol`: the dedup logic of a write without
     /// hashing or storing data. Used to replay content-fingerprinted traces
-    /// through the real engine (with [`Engine::simulated`]).
+    /// through the real engine (with [`Engine::simulated`]). No data is
+    /// written: on an engine that stores data, the LBAs of new blocks read
+    /// whatever their PBAs held before, so it is for simulation only.
     ///
     /// Errors: [`EngineError::OutOfRange`] if the blocks pass the volume's
     /// end; [`EngineError::ReadOnly`] for a volume served read-only;
