@@ -123,6 +123,13 @@ pub fn serve(
     while !stop.load(Ordering::Relaxed) {
         running.retain(|t| !t.is_finished());
         match listener.accept() {
+            // only the server's user (and root) may manage its store
+            Ok((stream, _)) if !peer_may_control(&stream) => {
+                let mut s = &stream;
+                let _ = s.write_all(
+                    b"{\"ok\":false,\"error\":\"permission denied: the control socket serves the server's user and root only\"}\n",
+                );
+            }
             Ok((stream, _)) => {
                 let handle = handle.clone();
                 running.push(std::thread::spawn(move || {
@@ -139,6 +146,31 @@ pub fn serve(
     for t in running {
         let _ = t.join();
     }
+}
+
+/// True if the process at the other end of `stream` runs as the server's
+/// user or as root (`SO_PEERCRED`); false if that cannot be told.
+fn peer_may_control(stream: &UnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: u32::MAX,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt on a socket we own, into a ucred of the size given.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    rc == 0 && (cred.uid == me || cred.uid == 0)
 }
 
 /// Longest time a long operation goes without sending a line.
@@ -331,6 +363,12 @@ mod tests {
         assert!(e.to_string().contains("internal error"), "{e}");
         stop.store(true, Ordering::Relaxed);
         server.join().unwrap();
+    }
+
+    #[test]
+    fn the_servers_own_user_may_control_it() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert!(peer_may_control(&a));
     }
 
     #[test]

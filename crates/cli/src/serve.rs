@@ -247,6 +247,13 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&ctl_path);
     let ctl =
         UnixListener::bind(&ctl_path).with_context(|| format!("binding {}", ctl_path.display()))?;
+    // it manages the store: the server's user only (root passes anyway;
+    // connections of other users are refused by credentials too)
+    std::fs::set_permissions(
+        &ctl_path,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .with_context(|| format!("restricting {}", ctl_path.display()))?;
     let stop = Arc::new(AtomicBool::new(false));
 
     let names: Vec<String> = engine.volume_names().into_iter().map(|(n, _)| n).collect();

@@ -281,6 +281,13 @@ fn bad_store_paths_get_clear_errors() {
     // a second server on the same store is refused
     let store = tmp.path().join("store");
     let server = Server::start(&store, &[]);
+    // its control socket manages the store: the server's user only
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(store.join("control.sock"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
     let out = dedupd(&store, &["serve", "--listen", "127.0.0.1:0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("already being served"));
