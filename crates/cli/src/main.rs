@@ -359,18 +359,26 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     bail!("malformed volume list")
                 };
                 println!(
-                    "{:<24} {:>12} {:>12} {:>10}",
-                    "NAME", "SIZE", "MAPPED", "SEQ-T"
+                    "{:<24} {:>12} {:>12} {:>10} {}",
+                    "NAME", "SIZE", "MAPPED", "SEQ-T", "STATE"
                 );
                 for vol in list {
+                    let state = if vol["deleting"].as_bool().unwrap_or(false) {
+                        "being deleted (read-only; delete again to finish)"
+                    } else if vol["read_only"].as_bool().unwrap_or(false) {
+                        "read-only (damaged metadata: fsck --repair)"
+                    } else {
+                        "ok"
+                    };
                     println!(
-                        "{:<24} {:>12} {:>12} {:>10}",
+                        "{:<24} {:>12} {:>12} {:>10} {}",
                         vol["name"].as_str().unwrap_or("?"),
                         human(vol["size_bytes"].as_u64().unwrap_or(0)),
                         human(vol["mapped_bytes"].as_u64().unwrap_or(0)),
                         vol["sequence_threshold_blocks"]
                             .as_u64()
-                            .map_or("default".to_string(), |t| t.to_string())
+                            .map_or("default".to_string(), |t| t.to_string()),
+                        state
                     );
                 }
             }

@@ -190,8 +190,13 @@ pub struct VolumeInfo {
     pub size_bytes: u64,
     /// Bytes of the volume mapped to stored data.
     pub mapped_bytes: u64,
-    /// True if its metadata failed checksums: served read-only until repaired.
+    /// True if it is served read-only: its metadata failed checksums (until
+    /// repaired), or it is being deleted.
     pub read_only: bool,
+    /// True if a delete of it began and has not finished (run `volume
+    /// delete` again to finish it).
+    #[serde(default)]
+    pub deleting: bool,
     /// Its own sequence threshold T in blocks, if set (else the engine's).
     #[serde(default)]
     pub sequence_threshold_blocks: Option<u32>,
@@ -546,7 +551,9 @@ impl Engine {
                     map,
                     damaged_pages,
                     map_missing,
-                    deleting: false,
+                    // a delete cut short (crash, error, signal): finished by
+                    // deleting again, read-only meanwhile
+                    deleting: rec.deleting,
                 },
             );
         }
@@ -753,6 +760,7 @@ impl Engine {
                     size_bytes: v.record.size_bytes,
                     mapped_bytes: 0,
                     read_only: v.read_only(),
+                    deleting: v.deleting,
                     sequence_threshold_blocks: v.record.sequence_threshold_blocks,
                 })
                 .collect()
@@ -823,6 +831,7 @@ impl Engine {
                         name: name.into(),
                         size_bytes,
                         sequence_threshold_blocks: None,
+                        deleting: false,
                     },
                     map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
                     damaged_pages: Vec::new(),
@@ -847,10 +856,12 @@ impl Engine {
     /// The blocks are released in pieces of [`RELEASE_PIECE_BLOCKS`] LBAs,
     /// committing as changed metadata passes `max_dirty_bytes`, so memory
     /// and the time the metadata lock is held do not grow with the volume;
-    /// writes to the volume are refused meanwhile. A crash part way leaves
-    /// the volume with some of its blocks released (consistent: each
-    /// commit unmaps LBAs and releases their blocks together); deleting it
-    /// again finishes.
+    /// writes to the volume are refused meanwhile. The delete is recorded
+    /// durably before the first block is released: a crash, an error or a
+    /// stop part way leaves the volume read-only with some of its blocks
+    /// released (consistent: each commit unmaps LBAs and releases their
+    /// blocks together), listed as being deleted; deleting it again
+    /// finishes.
     ///
     /// Errors: [`EngineError::NoSuchVolume`]; I/O errors of the commits.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
@@ -872,16 +883,29 @@ impl Engine {
             let id = volume_id(&m, name)?;
             let v = m.volumes.get_mut(&id).expect("looked up above");
             v.deleting = true;
-            (id, v.size_blocks())
+            let size_blocks = v.size_blocks();
+            if !v.record.deleting {
+                v.record.deleting = true;
+                m.state_dirty = true;
+                m.change_count += 1;
+            }
+            (id, size_blocks)
         };
-        let released = self.release_range(id, 0, size_blocks, progress);
-        let mut m = lock(&self.meta);
-        if let Err(e) = released {
+        // durable before any block is released: a volume cut short is never
+        // served writable again
+        if let Err(e) = self.flush() {
+            // (nothing released: the volume is as it was)
+            let mut m = lock(&self.meta);
             if let Some(v) = m.volumes.get_mut(&id) {
                 v.deleting = false;
+                v.record.deleting = false;
             }
             return Err(e);
         }
+        // (on an error the volume stays marked, read-only, to be deleted
+        // again)
+        self.release_range(id, 0, size_blocks, progress)?;
+        let mut m = lock(&self.meta);
         // a write admitted before the volume was marked may have mapped an
         // LBA behind the pieces: release what is left (normally nothing)
         // in the same critical section that removes the volume

@@ -64,6 +64,11 @@ pub struct VolumeRecord {
     /// `None` uses the engine's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sequence_threshold_blocks: Option<u32>,
+    /// A delete of this volume began (committed before its first block was
+    /// released): the volume stays read-only, some of its blocks possibly
+    /// released, until `volume delete` runs again and finishes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleting: bool,
 }
 
 /// Counters that persist across restarts (flows since the store was created).

@@ -307,3 +307,41 @@ fn one_huge_trim_commits_along_the_way() {
         "the shared blocks stay"
     );
 }
+
+#[test]
+fn a_delete_cut_short_leaves_the_volume_read_only_until_deleted_again() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("s");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let v = e.create_volume("v", 64 << 20).unwrap();
+    let keep = e.create_volume("keep", 1 << 20).unwrap();
+    for k in 0..(RELEASE_PIECE_BLOCKS + 100) {
+        e.write(v, k * 4096, &[(k % 250) as u8 + 1; 4096], false)
+            .unwrap();
+    }
+    e.write(keep, 0, &[7u8; 4096], false).unwrap();
+    e.flush().unwrap();
+    // the process dies after the first piece (a crash: nothing more is
+    // committed or written)
+    let cut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        e.delete_volume_with_progress("v", &mut |_, _| panic!("killed"))
+    }));
+    assert!(cut.is_err());
+    e.drop_without_closing();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let vols = e.volumes();
+    let info = vols.iter().find(|i| i.name == "v").expect("still listed");
+    assert!(info.deleting && info.read_only, "{info:?}");
+    let (v, _) = e.volume("v").unwrap();
+    assert!(e.write(v, 0, &[1u8; 4096], false).is_err());
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    // deleting again finishes; the other volume is untouched
+    e.delete_volume("v").unwrap();
+    assert!(e.volume("v").is_none());
+    let (keep, _) = e.volume("keep").unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(keep, 0, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 7));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    assert_eq!(e.stats().physical_blocks_stored, 1);
+}
