@@ -359,8 +359,8 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     bail!("malformed volume list")
                 };
                 println!(
-                    "{:<24} {:>12} {:>12} {:>10} {}",
-                    "NAME", "SIZE", "MAPPED", "SEQ-T", "STATE"
+                    "{:<24} {:>12} {:>12} {:>10} STATE",
+                    "NAME", "SIZE", "MAPPED", "SEQ-T"
                 );
                 for vol in list {
                     let state = if vol["deleting"].as_bool().unwrap_or(false) {
