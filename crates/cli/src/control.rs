@@ -73,8 +73,26 @@ pub fn call(
     progress: &mut dyn FnMut(u64, u64),
 ) -> anyhow::Result<Value> {
     let path = socket_path(store);
-    let mut s = UnixStream::connect(&path)
-        .with_context(|| format!("connecting to the running server at {}", path.display()))?;
+    let mut s = match UnixStream::connect(&path) {
+        Ok(s) => s,
+        // the store's lock is held, but no server answers on its socket
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) =>
+        {
+            bail!(
+                "the store is in use by another dedupd process that does not take requests \
+                 (a server starting up or stopping, fsck, or another command); try again when \
+                 it is done"
+            )
+        }
+        Err(e) => {
+            return Err(e)
+                .with_context(|| format!("connecting to the running server at {}", path.display()))
+        }
+    };
     s.set_read_timeout(Some(REPLY_TIMEOUT))?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');

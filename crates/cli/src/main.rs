@@ -14,7 +14,7 @@ mod trace;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Parser, Subcommand};
 use dedupd_engine::{Engine, EngineConfig, EngineError, HashAlgorithm};
 use serde_json::Value;
@@ -254,8 +254,7 @@ fn with_store(
                 e.close()?;
                 Ok(v)
             }
-            Err(EngineError::Locked(_)) => control::call(store, &req, progress)
-                .context("the store is in use by `dedupd serve`"),
+            Err(EngineError::Locked(_)) => control::call(store, &req, progress),
             Err(e) => Err(e.into()),
         }
     })
