@@ -222,10 +222,15 @@ impl InfoLines<'_> {
 
 fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     stream.set_write_timeout(Some(Duration::from_secs(1)))?;
     let mut line = String::new();
-    BufReader::new(stream.try_clone()?).take_line(&mut line)?;
+    // the whole request within REQUEST_TIME (a client trickling bytes
+    // cannot hold a thread, nor the shutdown that joins it)
+    BufReader::new(Deadline {
+        stream: stream.try_clone()?,
+        until: Instant::now() + REQUEST_TIME,
+    })
+    .take_line(&mut line)?;
     let lines = std::sync::Mutex::new(InfoLines {
         stream: &stream,
         last: Instant::now(),
@@ -276,6 +281,33 @@ fn answer(stream: UnixStream, handle: &Handler) -> std::io::Result<()> {
     let mut bytes = serde_json::to_vec(&reply).unwrap_or_default();
     bytes.push(b'\n');
     (&stream).write_all(&bytes)
+}
+
+/// Time a client has to send its whole request line.
+#[cfg(not(test))]
+const REQUEST_TIME: Duration = Duration::from_secs(10);
+#[cfg(test)]
+const REQUEST_TIME: Duration = Duration::from_secs(1);
+
+/// A socket read until a deadline: each read waits only for what is left
+/// of it, and fails with `TimedOut` once it has passed.
+struct Deadline {
+    stream: UnixStream,
+    until: Instant,
+}
+
+impl std::io::Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "request not received in time",
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
 }
 
 trait TakeLine {
@@ -387,6 +419,25 @@ mod tests {
     fn the_servers_own_user_may_control_it() {
         let (a, _b) = UnixStream::pair().unwrap();
         assert!(peer_may_control(&a));
+    }
+
+    #[test]
+    fn a_client_trickling_its_request_is_cut_off_at_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let stop = start(dir.path(), Arc::new(AtomicU64::new(0)));
+        let mut s = UnixStream::connect(socket_path(dir.path())).unwrap();
+        // a byte every 200 ms, each well within a per-read timeout; the
+        // server closes the connection once the request's time is up
+        let mut closed = false;
+        for _ in 0..25 {
+            if s.write_all(b" ").is_err() {
+                closed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert!(closed, "still reading a request after 5 s");
+        stop.store(true, Ordering::Relaxed);
     }
 
     #[test]
