@@ -214,6 +214,9 @@ pub struct Damage {
     /// whose volume was created before the last checkpoint, or the
     /// reference counts or reverse index of a store holding data.
     pub missing: bool,
+    /// A volume map shorter than its volume (truncated): (pages it has,
+    /// pages the volume needs); the LBAs past its end read as unmapped.
+    pub truncated: Option<(u64, u64)>,
 }
 
 impl Damage {
@@ -222,6 +225,11 @@ impl Damage {
     pub fn describe(&self) -> String {
         if self.missing {
             format!("{} is missing", self.file.display())
+        } else if let Some((have, want)) = self.truncated {
+            format!(
+                "{} ends at page {have} of the {want} its volume needs (truncated)",
+                self.file.display()
+            )
         } else {
             format!(
                 "{}: {} page(s) fail their checksum: {:?}",
@@ -473,6 +481,7 @@ impl Engine {
                     file: path,
                     pages: Vec::new(),
                     missing: true,
+                    truncated: None,
                 });
                 return Ok(CachedArray::new(PagedArray::new(file.page_tag())));
             }
@@ -492,6 +501,7 @@ impl Engine {
                     file: path,
                     pages: opened.damaged,
                     missing: false,
+                    truncated: None,
                 });
             }
             Ok(opened.array)
@@ -543,6 +553,21 @@ impl Engine {
             let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine, &mut |_, _| {})?;
             let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
             let map_missing = mine.first().is_some_and(|d| d.missing);
+            // a map shorter than its volume (every creation and resize
+            // journals the full length, so only damage makes one): the
+            // LBAs past its end would read as unmapped with nothing said
+            let want_pages = crate::paged::disk_len(rec.size_bytes / BLOCK_SIZE_U64 * 8)
+                .div_ceil(crate::paged::PAGE_SIZE as u64);
+            let map_truncated_at =
+                (!map_missing && map.page_count() < want_pages).then(|| map.page_count());
+            if let Some(have) = map_truncated_at {
+                mine.push(Damage {
+                    file: dir.path(MetaFile::Map(rec.id)),
+                    pages: Vec::new(),
+                    missing: false,
+                    truncated: Some((have, want_pages)),
+                });
+            }
             damage.extend(mine);
             meta.volumes.insert(
                 rec.id,
@@ -551,6 +576,7 @@ impl Engine {
                     map,
                     damaged_pages,
                     map_missing,
+                    map_truncated_at,
                     // a delete cut short (crash, error, signal): finished by
                     // deleting again, read-only meanwhile
                     deleting: rec.deleting,
@@ -836,6 +862,7 @@ impl Engine {
                     map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
                     damaged_pages: Vec::new(),
                     map_missing: false,
+                    map_truncated_at: None,
                     deleting: false,
                 },
             );

@@ -250,7 +250,14 @@ impl Engine {
                     "volume {}: its map file is missing; every LBA reads as unmapped",
                     v.record.name
                 ));
-            } else if v.read_only() {
+            } else if let Some(page) = v.map_truncated_at {
+                r.data_lost.push(format!(
+                    "volume {}: its map file ends at page {page} (truncated); the LBAs from {} on read as unmapped",
+                    v.record.name,
+                    page * crate::paged::U64_PER_PAGE
+                ));
+            }
+            if !v.map_missing && !v.damaged_pages.is_empty() {
                 let lost = format!(
                     "volume {}: map pages {:?} damaged; the LBAs they hold (508 per page) read as unmapped",
                     v.record.name,
@@ -520,8 +527,9 @@ impl Engine {
             for page in std::mem::take(&mut v.damaged_pages) {
                 v.map.redirty(page);
             }
-            if std::mem::take(&mut v.map_missing) {
-                // the checkpoint creates the file again (empty)
+            if std::mem::take(&mut v.map_missing) || v.map_truncated_at.take().is_some() {
+                // the checkpoint creates the file again (empty) or gives
+                // it back its full length
                 let len_bytes = crate::paged::disk_len(v.size_blocks() * 8);
                 m.structural_ops.push(crate::journal::Op::SetLen {
                     file: crate::journal::MetaFile::Map(*id),

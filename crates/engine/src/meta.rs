@@ -34,6 +34,9 @@ pub struct Volume {
     /// The map file was missing at open (every LBA reads as unmapped); the
     /// volume is served read-only until repaired.
     pub map_missing: bool,
+    /// The map file ended at this page at open, short of the volume (the
+    /// LBAs past it read as unmapped); served read-only until repaired.
+    pub map_truncated_at: Option<u64>,
     /// Being deleted: its blocks are released piece by piece, and writes
     /// are refused meanwhile.
     pub deleting: bool,
@@ -46,7 +49,10 @@ impl Volume {
     }
     /// True if the volume's metadata cannot be trusted (served read-only).
     pub fn read_only(&self) -> bool {
-        !self.damaged_pages.is_empty() || self.map_missing || self.deleting
+        !self.damaged_pages.is_empty()
+            || self.map_missing
+            || self.map_truncated_at.is_some()
+            || self.deleting
     }
     /// The PBA an LBA maps to, if any.
     pub fn get(&self, lba: Lba) -> Option<Pba> {

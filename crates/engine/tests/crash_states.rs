@@ -361,6 +361,13 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
             errs.is_empty(),
             "seed {seed} point {k}: invariants violated: {errs:?}"
         );
+        // a crash is not damage: no file is missing, short or failing its
+        // checksums where the journal does not cover it
+        assert!(
+            e.damage().is_empty(),
+            "seed {seed} point {k}: damage after a crash: {:?}",
+            e.damage().iter().map(|d| d.describe()).collect::<Vec<_>>()
+        );
         for (v, name) in (0..VOLUMES).map(|v| (v, format!("v{v}"))) {
             let (id, _) = e.volume(&name).unwrap();
             #[allow(clippy::needless_range_loop)] // b is also the block number

@@ -614,3 +614,57 @@ fn a_check_without_repair_writes_nothing() {
         .unwrap();
     assert!(buf == pattern(1));
 }
+
+/// A map file cut short (at a page boundary, so every page left passes its
+/// checksum): the volume is served read-only and fsck names the LBAs lost
+/// past the cut, instead of their reading as never written with nothing
+/// said; a repair gives the file back its length.
+#[test]
+fn truncated_map_is_damage_not_a_hole() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let map = first_map_file(&path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&map)
+        .unwrap()
+        .set_len(4096) // page 0 only: LBAs 0..508 of volume a's 600
+        .unwrap();
+    {
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let (a, _) = e.volume("a").unwrap();
+        assert!(e.volume_read_only(a));
+        assert!(
+            e.damage()
+                .iter()
+                .any(|d| d.describe().contains("truncated")),
+            "{:?}",
+            e.damage()
+        );
+        let mut buf = vec![0u8; 4096];
+        e.read(a, 10 * 4096, &mut buf).unwrap();
+        assert!(buf == pattern(10));
+        e.close().unwrap();
+    }
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "{check:?}");
+    assert!(
+        check
+            .data_lost
+            .iter()
+            .any(|l| l.contains("volume a") && l.contains("from 508 on")),
+        "{:?}",
+        check.data_lost
+    );
+    assert_eq!(repair(&path), 1);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    assert!(!e.volume_read_only(a));
+    let mut buf = vec![0u8; 4096];
+    e.read(a, 10 * 4096, &mut buf).unwrap();
+    assert!(buf == pattern(10));
+    e.read(a, 550 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    e.write(a, 550 * 4096, &pattern(550), false).unwrap();
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
