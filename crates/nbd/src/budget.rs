@@ -52,6 +52,11 @@ impl Budget {
     pub(crate) fn in_use(&self) -> usize {
         self.lock().0
     }
+
+    /// Bytes it holds when full.
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
 }
 
 /// Bytes taken from a [`Budget`]; given back on drop.

@@ -51,7 +51,9 @@ pub struct ServerConfig {
     /// Bytes of request payload (WRITE data, READ reply buffers) that may be
     /// in flight at once, summed over all connections of the server. A
     /// request waits for room before its buffer is allocated; a single
-    /// request larger than the whole budget runs alone. Default 64 MiB.
+    /// request larger than the whole budget runs alone. One connection may
+    /// hold at most half of it (a larger request alone), so a client that
+    /// stops reading its replies cannot stall the others. Default 64 MiB.
     pub inflight_budget_bytes: usize,
     /// Connections open at once (handshake or transmission), over all
     /// listeners; one more is accepted and closed at once, and counted in

@@ -383,6 +383,8 @@ struct Job {
     /// bytes; space for a READ's reply.
     buf: Vec<u8>,
     _budget: BudgetGuard,
+    /// Its share of the connection's own part of the budget (taken first).
+    _share: BudgetGuard,
 }
 
 /// Makes `buf` at least `len` bytes long, zeroing only what it grows by.
@@ -418,6 +420,9 @@ struct Connection<'a, R: ?Sized> {
     shutdown_replies: AtomicUsize,
     /// Buffers of finished requests, for the next ones.
     spare: Mutex<Vec<Vec<u8>>>,
+    /// This connection's part of the in-flight budget: half the server's
+    /// (a larger request still runs alone in it).
+    share: Arc<Budget>,
     /// Set while the reading worker waits for a client that has sent
     /// nothing for [`IDLE_BUFFER_FREE_AFTER`]: buffers are then freed, not
     /// kept.
@@ -444,6 +449,7 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
         shutdown_replies: AtomicUsize::new(0),
         spare: Mutex::new(Vec::new()),
         idle: AtomicBool::new(false),
+        share: Budget::new((res.budget.capacity() / 2).max(1)),
     };
     let workers = res.workers.max(1);
     std::thread::scope(|scope| {
@@ -622,6 +628,10 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                     Command::Write => len,
                     _ => 0,
                 };
+                // the connection's own part first: one connection (say a
+                // client sending its payloads slowly) can hold at most half
+                // the server's budget, so others always find room
+                let share = self.share.acquire(bytes);
                 let guard = self.res.budget.acquire(bytes);
                 let mut buf = self.take_buffer();
                 if req.command == Command::Write {
@@ -635,6 +645,7 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                     req,
                     buf,
                     _budget: guard,
+                    _share: share,
                 })
             }
         }
@@ -654,6 +665,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
         req,
         mut buf,
         _budget,
+        _share,
     } = job;
     let fua = req.flags & proto::CMD_FLAG_FUA != 0;
     let len = u64::from(req.length);

@@ -843,3 +843,29 @@ fn shutdown_reads_what_clients_send_after_the_servers_fin() {
     c.s.shutdown(Shutdown::Write).unwrap();
     h.stop();
 }
+
+#[test]
+fn one_connection_cannot_take_the_whole_inflight_budget() {
+    // 1 MiB budget; four reads of 262 000 bytes would take all but 512
+    // bytes of it, too little for another client's 4 KiB read
+    let h = Harness::start(ServerConfig {
+        inflight_budget_bytes: 1 << 20,
+        ..ServerConfig::default()
+    });
+    let mut a = h.unix();
+    a.connect_go("disk");
+    // a client that sends reads and does not read the replies: they stay
+    // in flight, holding their budget, while the server's sends block
+    for i in 0..4u64 {
+        a.send_request(0, CMD_READ, i, 0, 262_000, &[]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = h.tcp();
+    b.s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    b.connect_go("disk");
+    let started = Instant::now();
+    assert_eq!(b.read(0, 4096).unwrap().len(), 4096);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    drop(a);
+    h.stop();
+}
