@@ -25,7 +25,10 @@ pub enum Compression {
 pub fn detect_compression(head: &[u8]) -> Compression {
     if head.starts_with(&[0x1f, 0x8b]) {
         Compression::Gzip
-    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd])
+        // a skippable frame (magic 0x184D2A50..=5F, as pzstd writes first)
+        || (head.len() >= 4 && head[0] & 0xf0 == 0x50 && head[1..4] == [0x2a, 0x4d, 0x18])
+    {
         Compression::Zstd
     } else {
         Compression::None
@@ -78,4 +81,30 @@ pub fn open(path: &Path, consumed: Arc<AtomicU64>) -> io::Result<(Box<dyn BufRea
         )),
     };
     Ok((r, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zstd_starting_with_a_skippable_frame_is_zstd() {
+        // as pzstd writes: a skippable frame (magic 0x184D2A50, 4 bytes of
+        // payload), then an ordinary frame
+        let mut bytes = vec![0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 1, 2, 3, 4];
+        bytes.extend(zstd::encode_all(&b"0 1 p 0 8 W 8 0 x\n"[..], 1).unwrap());
+        assert_eq!(detect_compression(&bytes), Compression::Zstd);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.zst");
+        std::fs::write(&p, &bytes).unwrap();
+        let (mut r, c) = open(&p, Arc::new(AtomicU64::new(0))).unwrap();
+        assert_eq!(c, Compression::Zstd);
+        let mut text = String::new();
+        r.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "0 1 p 0 8 W 8 0 x\n");
+        // only the skippable magics count: other text starting with P
+        // stays text
+        assert_eq!(detect_compression(b"_*M\x18"), Compression::Zstd);
+        assert_eq!(detect_compression(b"PXYZ"), Compression::None);
+    }
 }

@@ -662,7 +662,9 @@ pub fn replay(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Report> {
     let engine = build_engine(cfg)?;
-    let filters = cfg.policy.parse::<PolicySpec>()?.filters;
+    let spec = cfg.policy.parse::<PolicySpec>()?;
+    let bounded = spec.eviction.is_some();
+    let filters = spec.filters;
     let started = Instant::now();
     let consumed = Arc::new(AtomicU64::new(0));
     let mut bytes_total = 0;
@@ -686,7 +688,10 @@ pub fn replay(
     let mut r = Report {
         traces: paths.iter().map(|p| p.display().to_string()).collect(),
         policy: cfg.policy.clone(),
-        index_memory_bytes: cfg.index_memory_bytes,
+        // (a bounded policy's default budget is a budget too)
+        index_memory_bytes: cfg
+            .index_memory_bytes
+            .or_else(|| bounded.then(default_index_memory_bytes)),
         stream_by: cfg.stream_by,
         ..Report::default()
     };
@@ -789,17 +794,25 @@ pub fn replay(
                 }
                 Some(Op::Trim) => {
                     r.trims += 1;
-                    engine
-                        .trim(
-                            stream.volume,
-                            req.lba_sectors * SECTOR_SIZE,
-                            req.sectors * SECTOR_SIZE,
-                            false,
-                        )
-                        .map_err(|e| TraceError::Request {
-                            location: location(inp),
-                            msg: e.to_string(),
-                        })?;
+                    // whole blocks only: the simulated engine keeps no
+                    // data, so a partial block's read-modify-write would
+                    // turn the whole block into zeros (and count a write)
+                    let sectors_per_block = BLOCK_SIZE as u64 / SECTOR_SIZE;
+                    let first = req.lba_sectors.div_ceil(sectors_per_block);
+                    let end = (req.lba_sectors + req.sectors) / sectors_per_block;
+                    if first < end {
+                        engine
+                            .trim(
+                                stream.volume,
+                                first * BLOCK_SIZE as u64,
+                                (end - first) * BLOCK_SIZE as u64,
+                                false,
+                            )
+                            .map_err(|e| TraceError::Request {
+                                location: location(inp),
+                                msg: e.to_string(),
+                            })?;
+                    }
                 }
                 None => {}
             }

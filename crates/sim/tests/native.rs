@@ -141,3 +141,40 @@ fn requests_no_reader_could_use_are_refused() {
         );
     }
 }
+
+#[test]
+fn a_replayed_trim_unmaps_whole_blocks_only() {
+    let w = |lba_sectors, sectors, blocks: Vec<Option<[u8; 16]>>, op| Request {
+        ts_ns: 0,
+        source: 0,
+        op: Some(op),
+        lba_sectors,
+        sectors,
+        blocks,
+    };
+    let bytes = encode(
+        &[Source {
+            pid: 1,
+            process: "p".into(),
+        }],
+        &[
+            // blocks 0 and 1, then a trim of sectors 4..12 (part of each)
+            w(0, 16, vec![Some([1; 16]), Some([2; 16])], Op::Write),
+            w(4, 8, Vec::new(), Op::Trim),
+            // block 2, then a trim of sectors 12..24 (the rest of block 1
+            // and all of block 2)
+            w(16, 8, vec![Some([3; 16])], Op::Write),
+            w(12, 12, Vec::new(), Op::Trim),
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.ddt");
+    std::fs::write(&p, bytes).unwrap();
+    let cfg = dedupd_sim::ReplayConfig::default();
+    let r = dedupd_sim::replay(&[p], &cfg, &mut |_| {}).unwrap();
+    assert_eq!(r.blocks_written, 3);
+    assert_eq!(r.zero_blocks_written, 0);
+    // blocks 0 and 1 stay (only parts of them were trimmed), 2 is gone
+    assert_eq!(r.mapped_blocks, 2);
+    assert_eq!(r.trims, 2);
+}
