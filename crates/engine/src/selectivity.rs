@@ -30,6 +30,9 @@ pub const WINDOW_WRITES: u64 = 150;
 pub const HISTORY_WINDOWS: usize = 30;
 /// Floor of the duplication-level factor.
 pub const FLOOR: f64 = 0.3;
+/// Difference between a window's duplication level and the mean of the
+/// last windows' below which the level counts as unchanged (rounding).
+const LEVEL_TOLERANCE: f64 = 1e-9;
 const LOW_POWER_PERCENT: f64 = 15.0;
 
 /// Where power comes from, as configured (`--power-source`).
@@ -148,7 +151,13 @@ impl Selectivity {
     pub fn select(&self, n: usize) -> Vec<bool> {
         let mut s = self.lock();
         self.refresh(&mut s);
-        let fraction = (s.dup_factor * s.load_factor * s.power_factor).clamp(0.0, 1.0);
+        let product = s.dup_factor * s.load_factor * s.power_factor;
+        // (a reading gone wrong must not stop selection for good)
+        let fraction = if product.is_finite() {
+            product.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
         (0..n)
             .map(|_| {
                 s.credit += fraction;
@@ -179,9 +188,12 @@ impl Selectivity {
         let level = s.window_dups as f64 / s.window_writes as f64;
         if s.history.len() >= 3 {
             let mean = s.history.iter().sum::<f64>() / s.history.len() as f64;
-            if level < mean {
+            // (a mean of equal levels is not always bit-equal to them: a
+            // steady level must not read as falling; real changes are at
+            // least 1/150 of one window's share)
+            if level < mean - LEVEL_TOLERANCE {
                 s.dup_factor = (s.dup_factor * 0.9).max(FLOOR);
-            } else if level > mean {
+            } else if level > mean + LEVEL_TOLERANCE {
                 s.dup_factor = (s.dup_factor * 1.3).min(1.0);
             }
         }
@@ -239,9 +251,11 @@ fn pressure(path: &str) -> f64 {
             t.lines()
                 .find(|l| l.starts_with("some"))
                 .and_then(|l| l.split_whitespace().find_map(|f| f.strip_prefix("avg10=")))
-                .and_then(|v| v.parse().ok())
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| v.is_finite())
         })
         .unwrap_or(0.0)
+        .clamp(0.0, 100.0)
 }
 
 /// 1 on mains, the charge fraction on battery, 0 in low-power mode.
@@ -256,29 +270,49 @@ fn power_factor(src: PowerSource) -> f64 {
     match src {
         PowerSource::Ac => 1.0,
         PowerSource::Battery(p) => on_battery(p),
-        PowerSource::Auto => {
-            let root = Path::new("/sys/class/power_supply");
-            let Ok(dir) = std::fs::read_dir(root) else {
-                return 1.0;
-            };
-            for e in dir.flatten() {
-                let p = e.path();
-                let kind = std::fs::read_to_string(p.join("type")).unwrap_or_default();
-                if kind.trim() != "Battery" {
-                    continue;
-                }
-                let status = std::fs::read_to_string(p.join("status")).unwrap_or_default();
-                if status.trim() != "Discharging" {
+        PowerSource::Auto => power_factor_from(Path::new("/sys/class/power_supply")),
+    }
+}
+
+/// [`power_factor`] from the supplies under `root` (`/sys/class/power_supply`):
+/// 1 if there are none, if a mains or USB supply is online, or if a system
+/// battery is not discharging; else the lowest charge of the discharging
+/// system batteries. Batteries of devices (`scope` `Device`: a wireless
+/// mouse or headset) do not count, nor readings that are not a number.
+fn power_factor_from(root: &Path) -> f64 {
+    let Ok(dir) = std::fs::read_dir(root) else {
+        return 1.0;
+    };
+    let read = |p: &Path, f: &str| {
+        std::fs::read_to_string(p.join(f))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let mut lowest: Option<f64> = None;
+    for e in dir.flatten() {
+        let p = e.path();
+        if read(&p, "scope") == "Device" {
+            continue;
+        }
+        match read(&p, "type").as_str() {
+            "Mains" | "USB" if read(&p, "online") == "1" => return 1.0,
+            "Battery" => {
+                if read(&p, "status") != "Discharging" {
                     return 1.0;
                 }
-                let cap: f64 = std::fs::read_to_string(p.join("capacity"))
-                    .ok()
-                    .and_then(|c| c.trim().parse().ok())
-                    .unwrap_or(100.0);
-                return on_battery(cap);
+                let cap = read(&p, "capacity")
+                    .parse::<u8>()
+                    .map_or(100.0, |c| f64::from(c.min(100)));
+                lowest = Some(lowest.map_or(cap, |l: f64| l.min(cap)));
             }
-            1.0
+            _ => {}
         }
+    }
+    match lowest {
+        None => 1.0,
+        Some(pct) if pct < LOW_POWER_PERCENT => 0.0,
+        Some(pct) => pct / 100.0,
     }
 }
 
@@ -292,6 +326,69 @@ mod tests {
             load_aware: false,
             power,
         })
+    }
+
+    #[test]
+    fn a_steady_duplication_level_keeps_the_selectivity() {
+        let s = fixed(PowerSource::Ac);
+        // 10 % duplicates in every window (0.1 has no exact f64)
+        for _ in 0..40 {
+            s.observe(150, 15);
+        }
+        assert_eq!(s.stats().duplication_factor, 1.0);
+    }
+
+    #[test]
+    fn power_comes_from_system_batteries_and_mains_only() {
+        let supply = |root: &Path, name: &str, files: &[(&str, &str)]| {
+            let d = root.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            for (f, v) in files {
+                std::fs::write(d.join(f), format!("{v}\n")).unwrap();
+            }
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        // a wireless mouse at 10 %, discharging: not the machine's power
+        supply(
+            root,
+            "hidpp_battery_0",
+            &[
+                ("type", "Battery"),
+                ("scope", "Device"),
+                ("status", "Discharging"),
+                ("capacity", "10"),
+            ],
+        );
+        assert_eq!(power_factor_from(root), 1.0);
+        // the system battery, discharging at 60 %
+        supply(
+            root,
+            "BAT0",
+            &[
+                ("type", "Battery"),
+                ("status", "Discharging"),
+                ("capacity", "60"),
+            ],
+        );
+        assert!((power_factor_from(root) - 0.6).abs() < 1e-9);
+        // a second one at 40 %: the lowest counts
+        supply(
+            root,
+            "BAT1",
+            &[
+                ("type", "Battery"),
+                ("status", "Discharging"),
+                ("capacity", "40"),
+            ],
+        );
+        assert!((power_factor_from(root) - 0.4).abs() < 1e-9);
+        // a reading that is not a number is not taken at its word
+        supply(root, "BAT1", &[("capacity", "nan")]);
+        assert!((power_factor_from(root) - 0.6).abs() < 1e-9);
+        // plugged in: mains power
+        supply(root, "AC", &[("type", "Mains"), ("online", "1")]);
+        assert_eq!(power_factor_from(root), 1.0);
     }
 
     #[test]
