@@ -63,6 +63,16 @@ pub struct SkippedBuffer {
     regions: BTreeSet<(VolumeId, u64)>,
     /// Whole volumes, with the next region to expand.
     volumes: BTreeMap<VolumeId, u64>,
+    /// Per whole volume, the lowest region written behind its scan's
+    /// cursor: scanned again once the scan reaches the end (moving the
+    /// cursor back at each such write would let a block rewritten without
+    /// pause, say a file system's journal, hold the scan there for ever).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    rescan_from: BTreeMap<VolumeId, u64>,
+    /// The whole volume a region was last taken from: the next is taken
+    /// from the volume after it, so every volume's scan goes on.
+    #[serde(skip)]
+    last_volume: Option<VolumeId>,
     degradations: u64,
     /// The pending merges of out-of-line dedup (copy PBA → kept PBA), in a
     /// saved buffer only: [`Engine`](crate::Engine) keeps them apart while
@@ -100,16 +110,14 @@ impl SkippedBuffer {
     fn used_bytes(&self) -> usize {
         self.records.len() * RECORD_BYTES
             + self.regions.len() * REGION_BYTES
-            + self.volumes.len() * REGION_BYTES
+            + (self.volumes.len() + self.rescan_from.len()) * REGION_BYTES
     }
 
     /// Records that block `lba` of `vol` was written without an inline match.
     pub fn record(&mut self, vol: VolumeId, lba: u64) {
         let region = (vol, lba / REGION_BLOCKS);
-        if let Some(next) = self.volumes.get_mut(&vol) {
-            // pending whole: a block behind the scan's cursor sends the
-            // cursor back to it (regions are examined again, none missed)
-            *next = (*next).min(region.1);
+        if self.volumes.contains_key(&vol) {
+            self.behind_scan(vol, region.1);
             return;
         }
         let held = match self.last_region {
@@ -154,8 +162,8 @@ impl SkippedBuffer {
         if start >= end {
             return;
         }
-        if let Some(next) = self.volumes.get_mut(&vol) {
-            *next = (*next).min(start / REGION_BLOCKS);
+        if self.volumes.contains_key(&vol) {
+            self.behind_scan(vol, start / REGION_BLOCKS);
             return;
         }
         self.last_region = None;
@@ -170,12 +178,23 @@ impl SkippedBuffer {
         }
     }
 
+    /// Notes that region `region` of `vol`, a volume pending whole, was
+    /// written: if its scan is past it, the scan comes back to it once at
+    /// the end (none missed).
+    fn behind_scan(&mut self, vol: VolumeId, region: u64) {
+        if self.volumes.get(&vol).is_some_and(|&next| region < next) {
+            let r = self.rescan_from.entry(vol).or_insert(region);
+            *r = (*r).min(region);
+        }
+    }
+
     /// Records that every block of `vol` may hold duplicates.
     pub fn record_volume(&mut self, vol: VolumeId) {
         self.last_region = None;
         self.records.retain(|r| r.0 != vol);
         self.regions.retain(|r| r.0 != vol);
         self.volumes.insert(vol, 0);
+        self.rescan_from.remove(&vol);
     }
 
     /// Forgets everything about `vol` (deleted).
@@ -184,6 +203,7 @@ impl SkippedBuffer {
         self.records.retain(|r| r.0 != vol);
         self.regions.retain(|r| r.0 != vol);
         self.volumes.remove(&vol);
+        self.rescan_from.remove(&vol);
     }
 
     /// True if nothing is pending.
@@ -224,16 +244,32 @@ impl SkippedBuffer {
                 }
                 continue;
             }
-            let Some((&v, &next)) = self.volumes.iter().next() else {
+            // the volume after the one served last, in turn
+            let after = self.last_volume.and_then(|l| {
+                self.volumes
+                    .range((std::ops::Bound::Excluded(l), std::ops::Bound::Unbounded))
+                    .next()
+            });
+            let Some((&v, &next)) = after.or_else(|| self.volumes.iter().next()) else {
                 break;
             };
+            self.last_volume = Some(v);
             let Some(size) = size_blocks(v) else {
                 self.volumes.remove(&v);
+                self.rescan_from.remove(&v);
                 continue;
             };
             let start = next * REGION_BLOCKS;
             if start >= size {
-                self.volumes.remove(&v);
+                // at the end: once more from what was written behind it
+                match self.rescan_from.remove(&v) {
+                    Some(r) => {
+                        self.volumes.insert(v, r);
+                    }
+                    None => {
+                        self.volumes.remove(&v);
+                    }
+                }
                 continue;
             }
             let end = (start + REGION_BLOCKS).min(size);
@@ -263,7 +299,7 @@ impl SkippedBuffer {
     pub fn memory_bytes(&self) -> u64 {
         (self.records.capacity() * RECORD_BYTES
             + self.regions.len() * REGION_BYTES
-            + self.volumes.len() * REGION_BYTES) as u64
+            + (self.volumes.len() + self.rescan_from.len()) * REGION_BYTES) as u64
     }
 
     /// Sets the capacity (at open, from configuration).
@@ -275,6 +311,35 @@ impl SkippedBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_rewritten_without_pause_does_not_hold_whole_volume_scans() {
+        let mut b = SkippedBuffer::new(RECORD_BYTES * 16);
+        let (v, w) = (VolumeId(1), VolumeId(2));
+        b.record_volume(v);
+        b.record_volume(w);
+        let size = |_| Some(100 * REGION_BLOCKS);
+        let mut seen: BTreeSet<(VolumeId, u64)> = BTreeSet::new();
+        // a region at a time, and after each a write to block 5 of v (a
+        // file system's journal, say)
+        for _ in 0..250 {
+            let got = b.take(REGION_BLOCKS as usize, size, |_, _, _| true);
+            seen.extend(got.into_iter().map(|(vol, l)| (vol, l / REGION_BLOCKS)));
+            b.record(v, 5);
+        }
+        for vol in [v, w] {
+            let regions = seen.iter().filter(|(x, _)| *x == vol).count();
+            assert_eq!(
+                regions, 100,
+                "volume {vol:?}: {regions} of 100 regions scanned"
+            );
+        }
+        // once the writes stop, the buffer empties
+        for _ in 0..10 {
+            b.take(1 << 20, size, |_, _, _| true);
+        }
+        assert!(b.is_empty(), "{:?}", b.stats());
+    }
 
     #[test]
     fn a_write_behind_a_whole_volume_scan_is_not_lost() {
