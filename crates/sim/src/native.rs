@@ -231,6 +231,10 @@ impl NativeReader {
                 format!("unsupported version {v} (this build reads {VERSION})"),
             ));
         }
+        // (version 1 defines no flags and reserves the rest as zero)
+        if h[10..16] != [0; 6] {
+            return Err((10, "flags or reserved bytes not zero".into()));
+        }
         Ok(NativeReader {
             input,
             chunk: Vec::new(),
@@ -279,6 +283,20 @@ impl NativeReader {
                     self.records
                 )));
             }
+            // the end: nothing may follow (two traces concatenated, or a
+            // second gzip member, would otherwise replay as the first alone)
+            let mut more = [0u8; 1];
+            match read_exact_or_eof(&mut self.input, &mut more) {
+                Ok(false) => {}
+                Ok(true) => {
+                    return Err((
+                        self.offset + 20,
+                        "data after the end marker (traces concatenated? convert them into one)"
+                            .into(),
+                    ))
+                }
+                Err(e) => return Err(self.err(format!("reading past the end marker: {e}"))),
+            }
             self.done = true;
             return Ok(false);
         }
@@ -322,6 +340,10 @@ impl NativeReader {
             for (n, &b) in bytes.iter().enumerate() {
                 v |= ((b & 0x7f) as u64) << (7 * n);
                 if b & 0x80 == 0 {
+                    // (the 10th byte holds bit 63 alone)
+                    if n == 9 && b > 1 {
+                        break;
+                    }
                     self.pos += n + 1;
                     return Ok(v);
                 }
@@ -336,6 +358,9 @@ impl NativeReader {
         let mut v: u64 = 0;
         for shift in (0..64).step_by(7) {
             let b = self.byte()?;
+            if shift == 63 && b > 1 {
+                return Err(self.err("varint overflows 64 bits"));
+            }
             v |= ((b & 0x7f) as u64) << shift;
             if b & 0x80 == 0 {
                 return Ok(v);

@@ -111,6 +111,37 @@ fn corruption_and_truncation_are_detected() {
     v2[8] = 2;
     let e = decode(&v2).unwrap_err();
     assert!(e.to_string().contains("version"), "{e}");
+    let mut flags = good.clone();
+    flags[10] = 1;
+    let e = decode(&flags).unwrap_err();
+    assert!(e.to_string().contains("reserved"), "{e}");
+    // two traces concatenated: not the first alone, silently
+    let twice = [good.clone(), good.clone()].concat();
+    let e = decode(&twice).unwrap_err();
+    assert!(e.to_string().contains("after the end marker"), "{e}");
+}
+
+#[test]
+fn a_varint_past_64_bits_is_refused() {
+    // a source record, then a write whose LBA varint is 10 bytes with a
+    // last byte over 1 (bit 64 and up), in a chunk of its own
+    let mut payload = vec![0x01, 0x00, 0x01, 0x01, b'p'];
+    payload.extend([0x03, 0x00, 0x00]);
+    payload.extend([0x80; 9]);
+    payload.push(0x02);
+    payload.extend([0x08, 0x01, 0x01]);
+    payload.extend([0x11; 16]);
+    let mut bytes = b"DDTRACE\0".to_vec();
+    bytes.extend(1u16.to_le_bytes());
+    bytes.extend([0u8; 6]);
+    bytes.extend((payload.len() as u32).to_le_bytes());
+    bytes.extend(crc32c::crc32c(&payload).to_le_bytes());
+    bytes.extend(&payload);
+    bytes.extend(0u32.to_le_bytes());
+    bytes.extend(2u64.to_le_bytes());
+    bytes.extend(crc32c::crc32c(&2u64.to_le_bytes()).to_le_bytes());
+    let e = decode(&bytes).unwrap_err();
+    assert!(e.to_string().contains("overflows"), "{e}");
 }
 
 #[test]
