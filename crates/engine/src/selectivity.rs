@@ -4,15 +4,24 @@
 //! them later.
 //!
 //! The fraction is the product of three factors:
-//! - **duplication level**: per window of 150 selected writes, the share of
-//!   duplicates found is compared with the mean of the last 30 windows;
-//!   when it falls the factor drops by 10 % (floor 30 %), when it rises the
-//!   factor grows by 30 % (cap 100 %);
+//! - **duplication level**: per window of at least 150 selected blocks
+//!   (counted in blocks, not requests: a large request can fill a window
+//!   alone), the share of duplicates found is compared with the mean of
+//!   the last 30 windows' shares; when it falls the factor is multiplied
+//!   by 0.9 (floor 30 %), when it rises by 1.3 (cap 100 %) — the paper's
+//!   "10 %" and "30 %" read as relative steps;
 //! - **load**: when CPU or I/O pressure (`/proc/pressure/{cpu,io}`, "some"
-//!   avg10) passes 50 %, the factor halves; under 20 % it is 1;
+//!   avg10) passes 50 %, the factor halves; under 20 % it is 1. Without
+//!   pressure stall information (a kernel built without PSI, or a
+//!   container hiding it) the factor stays 1: load awareness is then off;
 //! - **power**: on mains 1; on battery the charge fraction
-//!   (`/sys/class/power_supply`); 0 (inline dedup off) in low-power mode,
-//!   below 15 % charge. `--power-source` overrides the reading for tests.
+//!   (`/sys/class/power_supply`: system batteries, not those of devices
+//!   such as a wireless mouse; an online mains or USB supply means mains);
+//!   0 (inline dedup off) in low-power mode, below 15 % charge.
+//!   `--power-source` overrides the reading for tests.
+//!
+//! Zero blocks are never stored, but they pass through the selection like
+//! any block (and count in `blocks_selected`).
 //!
 //! Blocks are selected by a credit counter (n of every N), not at random,
 //! so replays are deterministic.
