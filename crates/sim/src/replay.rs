@@ -709,6 +709,22 @@ pub fn replay(
         let req = &pending.req;
         let location = |inp: &Input| inp.reader.location_at(pending.position);
 
+        // (a request past the volume limit makes no stream)
+        let first = req.first_block();
+        let n = match req.op {
+            Some(Op::Write) => req.blocks.len() as u64,
+            _ => req.blocks_touched(),
+        };
+        if first.checked_add(n).is_none_or(|end| end > max_blocks) {
+            if !inp.reader.skip_bad_request() {
+                return Err(TraceError::Request {
+                    location: location(inp),
+                    msg: format!("blocks {first}..+{n} pass the 1 PiB volume limit"),
+                });
+            }
+            continue;
+        }
+
         // the request's stream and volume
         let src = req.source as usize;
         if inp.stream_of.len() <= src {
@@ -754,20 +770,7 @@ pub fn replay(
         };
         let stream = &mut streams[s];
 
-        let first = req.first_block();
-        let n = match req.op {
-            Some(Op::Write) => req.blocks.len() as u64,
-            _ => req.blocks_touched(),
-        };
-        let in_range = first.checked_add(n).is_some_and(|end| end <= max_blocks);
-        if !in_range {
-            if !inp.reader.skip_bad_request() {
-                return Err(TraceError::Request {
-                    location: location(inp),
-                    msg: format!("blocks {first}..+{n} pass the 1 PiB volume limit"),
-                });
-            }
-        } else {
+        {
             r.requests += 1;
             stream.report.requests += 1;
             match req.op {
