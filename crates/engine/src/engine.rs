@@ -1439,9 +1439,9 @@ impl Engine {
                 // (past RMW_ATTEMPTS: no freed block is reused until the
                 // write-back, so only a write of this LBA can fail it; the
                 // write path takes no `reuse` lock, commits come after it)
-                let _no_reuse = (attempt > RMW_ATTEMPTS)
+                let no_reuse = (attempt > RMW_ATTEMPTS)
                     .then(|| self.reuse.read().unwrap_or_else(|e| e.into_inner()));
-                let read = if _no_reuse.is_some() {
+                let read = if no_reuse.is_some() {
                     self.read_mapped_guarded(vol, lba, &mut block)?
                 } else {
                     self.read_mapped(vol, lba, &mut block)?
