@@ -1352,20 +1352,26 @@ impl FingerprintIndex {
                 if take_add {
                     let mut keep = add[j];
                     if i < old.len() && old[i].0 == add[j].0 {
-                        // two live copies of one fingerprint: keep the lower
-                        // PBA, report the other for out-of-line merging
                         let other = old[i];
-                        if other.1 != keep.1
-                            && live(other.0, Pba(other.1))
-                            && live(keep.0, Pba(keep.1))
-                        {
-                            let (lo, hi) = if other.1 < keep.1 {
-                                (other, keep)
-                            } else {
-                                (keep, other)
-                            };
-                            self.note_displaced(Pba(hi.1), Pba(lo.1));
-                            keep = lo;
+                        if other.1 != keep.1 {
+                            match (live(keep.0, Pba(keep.1)), live(other.0, Pba(other.1))) {
+                                // two live copies of one fingerprint: keep
+                                // the lower PBA, report the other for
+                                // out-of-line merging
+                                (true, true) => {
+                                    let (lo, hi) = if other.1 < keep.1 {
+                                        (other, keep)
+                                    } else {
+                                        (keep, other)
+                                    };
+                                    self.note_displaced(Pba(hi.1), Pba(lo.1));
+                                    keep = lo;
+                                }
+                                // only the one on disk is live (the one in
+                                // memory went stale unremoved): keep it
+                                (false, true) => keep = other,
+                                _ => {}
+                            }
                         }
                         i += 1;
                     }
@@ -1765,6 +1771,26 @@ mod tests {
             assert!(idx.memory_bytes() <= 8 << 10);
         }
         assert!(idx.stats().entries_evicted > 0);
+    }
+
+    #[test]
+    fn a_merge_keeps_the_live_copy_when_the_one_in_memory_went_stale() {
+        let mut idx = index(8 << 10, EvictionPolicy::GroupLru, LookupMode::Memory);
+        let k0 = key_of(&fp(0));
+        // fp(0) at PBA 100, evicted to disk by the inserts after it
+        let all_live = |_: u64, _: Pba| true;
+        idx.insert(&fp(0), Pba(100), &all_live).unwrap();
+        for i in 1..3_000u64 {
+            idx.insert(&fp(i), Pba(i + 1_000), &all_live).unwrap();
+        }
+        // a copy of it at PBA 200 in memory, which then went stale without
+        // being removed (PBA 100 is the live one)
+        idx.insert(&fp(0), Pba(200), &all_live).unwrap();
+        let live = |k: u64, p: Pba| k != k0 || p == Pba(100);
+        for i in 3_000..6_000u64 {
+            idx.insert(&fp(i), Pba(i + 1_000), &live).unwrap();
+        }
+        assert_eq!(idx.lookup_all(&fp(0), &live).unwrap(), vec![Pba(100)]);
     }
 
     #[test]
