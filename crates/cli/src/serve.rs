@@ -308,12 +308,24 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         let handle = handle.clone();
         let stop = stop.clone();
         std::thread::spawn(move || {
-            if let Some(sig) = signals.forever().next() {
-                eprintln!("dedupd: signal {sig}: finishing in-flight requests");
+            let mut received = signals.forever();
+            if let Some(sig) = received.next() {
+                eprintln!(
+                    "dedupd: signal {sig}: finishing in-flight requests (a second signal exits at once)"
+                );
                 // the control socket stops accepting too; its requests
                 // already taken finish before the store is closed
                 stop.store(true, Ordering::Relaxed);
                 handle.shutdown();
+            }
+            // a second one (the operator will not wait, say for a long
+            // volume delete): exit now, as a crash would, which the
+            // journal covers
+            if let Some(sig) = received.next() {
+                eprintln!(
+                    "dedupd: signal {sig} again: exiting now; the next start recovers from the journal (writes not flushed may read back old)"
+                );
+                std::process::exit(130);
             }
         });
     }
