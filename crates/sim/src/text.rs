@@ -246,25 +246,27 @@ pub fn parse_fiu(
         ));
     }
     req.ts_ns = ts;
-    req.source = sources.id(pid, process);
     req.op = Some(op);
     req.lba_sectors = lba;
     req.sectors = size;
     req.blocks.clear();
     let digests = (hex.len() / 32) as u64;
     let pages = size.div_ceil(SECTORS_PER_BLOCK);
-    let layout = if digests == size && (size >= 2 || *sticky == Layout::PerSector) {
+    let per_page = digests == pages || digests == req.blocks_touched();
+    // one digest per sector and per page touched at once (one sector, or
+    // two across a page boundary): the file's layout so far decides
+    let ambiguous = digests == size && per_page;
+    let layout = if ambiguous {
+        *sticky
+    } else if digests == size {
         Layout::PerSector
-    } else if digests == pages || digests == req.blocks_touched() {
+    } else if per_page {
         Layout::PerPage
     } else {
         return Err(format!(
             "{digests} digests do not fit {size} sectors (one per 4 KiB page or per 512-byte sector)"
         ));
     };
-    if size >= 2 || digests != 1 {
-        *sticky = layout;
-    }
     match layout {
         Layout::PerPage => {
             for (j, h) in hex.chunks_exact(32).enumerate() {
@@ -274,6 +276,11 @@ pub fn parse_fiu(
         }
         Layout::PerSector => blocks_from_sectors(req, hex)?,
     }
+    // (only a line found good counts: its source, and the layout it shows)
+    if !ambiguous {
+        *sticky = layout;
+    }
+    req.source = sources.id(pid, process);
     Ok(())
 }
 

@@ -159,6 +159,45 @@ fn fiu_per_page_layout_multi_page_unaligned_and_zero() {
 }
 
 #[test]
+fn fiu_two_sectors_across_a_page_boundary_follow_the_files_layout() {
+    // per page: a 2-sector write at sector 7 touches two pages and carries
+    // two digests, as many as its sectors; it is read per page, and the
+    // file stays per page for the one-sector line after it
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "1 7 proc 0 8 W 8 0 {a}\n\
+         2 7 proc 8 8 W 8 0 {b}\n\
+         3 7 proc 7 2 W 8 0 {c}{c}\n\
+         4 7 proc 16 1 W 8 0 {a}\n",
+        a = h(1),
+        b = h(2),
+        c = h(3),
+    );
+    let p = write(dir.path(), "t.blkparse", &text);
+    let r = run(&[p], &ReplayConfig::default());
+    assert_eq!(r.blocks_written, 5);
+    // a, b, c, c, a: c and a repeat
+    assert_eq!(r.exact_duplicate_blocks, 2);
+}
+
+#[test]
+fn a_malformed_line_registers_no_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "1 7 good 0 8 W 8 0 {a}\n\
+         2 77 bad 0 8 W 8 0 {g}\n",
+        a = h(1),
+        g = "g".repeat(32),
+    );
+    let p = write(dir.path(), "t.blkparse", &text);
+    let mut r = TraceReader::open(&p, None, true, Arc::new(AtomicU64::new(0))).unwrap();
+    let mut q = Request::default();
+    while r.next_into(&mut q).unwrap() {}
+    assert_eq!(r.bad_records(), 1);
+    assert_eq!(r.sources().len(), 1, "{:?}", r.sources());
+}
+
+#[test]
 fn fiu_per_sector_layout_combines_eight_digests_per_block() {
     let dir = tempfile::tempdir().unwrap();
     let blk = |base: u32| (0..8).map(|i| h(base + i)).collect::<String>();
