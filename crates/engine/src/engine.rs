@@ -796,12 +796,21 @@ impl Engine {
             let mut mapped = 0;
             let mut from = 0;
             while from < blocks {
-                let to = (from + VOLUME_COUNT_CHUNK_BLOCKS).min(blocks);
                 let m = lock(&self.meta);
                 let Some(v) = m.volumes.get(&info.id) else {
                     break; // deleted meanwhile
                 };
-                mapped += v.map.count_nonzero_u64(from..to.min(v.size_blocks()));
+                // (holes of a thin volume's map are passed over at once)
+                const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
+                let Some(page) = v
+                    .map
+                    .next_present_page(from / PER_PAGE, blocks.div_ceil(PER_PAGE))
+                else {
+                    break;
+                };
+                let next = from.max(page * PER_PAGE);
+                let to = (next + VOLUME_COUNT_CHUNK_BLOCKS).min(blocks);
+                mapped += v.map.count_nonzero_u64(next..to.min(v.size_blocks()));
                 from = to;
             }
             info.mapped_bytes = mapped * BLOCK_SIZE_U64;
@@ -905,10 +914,11 @@ impl Engine {
         name: &str,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<()> {
-        let (id, size_blocks) = {
+        let (id, size_blocks, was) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             let v = m.volumes.get_mut(&id).expect("looked up above");
+            let was = (v.deleting, v.record.deleting);
             v.deleting = true;
             let size_blocks = v.size_blocks();
             if !v.record.deleting {
@@ -916,16 +926,17 @@ impl Engine {
                 m.state_dirty = true;
                 m.change_count += 1;
             }
-            (id, size_blocks)
+            (id, size_blocks, was)
         };
         // durable before any block is released: a volume cut short is never
         // served writable again
         if let Err(e) = self.flush() {
-            // (nothing released: the volume is as it was)
+            // (nothing released by this call: the volume goes back to what
+            // it was, still marked if a delete began before, or another
+            // runs)
             let mut m = lock(&self.meta);
             if let Some(v) = m.volumes.get_mut(&id) {
-                v.deleting = false;
-                v.record.deleting = false;
+                (v.deleting, v.record.deleting) = was;
             }
             return Err(e);
         }
@@ -2401,6 +2412,28 @@ mod tests {
             assert!(got[..512] == full[..512] || got[..512].iter().all(|&x| x == 0xee));
         }
         assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_repeated_delete_that_cannot_commit_leaves_the_volume_marked() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        // a delete cut short earlier: marked, some blocks released
+        {
+            let mut m = lock(&e.meta);
+            let vol = m.volumes.get_mut(&v).unwrap();
+            vol.deleting = true;
+            vol.record.deleting = true;
+        }
+        // deleting again fails at its first commit
+        e.reverse_cache
+            .writes_dropped
+            .fetch_add(1, Ordering::Relaxed);
+        assert!(e.delete_volume("v").is_err());
+        let m = lock(&e.meta);
+        let vol = &m.volumes[&v];
+        assert!(vol.deleting && vol.record.deleting && vol.read_only());
     }
 
     #[test]

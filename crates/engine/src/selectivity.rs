@@ -284,10 +284,11 @@ fn power_factor(src: PowerSource) -> f64 {
 }
 
 /// [`power_factor`] from the supplies under `root` (`/sys/class/power_supply`):
-/// 1 if there are none, if a mains or USB supply is online, or if a system
-/// battery is not discharging; else the lowest charge of the discharging
-/// system batteries. Batteries of devices (`scope` `Device`: a wireless
-/// mouse or headset) do not count, nor readings that are not a number.
+/// 1 if a mains or USB supply is online or no system battery is
+/// discharging; else the lowest charge of the discharging system batteries
+/// (an idle second pack, "Not charging" or "Unknown", does not count).
+/// Batteries of devices (`scope` `Device`: a wireless mouse or headset) do
+/// not count, nor readings that are not a number.
 fn power_factor_from(root: &Path) -> f64 {
     let Ok(dir) = std::fs::read_dir(root) else {
         return 1.0;
@@ -308,7 +309,7 @@ fn power_factor_from(root: &Path) -> f64 {
             "Mains" | "USB" if read(&p, "online") == "1" => return 1.0,
             "Battery" => {
                 if read(&p, "status") != "Discharging" {
-                    return 1.0;
+                    continue;
                 }
                 let cap = read(&p, "capacity")
                     .parse::<u8>()
@@ -378,6 +379,17 @@ mod tests {
                 ("type", "Battery"),
                 ("status", "Discharging"),
                 ("capacity", "60"),
+            ],
+        );
+        assert!((power_factor_from(root) - 0.6).abs() < 1e-9);
+        // an idle second pack does not mean mains
+        supply(
+            root,
+            "BAT2",
+            &[
+                ("type", "Battery"),
+                ("status", "Not charging"),
+                ("capacity", "100"),
             ],
         );
         assert!((power_factor_from(root) - 0.6).abs() < 1e-9);

@@ -376,6 +376,10 @@ pub(crate) const IDLE_BUFFER_FREE_AFTER: std::time::Duration = std::time::Durati
 /// How often a connection waiting for its client checks for shutdown.
 pub(crate) const STOP_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// Bytes a connection's half share of the in-flight budget has on top,
+/// for the 16-byte headers of READ replies counted with their data.
+const SHARE_HEADROOM_BYTES: usize = 4096;
+
 /// A request read whole, ready to execute.
 struct Job {
     req: Request,
@@ -449,7 +453,9 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
         shutdown_replies: AtomicUsize::new(0),
         spare: Mutex::new(Vec::new()),
         idle: AtomicBool::new(false),
-        share: Budget::new((res.budget.capacity() / 2).max(1)),
+        // (plus room for reply headers, so that two reads of a quarter of
+        // the budget each still run together)
+        share: Budget::new(res.budget.capacity() / 2 + SHARE_HEADROOM_BYTES),
     };
     let workers = res.workers.max(1);
     std::thread::scope(|scope| {
