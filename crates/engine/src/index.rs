@@ -1396,12 +1396,12 @@ impl FingerprintIndex {
 
     fn read_group(&mut self, leaf: &Leaf, prefix: u32) -> io::Result<Vec<Entry>> {
         let mut buf = std::mem::take(&mut self.page_buf);
-        buf.clear();
-        buf.resize(leaf.disk_pages as usize * GROUP_PAGE, 0);
-        let read = self
-            .store
-            .read_at(&mut buf, leaf.disk_page as u64 * GROUP_PAGE as u64);
-        let entries = read.map(|()| decode_group(&buf, prefix).unwrap_or_default());
+        let len = leaf.disk_pages as usize * GROUP_PAGE;
+        let read = self.store.read_at(
+            scratch(&mut buf, len),
+            leaf.disk_page as u64 * GROUP_PAGE as u64,
+        );
+        let entries = read.map(|()| decode_group(&buf[..len], prefix).unwrap_or_default());
         self.keep_page_buf(buf);
         entries
     }
@@ -1416,8 +1416,9 @@ impl FingerprintIndex {
         pages: u32,
     ) -> io::Result<()> {
         let mut buf = std::mem::take(&mut self.page_buf);
-        encode_group(prefix, entries, pages, &mut buf);
-        let written = self.store.write_at(&buf, page as u64 * GROUP_PAGE as u64);
+        let out = scratch(&mut buf, pages as usize * GROUP_PAGE);
+        encode_group(prefix, entries, out);
+        let written = self.store.write_at(out, page as u64 * GROUP_PAGE as u64);
         self.keep_page_buf(buf);
         written
     }
@@ -1653,17 +1654,29 @@ fn pages_for(entries: usize) -> u32 {
         .max(1) as u32
 }
 
-/// Encodes `entries` as the on-disk group of `prefix` into `out`, which
-/// becomes `pages` pages long.
-fn encode_group(prefix: u32, entries: &[Entry], pages: u32, out: &mut Vec<u8>) {
-    out.clear();
-    out.resize(pages as usize * GROUP_PAGE, 0);
+/// The first `len` bytes of the reusable buffer `buf`, which grows (zero
+/// filled) when it is shorter; what is already there is left as it was
+/// (a scratch buffer is fully overwritten by its user, so it is not
+/// zeroed for every group read or written).
+fn scratch(buf: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    &mut buf[..len]
+}
+
+/// Encodes `entries` as the on-disk group of `prefix` into `out` (whole
+/// pages, every byte written: the header, the sorted entries, zeros after
+/// them). Panics if `out` is too short for the entries.
+fn encode_group(prefix: u32, entries: &[Entry], out: &mut [u8]) {
     for (i, (k, p)) in entries.iter().enumerate() {
         let o = GROUP_HEADER + i * ENTRY_BYTES;
         out[o..o + 8].copy_from_slice(&k.to_le_bytes());
         out[o + 8..o + 16].copy_from_slice(&p.to_le_bytes());
     }
     let body_end = GROUP_HEADER + entries.len() * ENTRY_BYTES;
+    out[body_end..].fill(0);
+    out[16..GROUP_HEADER].fill(0);
     let mut crc = crc32c::crc32c(&out[GROUP_HEADER..body_end]);
     crc = crc32c::crc32c_append(crc, &prefix.to_le_bytes());
     crc = crc32c::crc32c_append(crc, &(entries.len() as u32).to_le_bytes());
@@ -2174,10 +2187,20 @@ mod tests {
     #[test]
     fn group_codec_detects_damage() {
         let e = vec![(5u64, 9u64), (7, 11)];
-        let mut b = vec![0xaa; 3 * GROUP_PAGE];
-        encode_group(3, &e, 1, &mut b);
-        assert_eq!(b.len(), GROUP_PAGE);
+        // a reused scratch buffer: stale bytes everywhere
+        let mut stale = vec![0xaa; 3 * GROUP_PAGE];
+        let b = scratch(&mut stale, GROUP_PAGE);
+        encode_group(3, &e, b);
+        let mut fresh = vec![0; GROUP_PAGE];
+        encode_group(3, &e, &mut fresh);
+        assert_eq!(
+            b,
+            &fresh[..],
+            "the encoding depends on the buffer's old bytes"
+        );
+        assert!(b[16..GROUP_HEADER].iter().all(|&x| x == 0));
         assert!(b[GROUP_HEADER + 2 * ENTRY_BYTES..].iter().all(|&x| x == 0));
+        let mut b = b.to_vec();
         assert_eq!(decode_group(&b, 3), Some(e));
         assert_eq!(decode_group(&b, 4), None);
         b[40] ^= 1;
