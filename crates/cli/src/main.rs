@@ -605,9 +605,11 @@ fn print_stats(v: &Value) {
         u("pending_merges")
     );
     println!(
-        "data file                    {} ({} free blocks)",
+        "data file                    {} ({} free blocks; {} released, reusable after the next commit; {} commits forced by a full file system)",
         human(u("data_file_bytes")),
-        u("free_blocks")
+        u("free_blocks"),
+        u("pending_free_blocks"),
+        u("no_space_commits")
     );
     println!(
         "metadata on disk             {}",

@@ -118,6 +118,12 @@ pub struct ServeArgs {
     /// Changed metadata that triggers a journal commit from the write path.
     #[arg(long, default_value = "16M", value_parser = parse_size)]
     pub max_dirty: u64,
+    /// Blocks released (overwrites, TRIM) but not yet reusable that trigger
+    /// a commit from the write path: the data file may grow by this much
+    /// beyond what is stored. Fewer commits (each syncs the data file)
+    /// under overwrite-heavy load with a larger value.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub max_pending_free: u64,
     /// Commit metadata at least this often (milliseconds; 0 = only on FLUSH/FUA and size bounds).
     #[arg(long, default_value_t = 5000)]
     pub commit_interval_ms: u64,
@@ -181,6 +187,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     let mut config = EngineConfig {
         journal_size_bytes: args.journal_size,
         max_dirty_bytes: args.max_dirty,
+        max_pending_free_bytes: args.max_pending_free,
         journal_reserve_bytes: args.journal_reserve,
         verify: args.verify,
         selectivity: dedupd_engine::selectivity::SelectivityConfig {

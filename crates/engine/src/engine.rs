@@ -104,8 +104,12 @@ pub struct EngineConfig {
     /// the write path (default 16 MiB).
     pub max_dirty_bytes: u64,
     /// Blocks released but not yet reusable (waiting for a commit) that
-    /// trigger a commit from the write path, in bytes (default 64 MiB); keeps
-    /// the data file from growing under overwrites.
+    /// trigger a commit from the write path, in bytes (default 256 MiB);
+    /// bounds how far the data file grows beyond what is stored under
+    /// overwrites. Each commit syncs the data file, so a small bound costs
+    /// write throughput under overwrite-heavy load. A write that meets a
+    /// full file system (ENOSPC) while blocks wait commits at once and
+    /// reuses them, whatever the bound.
     pub max_pending_free_bytes: u64,
     /// Disk space allocated ahead for the journal (default 8 MiB), so the
     /// TRIMs that free space can be committed on a full file system.
@@ -161,7 +165,7 @@ impl Default for EngineConfig {
         EngineConfig {
             journal_size_bytes: 32 << 20,
             max_dirty_bytes: 16 << 20,
-            max_pending_free_bytes: 64 << 20,
+            max_pending_free_bytes: 256 << 20,
             journal_reserve_bytes: 8 << 20,
             allow_damaged_metadata: false,
             verify: false,
@@ -394,6 +398,9 @@ pub struct Engine {
     /// Bytes of that scan's merges (for `metadata_bytes_in_memory`; read
     /// without its lock, which a running scan holds).
     pub(crate) merge_scan_bytes: AtomicU64,
+    /// Commits a write forced on a full file system to reuse the blocks
+    /// released since the last commit.
+    no_space_commits: AtomicU64,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -709,6 +716,7 @@ impl Engine {
             out_of_line: Mutex::new(crate::outofline::OutOfLineStats::default()),
             merge_scan: Mutex::new(None),
             merge_scan_bytes: AtomicU64::new(0),
+            no_space_commits: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -1629,6 +1637,40 @@ impl Engine {
         lock(&self.meta).prefetch_lookups(fps);
     }
 
+    /// Writes the data of `placement`'s new blocks (`data` holds the
+    /// request's blocks), coalescing runs of consecutive PBAs into one
+    /// backend write; the first failure, if any.
+    fn write_new_blocks(&self, placement: &[Placement], data: &[u8]) -> Option<EngineError> {
+        let new: SmallVec<[(usize, Pba); 4]> = placement
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                if let Placement::New { pba, .. } = p {
+                    Some((i, *pba))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut k = 0;
+        while k < new.len() {
+            let (i0, p0) = new[k];
+            let mut j = k + 1;
+            while j < new.len() && new[j].0 == i0 + (j - k) && new[j].1 .0 == p0.0 + (j - k) as u64
+            {
+                j += 1;
+            }
+            if let Err(e) = self
+                .backend
+                .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
+            {
+                return Some(EngineError::io(format!("writing PBA {}", p0.0), e));
+            }
+            k = j;
+        }
+        None
+    }
+
     /// The inline dedup of whole blocks: `fps[i]` is block `first + i`'s
     /// fingerprint; `data` (if any) holds their bytes, written for misses.
     /// A block with `inline[i]` false (or fingerprint [`UNHASHED`]) is
@@ -1777,43 +1819,37 @@ impl Engine {
         // replay of fingerprints: then the lock is kept throughout)
         if let Some(data) = data {
             drop(m);
-            let new: Vec<(usize, Pba)> = placement
-                .iter()
-                .enumerate()
-                .filter_map(|(i, p)| {
+            let mut retried = false;
+            loop {
+                let failure = self.write_new_blocks(&placement, data);
+                m = lock(&self.meta);
+                let Some(e) = failure else { break };
+                for p in &placement {
                     if let Placement::New { pba, .. } = p {
-                        Some((i, *pba))
-                    } else {
-                        None
+                        m.unreserve(*pba);
                     }
-                })
-                .collect();
-            let mut k = 0;
-            let mut failure = None;
-            while k < new.len() {
-                let (i0, p0) = new[k];
-                let mut j = k + 1;
-                while j < new.len()
-                    && new[j].0 == i0 + (j - k)
-                    && new[j].1 .0 == p0.0 + (j - k) as u64
+                }
+                // a full file system while blocks released since the last
+                // commit wait for it: commit, which makes them reusable,
+                // and write once more into them (as ext4 retries an
+                // allocation after forcing a journal commit)
+                if retried || !matches!(e, EngineError::NoSpace { .. }) || m.pending_free.is_empty()
                 {
-                    j += 1;
+                    return Err(e);
                 }
-                if let Err(e) = self
-                    .backend
-                    .write_blocks(p0, &data[i0 * BLOCK_SIZE..(i0 + j - k) * BLOCK_SIZE])
-                {
-                    failure = Some(EngineError::io(format!("writing PBA {}", p0.0), e));
-                    break;
+                retried = true;
+                drop(m);
+                if self.flush().is_err() {
+                    return Err(e);
                 }
-                k = j;
-            }
-            m = lock(&self.meta);
-            if let Some(e) = failure {
-                for (_, p) in new {
-                    m.unreserve(p);
+                self.no_space_commits.fetch_add(1, Ordering::Relaxed);
+                m = lock(&self.meta);
+                for p in placement.iter_mut() {
+                    if let Placement::New { pba, .. } = p {
+                        *pba = m.allocate();
+                    }
                 }
-                return Err(e);
+                drop(m);
             }
             // deleted or shrunk past the request meanwhile: nothing to map
             // (an LBA past the end would hold a reference no LBA of the
@@ -2168,7 +2204,7 @@ impl Engine {
 
     /// A snapshot of the engine's figures (see [`Stats`] for definitions).
     pub fn stats(&self) -> Stats {
-        let (mut s, free_blocks) = {
+        let (mut s, free_blocks, pending_free_blocks) = {
             let m = lock(&self.meta);
             let c = &m.counters;
             let s = Stats {
@@ -2205,9 +2241,11 @@ impl Engine {
                     + self.merge_scan_bytes.load(Ordering::Relaxed),
                 ..Stats::default()
             };
-            (s, m.free.len())
+            (s, m.free.len(), m.pending_free.len() as u64)
         };
         s.free_blocks = free_blocks;
+        s.pending_free_blocks = pending_free_blocks;
+        s.no_space_commits = self.no_space_commits.load(Ordering::Relaxed);
         s.dedup_ratio = if s.physical_bytes_stored == 0 {
             1.0
         } else {

@@ -20,6 +20,17 @@ pub struct Stats {
     pub data_file_bytes: u64,
     /// Free PBAs below the data file's end, reusable for new data.
     pub free_blocks: u64,
+    /// Blocks released (by overwrites, TRIM, deletes, out-of-line dedup)
+    /// since the last commit: reusable only once a commit has made their
+    /// release durable (at most `--max-pending-free` bytes' worth, then the
+    /// write path commits).
+    #[serde(default)]
+    pub pending_free_blocks: u64,
+    /// Commits a write forced because the file system was full while
+    /// released blocks waited for a commit; the write then reused them
+    /// (since the engine started).
+    #[serde(default)]
+    pub no_space_commits: u64,
     /// 4 KiB blocks written by clients since the store was created (zero blocks included).
     pub blocks_written: u64,
     /// Written blocks that were all zeros: unmapped, never stored, read back as zeros.

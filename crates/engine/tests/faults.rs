@@ -177,3 +177,68 @@ fn a_failed_data_sync_stops_writes_and_flushes_but_not_reads() {
     assert_eq!(buf, vec![0u8; BLOCK_SIZE]);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+/// A file system with room for `limit_blocks` blocks of data: writes past
+/// it fail with ENOSPC.
+struct Full {
+    inner: MemoryBackend,
+    limit_blocks: u64,
+}
+
+impl BlockBackend for Full {
+    fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read_blocks(pba, buf)
+    }
+    fn write_blocks(&self, pba: Pba, data: &[u8]) -> io::Result<()> {
+        if pba.0 + (data.len() / BLOCK_SIZE) as u64 > self.limit_blocks {
+            return Err(io::Error::from_raw_os_error(28)); // ENOSPC
+        }
+        self.inner.write_blocks(pba, data)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+    fn len_bytes(&self) -> io::Result<u64> {
+        self.inner.len_bytes()
+    }
+}
+
+#[test]
+fn a_full_file_system_commits_and_reuses_released_blocks_instead_of_failing() {
+    let e = Engine::in_memory_over(
+        HashAlgorithm::Sha256,
+        EngineConfig::default(),
+        Box::new(Full {
+            inner: MemoryBackend::default(),
+            limit_blocks: 8,
+        }),
+    );
+    let v = e.create_volume("v", 16 * 4096).unwrap();
+    let data: Vec<u8> = (0..8).flat_map(block).collect();
+    e.write(v, 0, &data, false).unwrap();
+    // full, and nothing released: ENOSPC, nothing changes
+    match e.write(v, 0, &block(100), false) {
+        Err(EngineError::NoSpace { .. }) => {}
+        other => panic!("expected ENOSPC, got {other:?}"),
+    }
+    assert_eq!(e.stats().no_space_commits, 0);
+    // two blocks released, not yet committed
+    e.trim(v, 4096, 2 * 4096, false).unwrap();
+    assert_eq!(e.stats().pending_free_blocks, 2);
+    // a two-block write: it commits and goes into the released blocks
+    let new: Vec<u8> = [100, 101].into_iter().flat_map(block).collect();
+    e.write(v, 0, &new, false).unwrap();
+    let s = e.stats();
+    assert_eq!(s.no_space_commits, 1);
+    // 8 stored, 2 trimmed, LBA 0's old copy released, 2 new
+    assert_eq!(s.physical_blocks_stored, 8 - 2 - 1 + 2, "{s:?}");
+    assert_eq!(s.pending_free_blocks, 1, "{s:?}");
+    let mut buf = vec![0u8; 4 * 4096];
+    e.read(v, 0, &mut buf).unwrap();
+    assert_eq!(&buf[..2 * 4096], &new[..]);
+    assert!(buf[2 * 4096..3 * 4096].iter().all(|&x| x == 0));
+    assert_eq!(&buf[3 * 4096..], &block(3)[..]);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    e.flush().unwrap();
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
