@@ -1454,6 +1454,7 @@ impl Engine {
             // outside ours replaced by older ones): the write-back maps
             // only if the LBA still maps what was read, else it reads again
             let mut written = false;
+            let mut committed_for_space = false;
             for attempt in 1..=2 * RMW_ATTEMPTS {
                 // (past RMW_ATTEMPTS: no freed block is reused until the
                 // write-back, so only a write of this LBA can fail it; the
@@ -1470,9 +1471,22 @@ impl Engine {
                         .copy_from_slice(&d[(pos - start) as usize..(pos - start) as usize + n]),
                     None => block[in_block..in_block + n].fill(0),
                 }
-                if self.write_full_blocks(vol, lba, &block, Some(read))? {
-                    written = true;
-                    break;
+                match self.write_full_blocks(vol, lba, &block, Some(read)) {
+                    Ok(true) => {
+                        written = true;
+                        break;
+                    }
+                    Ok(false) => {}
+                    // full while released blocks wait for a commit: commit
+                    // (without holding `reuse`, which it takes) and read again
+                    Err(e @ EngineError::NoSpace { .. })
+                        if !committed_for_space && !lock(&self.meta).pending_free.is_empty() =>
+                    {
+                        drop(no_reuse);
+                        self.commit_for_space(e)?;
+                        committed_for_space = true;
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             if !written {
@@ -1635,6 +1649,25 @@ impl Engine {
     /// and counts nothing; a batch of 8 to 32 fingerprints suits it.
     pub fn prefetch_fingerprints(&self, fps: &[Fingerprint]) {
         lock(&self.meta).prefetch_lookups(fps);
+    }
+
+    /// After a data write failed with `no_space` (ENOSPC) while released
+    /// blocks wait for a commit: commits, which makes them reusable, so the
+    /// caller can write once more. Must not be called holding the `reuse`
+    /// lock or the metadata lock.
+    ///
+    /// Errors: `no_space` if the commit also met a full file system; the
+    /// commit's own error otherwise (a failed data sync, unreadable
+    /// metadata, journal I/O), which then stands for the store's state.
+    fn commit_for_space(&self, no_space: EngineError) -> Result<()> {
+        match self.flush() {
+            Ok(()) => {
+                self.no_space_commits.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(EngineError::NoSpace { .. }) => Err(no_space),
+            Err(e) => Err(e),
+        }
     }
 
     /// Writes the data of `placement`'s new blocks (`data` holds the
@@ -1832,17 +1865,19 @@ impl Engine {
                 // a full file system while blocks released since the last
                 // commit wait for it: commit, which makes them reusable,
                 // and write once more into them (as ext4 retries an
-                // allocation after forcing a journal commit)
-                if retried || !matches!(e, EngineError::NoSpace { .. }) || m.pending_free.is_empty()
+                // allocation after forcing a journal commit). Not for a
+                // read-modify-write: its caller may hold the `reuse` lock,
+                // which a commit takes; it commits and reads again itself.
+                if retried
+                    || expect.is_some()
+                    || !matches!(e, EngineError::NoSpace { .. })
+                    || m.pending_free.is_empty()
                 {
                     return Err(e);
                 }
                 retried = true;
                 drop(m);
-                if self.flush().is_err() {
-                    return Err(e);
-                }
-                self.no_space_commits.fetch_add(1, Ordering::Relaxed);
+                self.commit_for_space(e)?;
                 m = lock(&self.meta);
                 for p in placement.iter_mut() {
                     if let Placement::New { pba, .. } = p {

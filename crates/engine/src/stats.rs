@@ -22,8 +22,8 @@ pub struct Stats {
     pub free_blocks: u64,
     /// Blocks released (by overwrites, TRIM, deletes, out-of-line dedup)
     /// since the last commit: reusable only once a commit has made their
-    /// release durable (at most `--max-pending-free` bytes' worth, then the
-    /// write path commits).
+    /// release durable (once they pass `--max-pending-free` bytes, the next
+    /// write commits).
     #[serde(default)]
     pub pending_free_blocks: u64,
     /// Commits a write forced because the file system was full while

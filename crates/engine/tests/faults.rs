@@ -239,6 +239,17 @@ fn a_full_file_system_commits_and_reuses_released_blocks_instead_of_failing() {
     assert!(buf[2 * 4096..3 * 4096].iter().all(|&x| x == 0));
     assert_eq!(&buf[3 * 4096..], &block(3)[..]);
     assert!(e.check().is_empty(), "{:?}", e.check());
+    // a partial-block write (read-modify-write) into an unmapped LBA, full
+    // again with LBA 0's old copy waiting: it commits and reuses it too
+    e.write(v, 2 * 4096 + 512, &[0x77; 512], false).unwrap();
+    let s = e.stats();
+    assert_eq!(s.no_space_commits, 2, "{s:?}");
+    let mut b = vec![0u8; 4096];
+    e.read(v, 2 * 4096, &mut b).unwrap();
+    assert!(b[..512].iter().all(|&x| x == 0));
+    assert!(b[512..1024].iter().all(|&x| x == 0x77));
+    assert!(b[1024..].iter().all(|&x| x == 0));
+    assert!(e.check().is_empty(), "{:?}", e.check());
     e.flush().unwrap();
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
