@@ -73,7 +73,9 @@ pub fn call(
     progress: &mut dyn FnMut(u64, u64),
 ) -> anyhow::Result<Value> {
     let path = socket_path(store);
-    let mut s = match UnixStream::connect(&path) {
+    let mut s = match crate::sockpath::SocketPath::new(&path)
+        .and_then(|at| UnixStream::connect(at.addr()))
+    {
         Ok(s) => s,
         // the store's lock is held, but no server answers on its socket
         Err(e)

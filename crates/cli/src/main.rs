@@ -9,6 +9,7 @@ mod exports;
 mod replay;
 mod serve;
 mod size;
+mod sockpath;
 mod sweep;
 mod trace;
 

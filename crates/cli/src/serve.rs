@@ -3,6 +3,7 @@
 //! SIGINT/SIGTERM stop accepting, finish in-flight requests, make
 //! everything durable and exit 0.
 
+use crate::sockpath::SocketPath;
 use std::net::TcpListener;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -240,7 +241,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     };
     let unix = match &args.socket {
         Some(p) => Some((
-            UnixListener::bind(p).with_context(|| format!("listening on {}", p.display()))?,
+            SocketPath::new(p)
+                .and_then(|at| UnixListener::bind(at.addr()))
+                .with_context(|| format!("listening on {}", p.display()))?,
             p.clone(),
         )),
         None => None,
@@ -252,8 +255,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     // control socket (we hold the store lock, so an existing one is stale)
     let ctl_path = control::socket_path(store);
     let _ = std::fs::remove_file(&ctl_path);
-    let ctl =
-        UnixListener::bind(&ctl_path).with_context(|| format!("binding {}", ctl_path.display()))?;
+    let ctl = SocketPath::new(&ctl_path)
+        .and_then(|at| UnixListener::bind(at.addr()))
+        .with_context(|| format!("binding {}", ctl_path.display()))?;
     // it manages the store: the server's user only (root passes anyway;
     // connections of other users are refused by credentials too)
     std::fs::set_permissions(
@@ -475,7 +479,10 @@ fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
             path.display()
         );
     }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+    if SocketPath::new(path)
+        .and_then(|at| std::os::unix::net::UnixStream::connect(at.addr()))
+        .is_ok()
+    {
         anyhow::bail!(
             "--socket {}: another server is listening there",
             path.display()

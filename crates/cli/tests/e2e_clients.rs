@@ -339,6 +339,32 @@ fn bad_store_paths_get_clear_errors() {
     assert_eq!(list[0]["sequence_threshold_blocks"], 4, "{list}");
 }
 
+#[test]
+fn a_store_in_a_deep_directory_serves_and_answers_commands() {
+    // `<store>/control.sock` longer than a Unix socket address holds
+    let tmp = tempfile::tempdir().unwrap();
+    let deep = tmp.path().join("d".repeat(60)).join("e".repeat(60));
+    let store = deep.join("store");
+    assert!(store.join("control.sock").as_os_str().len() > 107);
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    // commands reach the running server through its control socket
+    run(Command::new(common::dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "second", "8M"]));
+    let s = stats(&store);
+    assert_eq!(s["volumes"].as_u64(), Some(2), "{s}");
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x33 0 1M",
+        &server.uri("second"),
+    ]));
+    assert!(stats(&store)["blocks_written"].as_u64().unwrap() >= 256);
+    server.stop();
+}
+
 fn handshake(port: u16, name: &str) -> TcpStream {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     let mut hello = [0u8; 18];
