@@ -6,7 +6,8 @@ use dedupd_engine::{Engine, EngineError, VolumeId};
 use dedupd_nbd::{Export, ExportError, ExportInfo, ExportProvider};
 
 /// Every volume of an engine, exported under its name; the empty name is
-/// the volume `default` if there is one, else the only volume.
+/// the volume `default` (no other: a client reconnecting by the empty name
+/// after `default` was deleted must not land on another volume).
 pub struct VolumeExports {
     engine: Arc<Engine>,
 }
@@ -19,22 +20,10 @@ impl VolumeExports {
 }
 
 impl VolumeExports {
-    /// The volume name a client's export name stands for: the name itself,
-    /// or for the empty name `default` if that volume exists, else the
-    /// only volume; `None` if the empty name matches no volume.
+    /// The volume name a client's export name stands for: the name
+    /// itself, or `default` for the empty name.
     fn resolve(&self, name: &str) -> Option<String> {
-        if !name.is_empty() {
-            return Some(name.to_string());
-        }
-        // (names only: no map is read for a client's handshake)
-        let vols = self.engine.volume_names();
-        if vols.iter().any(|(name, _)| name == "default") {
-            Some("default".to_string())
-        } else if vols.len() == 1 {
-            Some(vols[0].0.clone())
-        } else {
-            None
-        }
+        Some(if name.is_empty() { "default" } else { name }.to_string())
     }
 }
 

@@ -458,7 +458,8 @@ fn fsck(
         Ok(r) => r,
         Err(EngineError::Locked(p)) => {
             eprintln!(
-                "dedupd: error: store {} is in use; stop `dedupd serve` before fsck",
+                "dedupd: error: store {} is in use by another dedupd process (a server, or a \
+                 volume or dedup command); stop it before fsck",
                 p.display()
             );
             std::process::exit(8);

@@ -37,7 +37,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "sha256")]
     pub hash: HashAlgorithm,
     /// Size of the volume `default` created with a new store.
-    #[arg(long, default_value = "16G", value_parser = parse_size)]
+    #[arg(long, default_value = "16G", value_parser = crate::size::parse_volume_size)]
     pub default_volume_size: u64,
     /// Byte-compare each block with the stored copy on a fingerprint hit
     /// before sharing it (like ZFS dedup=verify; off by default).
@@ -158,7 +158,8 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
         );
         let opened = match Engine::open(store, config) {
             Err(EngineError::Locked(p)) => Err(anyhow::anyhow!(
-                "store {} is already being served by another dedupd process",
+                "store {} is in use by another dedupd process (a server, fsck, or a \
+                 volume or dedup command)",
                 p.display()
             )),
             other => Ok(other?),
@@ -298,6 +299,14 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some((_, p)) = &unix {
         println!("dedupd: listening on nbd+unix:///?socket={}", p.display());
+        if p.as_os_str().len() > 107 {
+            eprintln!(
+                "dedupd: warning: --socket {} is longer than a Unix socket address \
+                 (107 bytes): clients connecting by this path will fail; give them \
+                 a shorter path (a symbolic link to its directory)",
+                p.display()
+            );
+        }
         println!(
             "dedupd: try: nbdinfo 'nbd+unix:///{first}?socket={}'",
             p.display()
@@ -389,7 +398,6 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         stop.store(true, Ordering::Relaxed);
         result
     })?;
-    signal_handle.close();
     if let Some(p) = &args.socket {
         let _ = std::fs::remove_file(p);
     }
@@ -406,6 +414,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
              the journal keeps every change and the next start replays it"
         );
     }
+    // (only now: until the store is closed a second signal still exits
+    // at once; a closed handle leaves the signals ignored)
+    signal_handle.close();
     let st = engine.stats();
     println!(
         "dedupd: stopped; {} stored for {} mapped (dedup ratio {:.2})",
@@ -479,14 +490,22 @@ fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
             path.display()
         );
     }
-    if SocketPath::new(path)
-        .and_then(|at| std::os::unix::net::UnixStream::connect(at.addr()))
-        .is_ok()
-    {
-        anyhow::bail!(
+    // stale only if nobody accepts there: any other answer (a server
+    // listening, or one we may not reach) leaves the socket alone
+    match SocketPath::new(path).and_then(|at| std::os::unix::net::UnixStream::connect(at.addr())) {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+        Ok(_) => anyhow::bail!(
             "--socket {}: another server is listening there",
             path.display()
-        );
+        ),
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!(
+                    "--socket {}: a socket is there and may be in use (not removing it)",
+                    path.display()
+                )
+            })
+        }
     }
     std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))
 }

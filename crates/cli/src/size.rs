@@ -41,6 +41,18 @@ pub fn parse_index_memory(s: &str) -> Result<u64, String> {
     Ok(v)
 }
 
+/// Parses a volume size: a size (as [`parse_size`]) that is a positive
+/// multiple of 4 KiB (a whole number of blocks).
+pub fn parse_volume_size(s: &str) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if v == 0 || !v.is_multiple_of(4096) {
+        return Err(format!(
+            "{s:?} is not a positive multiple of 4K (a volume holds whole 4 KiB blocks)"
+        ));
+    }
+    Ok(v)
+}
+
 /// Formats bytes with a binary unit (`1.5 GiB`).
 pub fn human(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -76,5 +88,9 @@ mod tests {
             assert!(parse_size(bad).is_err(), "{bad:?} accepted");
         }
         assert_eq!(human(1536), "1.50 KiB");
+        assert_eq!(parse_volume_size("16G").unwrap(), 16 << 30);
+        for bad in ["0", "1000", "4097", "x"] {
+            assert!(parse_volume_size(bad).is_err(), "{bad:?} accepted");
+        }
     }
 }

@@ -290,7 +290,7 @@ fn bad_store_paths_get_clear_errors() {
     assert_eq!(mode & 0o777, 0o600);
     let out = dedupd(&store, &["serve", "--listen", "127.0.0.1:0"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("already being served"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by another dedupd process"));
     // --socket never removes what is not a stale socket
     let other = tmp.path().join("other-store");
     let precious = tmp.path().join("precious.txt");
@@ -362,6 +362,53 @@ fn a_store_in_a_deep_directory_serves_and_answers_commands() {
         &server.uri("second"),
     ]));
     assert!(stats(&store)["blocks_written"].as_u64().unwrap() >= 256);
+    server.stop();
+}
+
+#[test]
+fn the_empty_export_name_is_default_only() {
+    require("nbdinfo");
+    let tmp = tempfile::tempdir().unwrap();
+    // a bad size for the first volume is refused before anything is
+    // created (no store left without its volume `default`)
+    let store = tmp.path().join("store");
+    let out = dedupd(
+        &store,
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--default-volume-size",
+            "1000",
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("multiple of 4K"), "stderr: {err}");
+    assert!(!store.exists(), "a store was created");
+    let server = Server::start(&store, &["--default-volume-size", "8M"]);
+    let empty = format!("nbd://127.0.0.1:{}/", server.port);
+    let size = |uri: &str| {
+        Command::new("nbdinfo")
+            .args(["--size", uri])
+            .output()
+            .unwrap()
+    };
+    let out = size(&empty);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "8388608");
+    // with `default` gone, the empty name reaches no other volume, even
+    // the only one left
+    run(Command::new(common::dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "vm2", "4M"]));
+    run(Command::new(common::dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "delete", "default"]));
+    assert!(!size(&empty).status.success(), "the empty name opened vm2");
+    assert!(size(&server.uri("vm2")).status.success());
     server.stop();
 }
 
