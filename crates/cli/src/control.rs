@@ -123,12 +123,17 @@ pub fn call(
     }
 }
 
+/// Control requests answered at once (a thread each); a connection past
+/// them is answered busy and closed.
+pub const MAX_CONTROL_CONNECTIONS: usize = 16;
+
 /// What answers a request: given it and a progress callback (blocks done,
 /// of all), the reply's result.
 pub type Handler = dyn Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value> + Send + Sync;
 
 /// Serves control requests on `listener` until `stop` is set, answering
-/// each with `handle` (one thread per connection); then stops accepting
+/// each with `handle` (one thread per connection, at most
+/// [`MAX_CONTROL_CONNECTIONS`] at once); then stops accepting
 /// and returns once every request already taken is answered (a volume
 /// delete or offline pass running at shutdown finishes before the store
 /// is closed).
@@ -148,6 +153,15 @@ pub fn serve(
                 let mut s = &stream;
                 let _ = s.write_all(
                     b"{\"ok\":false,\"error\":\"permission denied: the control socket serves the server's user and root only\"}\n",
+                );
+            }
+            Ok((stream, _)) if running.len() >= MAX_CONTROL_CONNECTIONS => {
+                let mut s = &stream;
+                let _ = s.write_all(
+                    format!(
+                        "{{\"ok\":false,\"error\":\"busy: {MAX_CONTROL_CONNECTIONS} control requests are running; try again when one is done\"}}\n"
+                    )
+                    .as_bytes(),
                 );
             }
             Ok((stream, _)) => {
@@ -415,6 +429,36 @@ mod tests {
         assert!(e.to_string().contains("internal error"), "{e}");
         stop.store(true, Ordering::Relaxed);
         server.join().unwrap();
+    }
+
+    #[test]
+    fn connections_past_the_limit_are_answered_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let stop = start(dir.path(), Arc::new(AtomicU64::new(0)));
+        let req = Request::VolumeCreate {
+            name: "v".into(),
+            size_bytes: 4096,
+        };
+        // the limit of long requests (each runs 1 s)
+        let held: Vec<UnixStream> = (0..MAX_CONTROL_CONNECTIONS)
+            .map(|_| {
+                let mut s = UnixStream::connect(socket_path(dir.path())).unwrap();
+                writeln!(s, "{}", serde_json::to_string(&req).unwrap()).unwrap();
+                s
+            })
+            .collect();
+        // (the server takes them in 50 ms steps at worst)
+        std::thread::sleep(Duration::from_millis(300));
+        let e = call(dir.path(), &Request::VolumeList, &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("busy"), "{e}");
+        for s in held {
+            let last = BufReader::new(&s).lines().last().unwrap().unwrap();
+            assert!(last.contains("\"ok\":true"), "{last}");
+        }
+        // room again
+        let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
+        assert_eq!(r, Value::Null);
+        stop.store(true, Ordering::Relaxed);
     }
 
     #[test]
