@@ -1347,7 +1347,12 @@ impl Engine {
         self.trim(vol, offset, len, fua)
     }
 
-    fn after_write(&self, fua: bool) -> Result<()> {
+    /// After a change made without holding the metadata lock any more:
+    /// fails if the change met unreadable metadata, commits if `fua` or if
+    /// a bound on uncommitted metadata or pending frees was passed
+    /// ([`Engine::note_change`]). The out-of-line passes call it between
+    /// their lock holds too, so their changes stay within those bounds.
+    pub(crate) fn after_write(&self, fua: bool) -> Result<()> {
         // a write whose metadata update met an unreadable page fails (its
         // changes are never committed); one atomic load, no lock
         if self.map_cache.load_errors() > 0 || self.reverse_cache.writes_dropped() > 0 {

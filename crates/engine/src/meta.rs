@@ -372,6 +372,9 @@ impl Meta {
     /// fingerprint is indexed for other bytes: a verify mismatch).
     pub fn record_unindexed(&mut self, pba: Pba, fp: Fingerprint) {
         self.fingerprints.set(pba.0, &fp);
+        // (a change to commit: a FLUSH after the offline pass fingerprinted
+        // blocks commits their reverse-index pages)
+        self.change_count += 1;
     }
 
     /// Maps `lba` of `vol` to `new` (None: unmapped), adjusting reference

@@ -216,13 +216,22 @@ impl Engine {
             )
         };
         for (k, chunk) in items.chunks(PASS_CHUNK).enumerate() {
-            if let Err((i, e)) = self.pass_chunk(chunk, &sizes, &mut r) {
+            // (a commit between chunks when the pass's changes pass the
+            // bounds on uncommitted metadata and pending frees)
+            let done = self
+                .pass_chunk(chunk, &sizes, &mut r)
+                .map_err(|(i, e)| (k * PASS_CHUNK + i + 1, e))
+                .and_then(|()| {
+                    self.after_write(false)
+                        .map_err(|e| (((k + 1) * PASS_CHUNK).min(items.len()), e))
+                });
+            if let Err((rest, e)) = done {
                 // the records after the one that failed go back to the
                 // buffer; that one is left to `dedupd dedup --offline`
                 // (retrying it at every pass would stall the buffer behind
                 // a block that cannot be read)
                 let mut m = lock(&self.meta);
-                for &(vol, lba) in &items[k * PASS_CHUNK + i + 1..] {
+                for &(vol, lba) in &items[rest..] {
                     if sizes.contains_key(&vol) {
                         m.skipped.record(vol, lba);
                     }
@@ -487,6 +496,14 @@ impl Engine {
             }
             let target = Pba(resolve(p));
             let mut m = lock(&self.meta);
+            if m.refcounts.get_u32(p) == 0 || !m.shareable(target.0) {
+                // a copy (or target) freed since the merge was planned:
+                // its bytes now say nothing (taking a free block for new
+                // data changes no epoch); should it hold a copy again when
+                // the scan reaches it, it is compared there
+                scan.to_verify.pop();
+                continue;
+            }
             // (an unreadable copy is not merged either)
             let same = self
                 .same_bytes(&mut m, Pba(p), vec![target])
@@ -582,6 +599,7 @@ impl Engine {
                 self.note_change(&m);
                 drop(m);
                 scan.page = end_page;
+                self.after_write(false)?;
             }
             scan.volume += 1;
             scan.page = 0;
@@ -665,7 +683,9 @@ impl Engine {
                 }
                 sorter.push(crate::index::key_of(&fp), q);
             }
+            self.note_change(&m);
             drop(m);
+            self.after_write(false)?;
             progress(end, high);
             p = end;
         }
@@ -762,9 +782,16 @@ impl Engine {
                     let busy = now_foreground != last_foreground;
                     last_foreground = now_foreground;
                     if busy && last_pass.elapsed() >= period * 10 && engine.dedup_pressure() {
-                        // the minimum share: one batch, not yielding
+                        // the minimum share: one batch of records, and of a
+                        // merge scan one step (one chunk of map pages or
+                        // one verify) before it yields
                         last_pass = Instant::now();
-                        report(engine.dedup_pass(batch as usize));
+                        let steps = std::cell::Cell::new(0u32);
+                        let after_one_step = || {
+                            steps.set(steps.get() + 1);
+                            steps.get() > 1
+                        };
+                        report(engine.dedup_pass_yielding(batch as usize, &after_one_step));
                     } else if !busy && engine.dedup_pending() {
                         last_pass = Instant::now();
                         let seen = engine.foreground_ops();
@@ -963,6 +990,49 @@ mod tests {
     }
 
     #[test]
+    fn a_verified_merge_does_not_trust_a_compare_of_a_freed_copy() {
+        let cfg = EngineConfig {
+            verify: true,
+            ..inline_off()
+        };
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let content = [3u8; BLOCK_SIZE];
+        let (kept, copy) = planned_merge(&e, v, 0, 1, &content);
+        // the copy's LBA is overwritten and the copy freed before the scan
+        e.write(v, 4096, &[4u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        // the scan's verify step meets the freed copy (its old bytes still
+        // equal the kept block's), then yields
+        let calls = std::cell::Cell::new(0);
+        let yield_after_verifying = || {
+            calls.set(calls.get() + 1);
+            calls.get() > 1
+        };
+        assert_eq!(e.apply_pending_merges(&yield_after_verifying).unwrap(), 0);
+        // the kept block rots; a verified write of the same content is
+        // stored apart, in the freed copy's block (no commit between)
+        e.backend
+            .write_blocks(Pba(kept), &[0xee; BLOCK_SIZE])
+            .unwrap();
+        e.write(v, 3 * 4096, &content, false).unwrap();
+        {
+            let mut m = lock(&e.meta);
+            let p = m.volumes[&v].get(Lba(3)).unwrap();
+            assert_eq!(p.0, copy, "the freed copy was not reused");
+            let fp = e.hash.fingerprint(&content);
+            m.record_unindexed(p, fp);
+        }
+        e.apply_pending_merges(&|| false).unwrap();
+        let mut got = vec![0u8; BLOCK_SIZE];
+        e.read(v, 3 * 4096, &mut got).unwrap();
+        assert!(
+            got == content,
+            "LBA 3 was merged onto a block with other bytes"
+        );
+    }
+
+    #[test]
     fn the_offline_pass_goes_on_past_an_unreadable_block() {
         let bad = crate::backend::OneBadBlock::new();
         let e = Engine::in_memory_over(HashAlgorithm::Sha256, inline_off(), Box::new(bad.clone()));
@@ -1007,6 +1077,43 @@ mod tests {
             e.read(v, k * 4096, &mut got).unwrap();
             assert!(got.iter().all(|&b| b == (k % 10) as u8 + 1), "LBA {k}");
         }
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn out_of_line_passes_commit_within_the_bounds() {
+        // 16 dirty pages, 256 blocks waiting to be freed
+        let cfg = EngineConfig {
+            max_dirty_bytes: 64 << 10,
+            max_pending_free_bytes: 1 << 20,
+            ..inline_off()
+        };
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+        let v = e.create_volume("v", 64 << 20).unwrap();
+        let n = 8192u64;
+        for k in 0..n {
+            // contents 0..n/2, each twice, stored apart (inline dedup off)
+            let mut b = vec![1u8; BLOCK_SIZE];
+            b[..8].copy_from_slice(&(k % (n / 2)).to_le_bytes());
+            e.write(v, k * 4096, &b, false).unwrap();
+        }
+        e.flush().unwrap();
+        // the offline pass fingerprints every block (8192 reverse-index
+        // entries, 64 pages), then frees half of them
+        let mut peak_dirty = 0;
+        let r = e
+            .dedup_offline(None, &mut |_, _| {
+                peak_dirty = peak_dirty.max(lock(&e.meta).dirty_pages());
+            })
+            .unwrap();
+        assert_eq!(r.lbas_remapped, n / 2);
+        assert!(peak_dirty <= 16 + 16, "{peak_dirty} dirty pages");
+        // (one hold of the scan frees up to SCAN_CHUNK blocks)
+        let pending = lock(&e.meta).pending_free.len() as u64;
+        assert!(
+            pending <= 256 + super::SCAN_CHUNK as usize as u64,
+            "{pending} blocks waiting"
+        );
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
