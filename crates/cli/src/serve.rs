@@ -350,7 +350,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         });
     }
 
-    std::thread::scope(|s| -> anyhow::Result<()> {
+    let served = std::thread::scope(|s| -> anyhow::Result<()> {
         {
             let engine = engine.clone();
             let server = server.clone();
@@ -382,22 +382,39 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         }
         let tcp_thread = tcp.map(|l| {
             let server = server.clone();
-            s.spawn(move || server.serve_tcp(l))
+            let handle = handle.clone();
+            s.spawn(move || {
+                // a listener that fails stops the server (the other
+                // listener and the clients too), which then closes the
+                // store as on a signal
+                let r = server.serve_tcp(l);
+                if r.is_err() {
+                    handle.shutdown();
+                }
+                r
+            })
         });
         let unix_thread = unix.map(|(l, _)| {
             let server = server.clone();
-            s.spawn(move || server.serve_unix(l))
+            let handle = handle.clone();
+            s.spawn(move || {
+                let r = server.serve_unix(l);
+                if r.is_err() {
+                    handle.shutdown();
+                }
+                r
+            })
         });
         let mut result = Ok(());
         for t in [tcp_thread, unix_thread].into_iter().flatten() {
             if let Err(e) = t.join().expect("listener thread panicked") {
                 result = Err(anyhow::Error::from(e).context("serving NBD"));
-                handle.shutdown();
             }
         }
         stop.store(true, Ordering::Relaxed);
         result
-    })?;
+    });
+    // (on a listener's error too: the store is closed cleanly first)
     if let Some(p) = &args.socket {
         let _ = std::fs::remove_file(p);
     }
@@ -417,6 +434,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     // (only now: until the store is closed a second signal still exits
     // at once; a closed handle leaves the signals ignored)
     signal_handle.close();
+    served?;
     let st = engine.stats();
     println!(
         "dedupd: stopped; {} stored for {} mapped (dedup ratio {:.2})",
