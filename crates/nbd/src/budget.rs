@@ -6,13 +6,26 @@
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// Counting budget of bytes, blocking when exhausted.
+/// Counting budget of bytes, blocking when exhausted. Waiters are served
+/// in arrival order, so a large request is not passed over for ever by
+/// smaller ones arriving after it.
 #[derive(Debug)]
 pub(crate) struct Budget {
     capacity: usize,
-    /// (bytes taken, threads waiting for room)
-    used: Mutex<(usize, usize)>,
+    state: Mutex<State>,
     freed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Bytes taken.
+    used: usize,
+    /// Ticket the next request gets.
+    next_ticket: u64,
+    /// Ticket whose turn it is.
+    serving: u64,
+    /// Threads waiting for their turn or for room.
+    waiting: usize,
 }
 
 impl Budget {
@@ -20,27 +33,39 @@ impl Budget {
     pub(crate) fn new(capacity: usize) -> Arc<Budget> {
         Arc::new(Budget {
             capacity,
-            used: Mutex::new((0, 0)),
+            state: Mutex::new(State::default()),
             freed: Condvar::new(),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, (usize, usize)> {
-        self.used.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes `bytes` from the budget, waiting until they are available. A
+    /// Takes `bytes` from the budget, waiting until they are available and
+    /// every request that waited before this one has taken its share. A
     /// request larger than the whole budget waits until nothing else is in
     /// flight and then proceeds alone.
     pub(crate) fn acquire(self: &Arc<Self>, bytes: usize) -> BudgetGuard {
         if bytes > 0 {
-            let mut used = self.lock();
-            while used.0 != 0 && used.0.saturating_add(bytes) > self.capacity {
-                used.1 += 1;
-                used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
-                used.1 -= 1;
+            let mut s = self.lock();
+            let ticket = s.next_ticket;
+            s.next_ticket += 1;
+            while s.serving != ticket
+                || (s.used != 0 && s.used.saturating_add(bytes) > self.capacity)
+            {
+                s.waiting += 1;
+                s = self.freed.wait(s).unwrap_or_else(|e| e.into_inner());
+                s.waiting -= 1;
             }
-            used.0 = used.0.saturating_add(bytes);
+            s.used = s.used.saturating_add(bytes);
+            s.serving += 1;
+            // the next in line may fit too
+            let waiting = s.waiting > 0;
+            drop(s);
+            if waiting {
+                self.freed.notify_all();
+            }
         }
         BudgetGuard {
             budget: Arc::clone(self),
@@ -50,7 +75,7 @@ impl Budget {
 
     /// Bytes currently taken.
     pub(crate) fn in_use(&self) -> usize {
-        self.lock().0
+        self.lock().used
     }
 
     /// Bytes it holds when full.
@@ -69,10 +94,10 @@ pub(crate) struct BudgetGuard {
 impl Drop for BudgetGuard {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            let mut used = self.budget.lock();
-            used.0 = used.0.saturating_sub(self.bytes);
-            let waiting = used.1 > 0;
-            drop(used);
+            let mut s = self.budget.lock();
+            s.used = s.used.saturating_sub(self.bytes);
+            let waiting = s.waiting > 0;
+            drop(s);
             // a wake-up system call only when someone waits for room
             if waiting {
                 self.budget.freed.notify_all();
@@ -117,6 +142,37 @@ mod tests {
         drop(g);
         t.join().unwrap();
         assert!(done.load(Ordering::SeqCst));
+        assert_eq!(b.in_use(), 0);
+    }
+
+    #[test]
+    fn a_waiting_request_is_not_passed_by_later_ones() {
+        let b = Budget::new(100);
+        let g = b.acquire(60);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let spawn = |name: &'static str, bytes: usize| {
+            let (b, order) = (Arc::clone(&b), Arc::clone(&order));
+            std::thread::spawn(move || {
+                let g = b.acquire(bytes);
+                order.lock().unwrap().push(name);
+                std::thread::sleep(Duration::from_millis(50));
+                drop(g);
+            })
+        };
+        // 50 does not fit beside 60; 30 would, but comes after it
+        let large = spawn("large", 50);
+        std::thread::sleep(Duration::from_millis(100));
+        let small = spawn("small", 30);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            order.lock().unwrap().is_empty(),
+            "{:?}",
+            order.lock().unwrap()
+        );
+        drop(g);
+        large.join().unwrap();
+        small.join().unwrap();
+        assert_eq!(*order.lock().unwrap(), ["large", "small"]);
         assert_eq!(b.in_use(), 0);
     }
 
