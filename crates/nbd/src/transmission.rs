@@ -213,9 +213,13 @@ impl ReplyWriter {
         }
         let more = others > 0 && !self.awaiting_client.load(Ordering::SeqCst);
         let ok = self.write_locked(&mut out, bytes, more).is_ok();
+        // dead before the lock is given up: a reply that failed part way
+        // must not be followed by another reply's bytes, which the client
+        // would read as the rest of this one
+        let first_failure = !ok && !self.dead.swap(true, Ordering::SeqCst);
         drop(out);
-        if !ok {
-            self.fail();
+        if first_failure {
+            (self.hangup)();
         }
         ok
     }
@@ -250,12 +254,6 @@ impl ReplyWriter {
                     std::mem::size_of::<libc::c_int>() as libc::socklen_t,
                 );
             }
-        }
-    }
-
-    fn fail(&self) {
-        if !self.dead.swap(true, Ordering::SeqCst) {
-            (self.hangup)();
         }
     }
 
