@@ -98,7 +98,11 @@ impl EngineError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         let context = context.into();
         match source.raw_os_error() {
-            Some(libc::ENOSPC) | Some(libc::EDQUOT) => EngineError::NoSpace { context },
+            // (EFBIG: the data file reached the file system's largest
+            // file; NBD asks for ENOSPC there too)
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => {
+                EngineError::NoSpace { context }
+            }
             _ if source.kind() == std::io::ErrorKind::StorageFull => {
                 EngineError::NoSpace { context }
             }
@@ -112,3 +116,18 @@ impl EngineError {
 
 /// Result of engine operations.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_file_system_or_file_is_no_space() {
+        for errno in [libc::ENOSPC, libc::EDQUOT, libc::EFBIG] {
+            let e = EngineError::io("writing", std::io::Error::from_raw_os_error(errno));
+            assert!(matches!(e, EngineError::NoSpace { .. }), "{errno}: {e:?}");
+        }
+        let e = EngineError::io("writing", std::io::Error::from_raw_os_error(libc::EIO));
+        assert!(matches!(e, EngineError::Io { .. }), "{e:?}");
+    }
+}
