@@ -505,11 +505,19 @@ impl Engine {
             // created if missing (a new store, or a volume created since the
             // last checkpoint); a file that cannot be created is replayed
             // in memory only
+            let existed = path.exists();
             let f = match dir.open_file(&file.relative_path(), true) {
                 Ok(f) => Some(f),
                 Err(_) if !path.exists() => None,
                 Err(e) => return Err(e),
             };
+            if f.is_some() && !existed {
+                // the new file's directory entry is durable before anything
+                // (the data file growing, a commit) may depend on it
+                if let Some(parent) = path.parent() {
+                    crate::store::sync_dir(parent)?;
+                }
+            }
             let name = path.display().to_string();
             let opened = crate::metaopen::open_paged(f, file, ops, &name, group, visit)
                 .map_err(|e| EngineError::io(format!("reading {name}"), e))?;

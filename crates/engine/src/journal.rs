@@ -231,6 +231,13 @@ fn header_len(header: &[u8]) -> Result<(u64, u64), DecodeError> {
     Ok((seq, total))
 }
 
+/// Largest offset or length a record of a metadata file carries: 2^50
+/// bytes (the reference counts of 2^48 blocks, a 1 EiB store, need 2^50).
+const MAX_FILE_BYTES: u64 = 1 << 50;
+/// Largest offset or length a record of `state.json` carries (the volume
+/// table and counters: kilobytes).
+const MAX_STATE_BYTES: u64 = 1 << 30;
+
 /// Decodes one whole transaction from `bytes` (which may extend past it).
 pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
     let (seq, total) = header_len(bytes)?;
@@ -260,6 +267,19 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
         let n = u32::from_le_bytes(body[14..18].try_into().expect("4 bytes")) as usize;
         if body.len() < 18 + n {
             return Err(DecodeError::Malformed("record length"));
+        }
+        // (offsets and lengths a sound writer never exceeds: a record
+        // that passes its checksum with a wild value is damage, not a
+        // reason to allocate or overflow)
+        let limit = if file == MetaFile::State {
+            MAX_STATE_BYTES
+        } else {
+            MAX_FILE_BYTES
+        };
+        if a.checked_add(n as u64).is_none_or(|end| end > limit) {
+            return Err(DecodeError::Malformed(
+                "offset or length past any metadata file",
+            ));
         }
         let data = body[18..18 + n].to_vec();
         body = &body[18 + n..];
@@ -564,6 +584,20 @@ mod tests {
                 file: MetaFile::Refcounts,
                 offset: 8,
                 data: Vec::new(),
+            },
+            // offsets and lengths no metadata file reaches (checksum valid)
+            Op::Write {
+                file: MetaFile::Refcounts,
+                offset: u64::MAX - 2,
+                data: vec![1, 2, 3, 4],
+            },
+            Op::SetLen {
+                file: MetaFile::Fingerprints,
+                len_bytes: 1 << 63,
+            },
+            Op::SetLen {
+                file: MetaFile::State,
+                len_bytes: 1 << 40,
             },
         ] {
             let b = encode_txn(1, &[op]);

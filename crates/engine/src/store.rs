@@ -195,16 +195,26 @@ impl StoreDir {
             next_volume_id: 1,
             ..State::default()
         };
+        // (every file the first open needs exists: it creates none, whose
+        // directory entries a power loss could take away)
         for (name, bytes) in [
             ("state.json", encode_checked(&state)),
             ("journal", Vec::new()),
             ("data", Vec::new()),
+            ("refcounts", Vec::new()),
+            ("fingerprints", Vec::new()),
         ] {
             write_durable(&root.join(name), &bytes)?;
         }
         // the superblock last: a store without one is not a store
         write_durable(&root.join("superblock"), &encode_checked(&sb))?;
         sync_dir(root)?;
+        // and the store's own entry in its parent directory
+        let parent = root
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        sync_dir(parent)?;
         Ok(dir)
     }
 
