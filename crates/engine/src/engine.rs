@@ -486,14 +486,19 @@ impl Engine {
          -> Result<CachedArray> {
             let path = dir.path(file);
             let ops = ops_by_file.get(&file).map_or(&[][..], |v| &v[..]);
-            // a file that should exist (nothing in the journal creates it)
-            // but does not is damage, and is not created: the check of a
-            // store changes nothing
+            // a file that should exist but does not is damage, and is not
+            // created: the check of a store changes nothing. The reference
+            // counts and reverse index exist once the store holds data
+            // (created with the store, or by the first open, before any
+            // data), whatever the journal holds: pages of them in the
+            // journal over an empty file would free every other block. A
+            // map may be missing while the journal creates it (a volume
+            // created since the last checkpoint).
             let expected = match file {
-                MetaFile::Map(_) => true,
+                MetaFile::Map(_) => ops.is_empty(),
                 _ => data_bytes > 0,
             };
-            if ops.is_empty() && expected && !path.exists() {
+            if expected && !path.exists() {
                 damage.push(Damage {
                     file: path,
                     pages: Vec::new(),

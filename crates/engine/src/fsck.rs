@@ -522,6 +522,28 @@ impl Engine {
                 m.refcounts.redirty(*page);
             }
         }
+        // a missing reference-count or reverse-index file is created again
+        // at its full length by the checkpoint, even if no entry changed
+        // (all counts zero, say): the next open finds it
+        for d in self.damage.iter().filter(|d| d.missing) {
+            let (file, logical) = if d.file.ends_with("refcounts") {
+                (
+                    crate::journal::MetaFile::Refcounts,
+                    m.refcounts.logical_len(),
+                )
+            } else if d.file.ends_with("fingerprints") {
+                (
+                    crate::journal::MetaFile::Fingerprints,
+                    m.fingerprints.logical_len(),
+                )
+            } else {
+                continue;
+            };
+            m.structural_ops.push(crate::journal::Op::SetLen {
+                file,
+                len_bytes: crate::paged::disk_len(logical),
+            });
+        }
         for id in &ids {
             let v = m.volumes.get_mut(id).expect("listed above");
             for page in std::mem::take(&mut v.damaged_pages) {

@@ -144,6 +144,48 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
         assert_eq!(repair(&path), 1);
         assert_intact(&path, &[("a", 600), ("b", 100)]);
     }
+    // the same with commits still in the journal (a crash image): pages
+    // of the file in the journal over an empty file would read every
+    // other block as free
+    for name in ["refcounts", "fingerprints"] {
+        let d = tempfile::tempdir().unwrap();
+        let path = build(d.path());
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let (b, _) = e.volume("b").unwrap();
+        e.write(b, 300 * 4096, &pattern(1), true).unwrap();
+        let crash = d.path().join("crash");
+        crash_copy(&path, &crash);
+        drop(e);
+        std::fs::remove_file(crash.join(name)).unwrap();
+        match Engine::open(&crash, EngineConfig::default()) {
+            Err(EngineError::Corrupt { file, .. }) => assert!(file.ends_with(name)),
+            other => panic!("opened without {name}: {:?}", other.err()),
+        }
+        assert_eq!(repair(&crash), 1);
+        assert_intact(&crash, &[("a", 600), ("b", 100)]);
+        let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+        let mut buf = vec![0u8; 4096];
+        e.read(e.volume("b").unwrap().0, 300 * 4096, &mut buf)
+            .unwrap();
+        assert!(buf == pattern(1), "{name}: the journal's write was lost");
+    }
+    // and with nothing left to count (every volume deleted; the data file
+    // keeps its length): a repair still creates the file again
+    for name in ["refcounts", "fingerprints"] {
+        let d = tempfile::tempdir().unwrap();
+        let path = build(d.path());
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        e.delete_volume("a").unwrap();
+        e.delete_volume("b").unwrap();
+        e.close().unwrap();
+        drop(e);
+        std::fs::remove_file(path.join(name)).unwrap();
+        assert!(Engine::open(&path, EngineConfig::default()).is_err());
+        assert_eq!(repair(&path), 1);
+        assert!(path.join(name).exists(), "{name} was not created again");
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
     // a volume map gone: its volume is served read-only and fsck reports
     // the loss instead of calling the store clean
     let d = tempfile::tempdir().unwrap();
