@@ -639,11 +639,12 @@ fn print_stats(v: &Value) {
         human(x("tree_bytes"))
     );
     println!(
-        "  evictions                  {} groups, {} entries ({} reads, {} writes)",
+        "  evictions                  {} groups, {} entries ({} reads, {} writes, {} failed writes)",
         x("groups_evicted"),
         x("entries_evicted"),
         x("eviction_reads"),
-        x("eviction_writes")
+        x("eviction_writes"),
+        x("eviction_errors")
     );
     println!(
         "  disk lookups / promotions  {} / {}",

@@ -210,6 +210,13 @@ pub struct IndexStats {
     pub promotions: u64,
     /// Pages of the on-disk store file.
     pub disk_pages: u64,
+    /// Evictions whose on-disk write failed (a full or failing file
+    /// system): the evicted entries left memory all the same, so the
+    /// budget holds and lookups go on; those fingerprints are missing from
+    /// the index (duplicates of them are found out of line) until it is
+    /// rebuilt at the next start.
+    #[serde(default)]
+    pub eviction_errors: u64,
 }
 
 /// Where on-disk groups live: a file (production) or memory (simulation).
@@ -997,7 +1004,7 @@ impl FingerprintIndex {
                     let count = rc.map(|f| f(Pba(raw)).saturating_add(1));
                     self.note_access(g, i, Access::Hit, count);
                     // the hit's record may have grown a queue past the budget
-                    self.enforce_budget(live, rc)?;
+                    self.enforce_budget(live, rc);
                     return Ok(Some(Pba(raw)));
                 }
             }
@@ -1016,7 +1023,7 @@ impl FingerprintIndex {
                     let (pos, old) = self.add_entry(g, key, pba.0, false);
                     let count = rc.map(|f| f(pba).saturating_add(1));
                     self.note_access(g, pos, Access::Admit { old }, count);
-                    self.enforce_budget(live, rc)?;
+                    self.enforce_budget(live, rc);
                     return Ok(Some(pba));
                 }
             }
@@ -1162,7 +1169,8 @@ impl FingerprintIndex {
         let (pos, old) = self.add_entry(g, key, pba.0, true);
         let count = rc.map(|f| f(pba).max(1));
         self.note_access(g, pos, Access::Admit { old }, count);
-        self.enforce_budget(live, rc)
+        self.enforce_budget(live, rc);
+        Ok(())
     }
 
     /// Removes `fp` → `pba` from memory if it is there. An on-disk copy is
@@ -1192,7 +1200,11 @@ impl FingerprintIndex {
         }
     }
 
-    fn enforce_budget(&mut self, live: Live<'_>, rc: Option<RefCount<'_>>) -> io::Result<()> {
+    /// Evicts until memory is within the budget. An eviction whose
+    /// on-disk write fails still takes its entries out of memory (counted
+    /// in [`IndexStats::eviction_errors`]): the index is derived data, and
+    /// on a full file system memory stays bounded and lookups go on.
+    fn enforce_budget(&mut self, live: Live<'_>, rc: Option<RefCount<'_>>) {
         while self.memory_bytes() > self.cfg.memory_budget_bytes && self.tail != NONE {
             // first give back record space of queues far above their lists
             if let Some(q) =
@@ -1209,8 +1221,11 @@ impl FingerprintIndex {
                 EvictionPolicy::Arc => {
                     if self.arc.len[T1] + self.arc.len[T2] == 0 {
                         // only ghosts are left: forget the oldest
-                        if !self.drop_ghost(B1) && !self.drop_ghost(B2) {
-                            self.evict_group(self.tail, live)?;
+                        if !self.drop_ghost(B1)
+                            && !self.drop_ghost(B2)
+                            && self.evict_group(self.tail, live).is_err()
+                        {
+                            self.stats.eviction_errors += 1;
                         }
                         continue;
                     }
@@ -1222,13 +1237,15 @@ impl FingerprintIndex {
                     self.pop_queue(q)
                 }
             };
-            match victim {
-                Some((g, i)) => self.evict_entry(g, i, live)?,
+            let evicted = match victim {
+                Some((g, i)) => self.evict_entry(g, i, live),
                 // G-LRU; or no records left: evict a whole group
-                None => self.evict_group(self.tail, live)?,
+                None => self.evict_group(self.tail, live),
+            };
+            if evicted.is_err() {
+                self.stats.eviction_errors += 1;
             }
         }
-        Ok(())
     }
 
     /// The oldest entry of queue `q` still carrying its record's stamp.
@@ -1274,11 +1291,12 @@ impl FingerprintIndex {
         let prefix = self.groups[g as usize].prefix;
         let entry = self.groups[g as usize].entries[i];
         self.stats.entries_evicted += 1;
-        self.merge_to_disk(prefix, &[entry], live)?;
+        // (out of memory even if the write failed, as a group)
+        let merged = self.merge_to_disk(prefix, &[entry], live);
         self.mem_entries -= 1;
         if self.cfg.policy != EvictionPolicy::Arc {
             self.remove_at(g, i);
-            return Ok(());
+            return merged;
         }
         let from = (self.groups[g as usize].ticks.get(i) >> ARC_LIST_SHIFT) as usize;
         let (to, marker) = if from == T1 {
@@ -1302,7 +1320,7 @@ impl FingerprintIndex {
         while self.arc.len.iter().sum::<u64>() > 2 * c
             && (self.drop_ghost(B2) || self.drop_ghost(B1))
         {}
-        Ok(())
+        merged
     }
 
     /// Forgets the oldest ghost of list `q` (B1 or B2); false if none.
@@ -1328,12 +1346,16 @@ impl FingerprintIndex {
             .filter(|e| !is_ghost(e.1))
             .collect();
         self.stats.entries_evicted += entries.len() as u64;
-        if self.groups[g as usize].dirty {
+        let merged = if self.groups[g as usize].dirty {
             let prefix = self.groups[g as usize].prefix;
-            self.merge_to_disk(prefix, &entries, live)?;
-        }
+            self.merge_to_disk(prefix, &entries, live)
+        } else {
+            Ok(())
+        };
+        // (dropped even if the write failed: the index is derived data,
+        // and memory stays within the budget)
         self.drop_group(g);
-        Ok(())
+        merged
     }
 
     /// Read-merge-write of the on-disk group of `prefix` with `add`
@@ -1614,7 +1636,8 @@ impl FingerprintIndex {
     /// Errors: none in practice (loaded groups are clean, trimming them to
     /// the budget writes nothing); the signature follows eviction's.
     pub fn finish_rebuild(&mut self) -> io::Result<()> {
-        self.enforce_budget(&|_, _| true, None)
+        self.enforce_budget(&|_, _| true, None);
+        Ok(())
     }
 
     /// Prefix bits of the tree.
@@ -1992,6 +2015,42 @@ mod tests {
     }
 
     /// Memory-mode index of `budget` bytes; every PBA is live.
+    /// On-disk groups on a file system that is full: every write fails.
+    struct FullGroupStore;
+
+    impl GroupStore for FullGroupStore {
+        fn read_at(&self, buf: &mut [u8], _offset: u64) -> io::Result<()> {
+            buf.fill(0);
+            Ok(())
+        }
+        fn write_at(&mut self, _data: &[u8], _offset: u64) -> io::Result<()> {
+            Err(io::Error::from_raw_os_error(libc::ENOSPC))
+        }
+    }
+
+    #[test]
+    fn failed_evictions_keep_the_budget_and_lookups_going() {
+        for policy in ALL {
+            let mut idx = FingerprintIndex::new(
+                IndexConfig {
+                    memory_budget_bytes: 32 << 10,
+                    policy,
+                    lookup: LookupMode::Memory,
+                    prefix_bits: 10,
+                },
+                Box::new(FullGroupStore),
+            );
+            for i in 0..5_000u64 {
+                // (put and hit check the budget after each call)
+                put(&mut idx, i);
+                hit(&mut idx, i);
+            }
+            let s = idx.stats();
+            assert!(s.eviction_errors > 0, "{policy:?}: {s:?}");
+            assert!(s.entries_in_memory > 50, "{policy:?}: {s:?}");
+        }
+    }
+
     fn mem_index(budget: u64, policy: EvictionPolicy) -> FingerprintIndex {
         index(budget, policy, LookupMode::Memory)
     }
