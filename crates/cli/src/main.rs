@@ -68,8 +68,10 @@ enum Command {
     /// Check the store's metadata (the server must be stopped). Exit codes as
     /// e2fsck: 0 clean, 1 errors corrected, 4 errors left uncorrected, 8
     /// operational error, 16 usage error. Memory: the caches and index
-    /// budget below, whatever the store's size (a repair also holds the
-    /// metadata pages it changes until its commit).
+    /// budget below, up to about 512 M referenced blocks (2 TiB stored) at
+    /// the default 8 MiB index budget (the bound grows with the square of
+    /// the budget; past it, sorting fingerprints needs more); a repair
+    /// also holds the metadata pages it changes until its commit.
     Fsck {
         /// Repair: rebuild reference counts, reverse index and free space
         /// from the volume maps and data.

@@ -5,8 +5,12 @@
 //! by their top bits; a bucket's pairs wait in a 4 KiB buffer and are
 //! spilled in 4 KiB chunks to a scratch file. Reading back one bucket at a
 //! time and sorting it gives every pair in key order with at most one
-//! bucket and the buffers in memory, whatever the number of pairs. With
-//! one bucket (few pairs) nothing is spilled.
+//! bucket (twice, while it is sorted) and the buffers in memory. The
+//! buckets are at most `memory_bytes / 4 KiB` (one buffer each), so a
+//! bucket stays within `memory_bytes` up to about `memory_bytes² / 64 KiB`
+//! bytes of pairs (8 MiB: about 512 M pairs counting the sort's copy);
+//! past that a bucket grows with the number of pairs. With one bucket
+//! (few pairs) nothing is spilled.
 //!
 //! A counting sorter ([`KeySorter::counting`]) treats the second value as a
 //! count and merges pairs with equal keys (adding their counts) whenever a
