@@ -7,8 +7,8 @@
 //! time and sorting it gives every pair in key order with at most one
 //! bucket (twice, while it is sorted) and the buffers in memory. The
 //! buckets are at most `memory_bytes / 4 KiB` (one buffer each), so a
-//! bucket stays within `memory_bytes` up to about `memory_bytes² / 64 KiB`
-//! bytes of pairs (8 MiB: about 512 M pairs counting the sort's copy);
+//! bucket and its sorted copy stay within `memory_bytes` up to about
+//! `memory_bytes² / 8 KiB` bytes of pairs (8 MiB: 8 GiB, 512 M pairs);
 //! past that a bucket grows with the number of pairs. With one bucket
 //! (few pairs) nothing is spilled.
 //!
