@@ -1088,10 +1088,12 @@ impl FingerprintIndex {
         }
     }
 
-    /// Remembers a dropped live copy, up to [`MAX_DISPLACED`] of them (past
-    /// that they are left to `dedupd dedup --offline`).
+    /// Remembers a dropped live copy, up to [`MAX_DISPLACED`] of them and
+    /// at most an eighth of the budget's bytes (past that they are left to
+    /// `dedupd dedup --offline`). Collected at every commit.
     fn note_displaced(&mut self, copy: Pba, kept: Pba) {
-        if self.displaced.len() < MAX_DISPLACED {
+        let cap = MAX_DISPLACED.min(((self.cfg.memory_budget_bytes / 128) as usize).max(16));
+        if self.displaced.len() < cap {
             self.displaced.push((copy, kept));
         }
     }

@@ -438,6 +438,9 @@ impl Meta {
     /// Takes every change since the last commit as journal operations.
     /// The state blob is always included (it carries the sequence number).
     pub fn take_commit(&mut self, journal_seq: u64) -> CommitBatch {
+        // (the index's dropped copies leave its budget at every commit,
+        // whether or not the out-of-line worker runs)
+        self.collect_displaced();
         let mut ops = std::mem::take(&mut self.structural_ops);
         self.commit_generation += 1;
         let generation = self.commit_generation;
@@ -477,6 +480,7 @@ impl Meta {
     /// one, reach `journal_size_bytes`). The batch has no operations; its
     /// frees and change count are as `take_commit` gives them.
     pub fn take_commit_unlogged(&mut self, journal_size_bytes: u64) -> CommitBatch {
+        self.collect_displaced();
         let mut lens: Vec<usize> = self
             .structural_ops
             .drain(..)
