@@ -1524,7 +1524,7 @@ impl Engine {
                     // full while released blocks wait for a commit: commit
                     // (without holding `reuse`, which it takes) and read again
                     Err(e @ EngineError::NoSpace { .. })
-                        if !committed_for_space && !lock(&self.meta).pending_free.is_empty() =>
+                        if !committed_for_space && lock(&self.meta).frees_waiting() =>
                     {
                         drop(no_reuse);
                         self.commit_for_space(e)?;
@@ -1915,13 +1915,17 @@ impl Engine {
                 if retried
                     || expect.is_some()
                     || !matches!(e, EngineError::NoSpace { .. })
-                    || m.pending_free.is_empty()
+                    || !m.frees_waiting()
                 {
+                    undo_unwritten(&mut m, &placement, n);
                     return Err(e);
                 }
                 retried = true;
                 drop(m);
-                self.commit_for_space(e)?;
+                if let Err(e) = self.commit_for_space(e) {
+                    undo_unwritten(&mut lock(&self.meta), &placement, n);
+                    return Err(e);
+                }
                 m = lock(&self.meta);
                 for p in placement.iter_mut() {
                     if let Placement::New { pba, .. } = p {
@@ -2163,6 +2167,7 @@ impl Engine {
             }
             let mut m = lock(&self.meta);
             m.free.extend(batch.frees.iter().copied());
+            m.frees_in_flight = 0;
             if !batch.frees.is_empty() {
                 m.reuse_epoch += 1;
             }
@@ -2454,6 +2459,24 @@ fn validate_name(name: &str) -> Result<()> {
     } else {
         Err(EngineError::InvalidArgument(format!("invalid volume name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ - (not starting with '.')")))
     }
+}
+
+/// Takes back what phase 1 of `place_blocks` counted for the new blocks
+/// of a request of `n` blocks whose data could not be written (their
+/// reserved PBAs already went back): they were not written, and a retry
+/// (a read-modify-write reads again) counts them anew. Hits phase 1 mapped
+/// stay counted: those blocks were written.
+fn undo_unwritten(m: &mut Meta, placement: &[Placement], n: usize) {
+    let (mut new, mut filtered) = (0u64, 0u64);
+    for p in placement {
+        if let Placement::New { filtered: f, .. } = p {
+            new += 1;
+            filtered += u64::from(*f);
+        }
+    }
+    debug_assert!(new <= n as u64);
+    m.counters.blocks_written -= new;
+    m.counters.sequence_filtered_blocks -= filtered;
 }
 
 fn validate_size(size_bytes: u64) -> Result<()> {

@@ -24,6 +24,9 @@ pub enum EngineError {
     /// The directory does not exist.
     #[error("store {0} does not exist (create it with `dedupd init` or `dedupd serve`)")]
     NoStore(PathBuf),
+    /// A store already exists where a new one was to be created.
+    #[error("a dedupd store already exists at {0}")]
+    StoreExists(PathBuf),
     /// The directory exists but is not a dedupd store (no or foreign superblock).
     #[error("{path} is not a dedupd store: {detail}")]
     NotAStore {

@@ -119,6 +119,9 @@ pub struct Meta {
     /// PBAs whose reference count reached 0 since the last journal commit;
     /// reusable only after the commit that records it (deferred free).
     pub pending_free: Vec<u64>,
+    /// Released blocks taken by the commit under way (0 when none is):
+    /// free once it succeeds, pending again if it fails.
+    pub frees_in_flight: usize,
     /// First PBA never allocated.
     pub high_water_blocks: u64,
     /// LBAs mapped, over all volumes.
@@ -341,6 +344,12 @@ impl Meta {
         f(index, &live, &rc)
     }
 
+    /// True if released blocks wait for a commit to become reusable:
+    /// pending, or taken by a commit under way.
+    pub fn frees_waiting(&self) -> bool {
+        !self.pending_free.is_empty() || self.frees_in_flight > 0
+    }
+
     /// Moves the duplicate copies the index dropped into `pending_merges`.
     /// At most [`MAX_PENDING_MERGES`] are kept (about 48 bytes each); past
     /// that, `dedupd dedup --offline` finds the rest.
@@ -466,7 +475,10 @@ impl Meta {
         self.state_dirty = false;
         CommitBatch {
             ops,
-            frees: std::mem::take(&mut self.pending_free),
+            frees: {
+                self.frees_in_flight = self.pending_free.len();
+                std::mem::take(&mut self.pending_free)
+            },
             change_count: self.change_count,
             generation,
         }
@@ -510,7 +522,10 @@ impl Meta {
         self.state_dirty = false;
         CommitBatch {
             ops: Vec::new(),
-            frees: std::mem::take(&mut self.pending_free),
+            frees: {
+                self.frees_in_flight = self.pending_free.len();
+                std::mem::take(&mut self.pending_free)
+            },
             change_count: self.change_count,
             generation: self.commit_generation,
         }
@@ -595,6 +610,7 @@ impl Meta {
         }
         structural.append(&mut self.structural_ops);
         self.structural_ops = structural;
+        self.frees_in_flight = 0;
         self.pending_free.extend(batch.frees);
     }
 

@@ -170,6 +170,9 @@ impl StoreDir {
         if root.exists() {
             let mut entries = fs::read_dir(root)
                 .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
+            if root.join("superblock").exists() {
+                return Err(EngineError::StoreExists(root.to_path_buf()));
+            }
             if entries.next().is_some() {
                 return Err(EngineError::NotAStore {
                     path: root.to_path_buf(),

@@ -244,6 +244,9 @@ fn a_full_file_system_commits_and_reuses_released_blocks_instead_of_failing() {
     e.write(v, 2 * 4096 + 512, &[0x77; 512], false).unwrap();
     let s = e.stats();
     assert_eq!(s.no_space_commits, 2, "{s:?}");
+    // blocks written: 8, then the 2-block write, then the partial one; the
+    // writes that failed or were retried count once or not at all
+    assert_eq!(s.blocks_written, 8 + 2 + 1, "{s:?}");
     let mut b = vec![0u8; 4096];
     e.read(v, 2 * 4096, &mut b).unwrap();
     assert!(b[..512].iter().all(|&x| x == 0));
