@@ -109,7 +109,14 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum VolumeCommand {
     /// Create a volume of SIZE bytes (suffixes K, M, G, T; a multiple of 4 KiB).
-    Create { name: String, size: String },
+    Create {
+        /// Volume name, also its NBD export name (1–64 of A–Z a–z 0–9 `.`
+        /// `_` `-`, not starting with `.`).
+        name: String,
+        /// Size in bytes, thin-provisioned (suffixes K, M, G, T; a
+        /// multiple of 4 KiB, at most 1P).
+        size: String,
+    },
     /// List volumes.
     List {
         /// Print JSON instead of text.
@@ -117,11 +124,20 @@ enum VolumeCommand {
         json: bool,
     },
     /// Change a volume's size; shrinking discards the data past the new end.
-    Resize { name: String, size: String },
+    Resize {
+        /// Volume name.
+        name: String,
+        /// New size in bytes (suffixes K, M, G, T; a multiple of 4 KiB).
+        size: String,
+    },
     /// Delete a volume and release its blocks.
-    Delete { name: String },
+    Delete {
+        /// Volume name.
+        name: String,
+    },
     /// Change a volume's settings.
     Set {
+        /// Volume name.
         name: String,
         /// Sequence threshold T in blocks for this volume (iDedup,
         /// SmartDedup §4.5: dedup inline only runs of at least T duplicates

@@ -98,6 +98,12 @@ pub fn bytes_bar_style() -> ProgressStyle {
 
 /// Runs `dedupd replay`.
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    // (before the replay, which may take long: its report must have
+    // somewhere to go, and never over a trace)
+    if let Some(path) = &args.report {
+        dedupd_sim::output::check_destination(path, &args.traces)
+            .map_err(|e| anyhow::anyhow!("--report {e}"))?;
+    }
     let index_memory_bytes = args.index_memory;
     let cfg = args.input.apply(ReplayConfig {
         policy: args.policy.clone(),
@@ -127,13 +133,15 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let report = result?;
     let json = serde_json::to_string_pretty(&report)?;
-    if let Some(path) = &args.report {
-        dedupd_sim::output::write_whole(path, format!("{json}\n").as_bytes())?;
-    }
+    // (printed first: a report file that cannot be written still leaves
+    // the figures on the screen)
     if args.json {
         println!("{json}");
     } else {
         print_report(&report);
+    }
+    if let Some(path) = &args.report {
+        dedupd_sim::output::write_whole(path, format!("{json}\n").as_bytes())?;
     }
     Ok(())
 }

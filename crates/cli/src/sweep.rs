@@ -26,10 +26,12 @@ pub struct SweepArgs {
     /// Prefix bits of the index (8–24; default the engine's, 14).
     #[arg(long, value_name = "BITS", value_parser = clap::value_parser!(u32).range(8..=24))]
     index_prefix_bits: Option<u32>,
-    /// Worker threads (default: the number of CPUs).
-    #[arg(long)]
-    jobs: Option<usize>,
-    /// Output directory.
+    /// Worker threads, at least 1 (default: the number of CPUs; never
+    /// more than the grid's points).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    jobs: Option<u64>,
+    /// Output directory (created if missing; results.csv, results.json
+    /// and the figures in it are replaced).
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]
@@ -46,11 +48,30 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         .iter()
         .map(|s| parse_index_memory(s).map_err(|e| anyhow::anyhow!("--index-memory {s:?}: {e}")))
         .collect::<anyhow::Result<Vec<u64>>>()?;
-    let jobs = args.jobs.unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    });
+    // (checked before the grid runs, which may take hours)
+    if args.out.exists() && !args.out.is_dir() {
+        anyhow::bail!(
+            "--out {}: exists and is not a directory",
+            args.out.display()
+        );
+    }
+    for t in &args.traces {
+        if let Err(e) = std::fs::File::open(t) {
+            anyhow::bail!("--traces {}: {e}", t.display());
+        }
+    }
+    let points = args.traces.len() * args.policies.len() * budgets.len();
+    let jobs = args
+        .jobs
+        .map_or_else(
+            || {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            },
+            |j| usize::try_from(j).unwrap_or(usize::MAX),
+        )
+        .min(points.max(1));
     let cfg = SweepConfig {
         traces: args.traces.clone(),
         policies: args.policies.clone(),
@@ -81,7 +102,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     println!(
         "{} points on {} threads in {:.1} s",
         rows.len(),
-        jobs,
+        jobs.min(rows.len().max(1)),
         started.elapsed().as_secs_f64()
     );
     println!(

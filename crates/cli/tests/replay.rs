@@ -257,6 +257,64 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
         .unwrap();
     assert!(!out.status.success());
     assert_eq!(std::fs::read(&keep).unwrap(), b"precious");
+    // outputs are checked before any work, and never go over an input
+    let copy = tmp.path().join("copy.blkparse");
+    std::fs::copy(&trace, &copy).unwrap();
+    let before = std::fs::read(&copy).unwrap();
+    let c = copy.to_str().unwrap();
+    let not_a_dir = keep.to_str().unwrap();
+    for (args, why) in [
+        (vec!["replay", "-q", c, "--report", c], "is an input"),
+        (
+            vec!["replay", "-q", c, "--report", "nodir/r.json"],
+            "does not exist",
+        ),
+        (
+            vec!["sweep", "--traces", c, "--out", not_a_dir],
+            "not a directory",
+        ),
+        (
+            vec!["sweep", "--traces", "nosuch.ddt", "--out", "o"],
+            "nosuch.ddt",
+        ),
+        (
+            vec!["sweep", "--traces", c, "--jobs", "0", "--out", "o"],
+            "--jobs",
+        ),
+    ] {
+        let out = dedupd()
+            .current_dir(tmp.path())
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+    assert_eq!(
+        std::fs::read(&copy).unwrap(),
+        before,
+        "the trace was overwritten"
+    );
+    assert!(
+        !tmp.path().join("o").exists(),
+        "a refused sweep created its output"
+    );
+    // a second init names the existing store
+    let store = tmp.path().join("store");
+    for expect_ok in [true, false] {
+        let out = dedupd()
+            .arg("--store")
+            .arg(&store)
+            .arg("init")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.success(), expect_ok, "{out:?}");
+        if !expect_ok {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("already exists"), "{err}");
+        }
+    }
     // a report cut short by its reader ends quietly, without a panic
     let mut child = dedupd()
         .args(["trace", "stats", t])

@@ -192,6 +192,13 @@ fn check(spec: &GenSpec) -> Result<()> {
     if spec.volume_bytes < spec.block_bytes || !spec.volume_bytes.is_multiple_of(spec.block_bytes) {
         return bad("volume size must be a positive multiple of the request size");
     }
+    // (the replay's volume limit: a larger one makes a trace no replay takes)
+    if spec.volume_bytes > 1 << 50 {
+        return bad("volume size must be at most 1P (a replayed volume's limit)");
+    }
+    if spec.size_bytes < spec.block_bytes {
+        return bad("size must be at least one request (--bs)");
+    }
     if !(0.0..=100.0).contains(&spec.dup_percent) {
         return bad("duplicate percentage must be within 0–100");
     }

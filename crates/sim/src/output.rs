@@ -85,6 +85,42 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
     out.commit()
 }
 
+/// Checks before any work that `path` can take an output file: its
+/// directory exists, it is not a directory itself, and it is none of
+/// `inputs` (an output written over the trace it was made from would
+/// destroy it).
+///
+/// Errors: [`TraceError::Config`] naming `path` and the reason.
+pub fn check_destination(path: &Path, inputs: &[PathBuf]) -> Result<()> {
+    let name = path.display();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(crate::error::TraceError::Config(format!(
+            "{name}: directory {} does not exist",
+            dir.display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(crate::error::TraceError::Config(format!(
+            "{name}: is a directory"
+        )));
+    }
+    if let Ok(out) = std::fs::canonicalize(path) {
+        for input in inputs {
+            if std::fs::canonicalize(input).is_ok_and(|i| i == out) {
+                return Err(crate::error::TraceError::Config(format!(
+                    "{name}: is an input ({}); not writing over it",
+                    input.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs `write` on a temporary path beside `path` (with its extension),
 /// then renames the result over `path`: for writers that take a path
 /// (the plotting backends). A failure leaves `path` as it was.
@@ -117,6 +153,25 @@ mod tests {
         let status = std::fs::read_to_string("/proc/self/status").ok()?;
         let line = status.lines().find(|l| l.starts_with("Umask:"))?;
         u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
+    }
+
+    #[test]
+    fn destinations_are_checked_before_any_work() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("in.ddt");
+        std::fs::write(&input, b"x").unwrap();
+        let inputs = [input.clone()];
+        assert!(check_destination(&dir.path().join("r.json"), &inputs).is_ok());
+        for (bad, why) in [
+            (input.clone(), "is an input"),
+            (dir.path().join("./in.ddt"), "is an input"),
+            (dir.path().join("nodir/r.json"), "does not exist"),
+            (dir.path().to_path_buf(), "is a directory"),
+        ] {
+            let e = check_destination(&bad, &inputs).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+        assert_eq!(std::fs::read(&input).unwrap(), b"x");
     }
 
     #[cfg(unix)]
