@@ -610,6 +610,7 @@ impl Engine {
                     // a delete cut short (crash, error, signal): finished by
                     // deleting again, read-only meanwhile
                     deleting: rec.deleting,
+                    deletes_running: 0,
                 },
             );
         }
@@ -905,6 +906,7 @@ impl Engine {
                     map_missing: false,
                     map_truncated_at: None,
                     deleting: false,
+                    deletes_running: 0,
                 },
             );
             m.structural_ops.push(Op::SetLen {
@@ -952,6 +954,7 @@ impl Engine {
             let v = m.volumes.get_mut(&id).expect("looked up above");
             let was = (v.deleting, v.record.deleting);
             v.deleting = true;
+            v.deletes_running += 1;
             let size_blocks = v.size_blocks();
             if !v.record.deleting {
                 v.record.deleting = true;
@@ -968,7 +971,10 @@ impl Engine {
             // runs)
             let mut m = lock(&self.meta);
             if let Some(v) = m.volumes.get_mut(&id) {
-                (v.deleting, v.record.deleting) = was;
+                v.deletes_running -= 1;
+                if v.deletes_running == 0 {
+                    (v.deleting, v.record.deleting) = was;
+                }
             }
             return Err(e);
         }
@@ -2536,6 +2542,27 @@ mod tests {
         // the next one, which commits
         assert!(peak <= max_dirty_pages + 16, "{peak} dirty pages");
         assert!(e.check().is_empty());
+    }
+
+    #[test]
+    fn a_failed_delete_keeps_the_mark_of_another_running_one() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], true).unwrap();
+        {
+            let mut m = lock(&e.meta);
+            // a second delete of v counts itself in while this one runs
+            // (it found the volume as this one leaves it marked, so it
+            // would never undo the mark itself)
+            m.volumes.get_mut(&v).unwrap().deletes_running = 1;
+            // and this one's commit fails
+            m.data_sync_failure = Some("injected".into());
+        }
+        assert!(e.delete_volume("v").is_err());
+        assert!(
+            e.volume_read_only(v),
+            "the running delete's mark was undone"
+        );
     }
 
     #[test]

@@ -40,6 +40,10 @@ pub struct Volume {
     /// Being deleted: its blocks are released piece by piece, and writes
     /// are refused meanwhile.
     pub deleting: bool,
+    /// Deletes of this volume under way (more than one if requested
+    /// twice at once): a delete that fails gives the volume back only if
+    /// it was the last.
+    pub deletes_running: u32,
 }
 
 impl Volume {
