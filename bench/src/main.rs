@@ -37,6 +37,9 @@ use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use serde_json::Value;
 
+/// SIGTERM's signal number (Linux).
+const SIGTERM: i32 = 15;
+
 /// Command line of `dedupd-bench`.
 #[derive(Parser, Debug)]
 #[command(
@@ -200,8 +203,9 @@ impl ServerGuard {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
-        if child.try_wait()?.is_some() {
-            return Ok(());
+        if let Some(status) = child.try_wait()? {
+            // it was to be running: any exit before SIGTERM is a failure
+            bail!("{} had exited before SIGTERM ({status})", self.name);
         }
         let _ = Command::new("kill")
             .arg("-TERM")
@@ -212,7 +216,12 @@ impl ServerGuard {
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
             if let Some(status) = child.try_wait()? {
-                if !status.success() && status.code().is_some() {
+                // a clean exit, or death by the SIGTERM itself (a server
+                // without a handler); any other signal (SIGSEGV, an OOM
+                // kill) or exit code is a failure
+                let by_term =
+                    std::os::unix::process::ExitStatusExt::signal(&status) == Some(SIGTERM);
+                if !(status.success() || by_term) {
                     bail!("{} exited with {status} after SIGTERM", self.name);
                 }
                 return Ok(());
@@ -675,6 +684,11 @@ fn measure(
         dup_eliminated_percent: None,
     };
     if let Some(store) = &running.store {
+        // (a server gone by now would leave the store to the stats command
+        // itself, whose figures are not the server's)
+        if let Some(status) = running.guard.exited() {
+            bail!("dedupd exited during the run ({status})");
+        }
         let stats = dedupd_stats(&settings.dedupd, store)?;
         sample.peak_rss_bytes = stats["peak_rss_bytes"].as_u64();
         sample.dup_eliminated_percent = stats["duplicate_writes_eliminated_percent"].as_f64();
@@ -874,7 +888,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 dedupd: Vec::new(),
             };
             for rep in 0..settings.repeats {
-                for target in [Target::Baseline, Target::Dedupd] {
+                // counterbalanced: baseline first in even repeats, dedupd
+                // first in odd ones
+                let order = if rep % 2 == 0 {
+                    [Target::Baseline, Target::Dedupd]
+                } else {
+                    [Target::Dedupd, Target::Baseline]
+                };
+                for target in order {
                     done += 1;
                     let sample = measure(&settings, base.path(), target, workload, dup, rep)
                         .with_context(|| {
