@@ -213,40 +213,45 @@ fn sweep_writes_results_and_figures() {
     }
 }
 
+/// Runs each command line in `dir`: it must fail, its error naming the
+/// given text.
+fn assert_refused(dir: &Path, cases: &[(Vec<&str>, &str)]) {
+    for (args, why) in cases {
+        let out = dedupd().current_dir(dir).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn bad_flags_are_named_and_outputs_survive_failures() {
     let tmp = tempfile::tempdir().unwrap();
     let (trace, _, _) = trace(tmp.path());
     let t = trace.to_str().unwrap();
-    for (args, flag) in [
-        (
-            vec!["replay", "--policy", "lru", "--index-memory", "8X", t],
-            "--index-memory",
-        ),
-        (
-            vec!["replay", "--policy", "lru", "--index-memory", "0", t],
-            "--index-memory",
-        ),
-        (
-            vec!["replay", "--index-prefix-bits", "40", t],
-            "--index-prefix-bits",
-        ),
-        (vec!["replay", "--format", "bogus", t], "--format"),
-        (
-            vec!["trace", "gen", "--size", "4iB", "-o", "x.ddt"],
-            "--size",
-        ),
-        (vec!["serve", "--read-cache", "8X"], "--read-cache"),
-    ] {
-        let out = dedupd()
-            .current_dir(tmp.path())
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} succeeded");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(flag), "{args:?}: {err}");
-    }
+    assert_refused(
+        tmp.path(),
+        &[
+            (
+                vec!["replay", "--policy", "lru", "--index-memory", "8X", t],
+                "--index-memory",
+            ),
+            (
+                vec!["replay", "--policy", "lru", "--index-memory", "0", t],
+                "--index-memory",
+            ),
+            (
+                vec!["replay", "--index-prefix-bits", "40", t],
+                "--index-prefix-bits",
+            ),
+            (vec!["replay", "--format", "bogus", t], "--format"),
+            (
+                vec!["trace", "gen", "--size", "4iB", "-o", "x.ddt"],
+                "--size",
+            ),
+            (vec!["serve", "--read-cache", "8X"], "--read-cache"),
+        ],
+    );
     // a generator refusing its parameters leaves an existing file alone
     let keep = tmp.path().join("keep.ddt");
     std::fs::write(&keep, b"precious").unwrap();
@@ -263,34 +268,28 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
     let before = std::fs::read(&copy).unwrap();
     let c = copy.to_str().unwrap();
     let not_a_dir = keep.to_str().unwrap();
-    for (args, why) in [
-        (vec!["replay", "-q", c, "--report", c], "is an input"),
-        (
-            vec!["replay", "-q", c, "--report", "nodir/r.json"],
-            "does not exist",
-        ),
-        (
-            vec!["sweep", "--traces", c, "--out", not_a_dir],
-            "not a directory",
-        ),
-        (
-            vec!["sweep", "--traces", "nosuch.ddt", "--out", "o"],
-            "nosuch.ddt",
-        ),
-        (
-            vec!["sweep", "--traces", c, "--jobs", "0", "--out", "o"],
-            "--jobs",
-        ),
-    ] {
-        let out = dedupd()
-            .current_dir(tmp.path())
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} succeeded");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(why), "{args:?}: {err}");
-    }
+    assert_refused(
+        tmp.path(),
+        &[
+            (vec!["replay", "-q", c, "--report", c], "is an input"),
+            (
+                vec!["replay", "-q", c, "--report", "nodir/r.json"],
+                "does not exist",
+            ),
+            (
+                vec!["sweep", "--traces", c, "--out", not_a_dir],
+                "not a directory",
+            ),
+            (
+                vec!["sweep", "--traces", "nosuch.ddt", "--out", "o"],
+                "nosuch.ddt",
+            ),
+            (
+                vec!["sweep", "--traces", c, "--jobs", "0", "--out", "o"],
+                "--jobs",
+            ),
+        ],
+    );
     assert_eq!(
         std::fs::read(&copy).unwrap(),
         before,

@@ -149,13 +149,7 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
     // other block as free
     for name in ["refcounts", "fingerprints"] {
         let d = tempfile::tempdir().unwrap();
-        let path = build(d.path());
-        let e = Engine::open(&path, EngineConfig::default()).unwrap();
-        let (b, _) = e.volume("b").unwrap();
-        e.write(b, 300 * 4096, &pattern(1), true).unwrap();
-        let crash = d.path().join("crash");
-        crash_copy(&path, &crash);
-        drop(e);
+        let crash = crash_image_with_a_commit(d.path());
         std::fs::remove_file(crash.join(name)).unwrap();
         match Engine::open(&crash, EngineConfig::default()) {
             Err(EngineError::Corrupt { file, .. }) => assert!(file.ends_with(name)),
@@ -292,6 +286,19 @@ fn flipped_state_and_superblock_are_refused_with_names() {
         .unwrap()
         .to_string();
     assert!(err.contains("fsck") && err.contains("superblock"), "{err}");
+}
+
+/// A crash image (`<dir>/crash`) of a [`build`] store with one more
+/// commit still in its journal: pattern 1 at block 300 of volume `b`.
+fn crash_image_with_a_commit(dir: &Path) -> PathBuf {
+    let path = build(dir);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    e.write(b, 300 * 4096, &pattern(1), true).unwrap();
+    let crash = dir.join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    crash
 }
 
 /// Copies a store directory as it is on disk now (a crash image).
@@ -628,13 +635,7 @@ fn a_check_without_repair_writes_nothing() {
     // a crash image with commits still in the journal: the check replays
     // them in memory and leaves every file as it found it (e2fsck -n)
     let d = tempfile::tempdir().unwrap();
-    let path = build(d.path());
-    let e = Engine::open(&path, EngineConfig::default()).unwrap();
-    let (b, _) = e.volume("b").unwrap();
-    e.write(b, 300 * 4096, &pattern(1), true).unwrap();
-    let crash = d.path().join("crash");
-    crash_copy(&path, &crash);
-    drop(e);
+    let crash = crash_image_with_a_commit(d.path());
     let before = store_files(&crash);
     for rehash in [false, true] {
         let r = fsck(
