@@ -74,12 +74,11 @@ const RMW_STRIPES: usize = 64;
 /// another write.
 const RMW_ATTEMPTS: u32 = 64;
 
-/// Metadata pages one change ([`Engine::note_change`]) is assumed to
-/// dirty at most (a 32 MiB write dirties about 90: map, reference counts,
-/// reverse index), to space out counts of dirty pages; `--max-dirty` is
-/// passed by at most this many pages per skipped count when a change
-/// dirties more.
-const DIRTY_PAGES_PER_CHANGE: u64 = 128;
+/// Volume-map pages one change ([`Engine::note_change`]) is assumed to
+/// dirty at most (a 32 MiB write: 16; a piece of a delete or TRIM: 8192
+/// LBAs, 17), to space out counts of the maps' dirty pages; past it, the
+/// bound is passed by at most this many pages per skipped count.
+const MAP_PAGES_PER_CHANGE: u64 = 32;
 
 /// What a read-modify-write read: the PBA its LBA mapped (None:
 /// unmapped) and [`Meta::reuse_epoch`] then. While both hold, the LBA's
@@ -408,9 +407,10 @@ pub struct Engine {
     /// Commits a write forced on a full file system to reuse the blocks
     /// released since the last commit.
     no_space_commits: AtomicU64,
-    /// Calls of [`Engine::note_change`] left before it counts dirty pages
-    /// again.
+    /// Calls of [`Engine::note_change`] left before it counts the volume
+    /// maps' dirty pages again, and that count.
     dirty_count_skip: AtomicU64,
+    map_dirty_counted: AtomicU64,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -611,6 +611,7 @@ impl Engine {
                     // deleting again, read-only meanwhile
                     deleting: rec.deleting,
                     deletes_running: 0,
+                    before_deletes: (false, false),
                 },
             );
         }
@@ -742,6 +743,7 @@ impl Engine {
             merge_scan_bytes: AtomicU64::new(0),
             no_space_commits: AtomicU64::new(0),
             dirty_count_skip: AtomicU64::new(0),
+            map_dirty_counted: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -907,6 +909,7 @@ impl Engine {
                     map_truncated_at: None,
                     deleting: false,
                     deletes_running: 0,
+                    before_deletes: (false, false),
                 },
             );
             m.structural_ops.push(Op::SetLen {
@@ -948,11 +951,13 @@ impl Engine {
         name: &str,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<()> {
-        let (id, size_blocks, was) = {
+        let (id, size_blocks) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             let v = m.volumes.get_mut(&id).expect("looked up above");
-            let was = (v.deleting, v.record.deleting);
+            if v.deletes_running == 0 {
+                v.before_deletes = (v.deleting, v.record.deleting);
+            }
             v.deleting = true;
             v.deletes_running += 1;
             let size_blocks = v.size_blocks();
@@ -961,7 +966,7 @@ impl Engine {
                 m.state_dirty = true;
                 m.change_count += 1;
             }
-            (id, size_blocks, was)
+            (id, size_blocks)
         };
         // durable before any block is released: a volume cut short is never
         // served writable again
@@ -973,7 +978,7 @@ impl Engine {
             if let Some(v) = m.volumes.get_mut(&id) {
                 v.deletes_running -= 1;
                 if v.deletes_running == 0 {
-                    (v.deleting, v.record.deleting) = was;
+                    (v.deleting, v.record.deleting) = v.before_deletes;
                 }
             }
             return Err(e);
@@ -1399,28 +1404,36 @@ impl Engine {
     /// writer to commit when changed metadata or blocks waiting to be freed
     /// pass their bounds (freed blocks are reused only after a commit).
     ///
-    /// Counting dirty pages visits every volume's map, so after a count
-    /// that leaves room for `room` more dirty pages, the next
-    /// `room / DIRTY_PAGES_PER_CHANGE` calls skip it (the skip is read and
-    /// set under the metadata lock, which every caller holds).
+    /// The reference counts' and reverse index's dirty pages are counted
+    /// at every call; the volume maps' only now and then, since that
+    /// visits every volume's map: after a count that leaves room for
+    /// `room` more dirty pages, the next `room / MAP_PAGES_PER_CHANGE`
+    /// calls use that count (the skip is read and set under the metadata
+    /// lock, which every caller holds).
     pub(crate) fn note_change(&self, m: &Meta) {
+        let page_bytes = crate::paged::PAGE_SIZE as u64;
+        let bound_pages = self.config.max_dirty_bytes / page_bytes;
         let pending_free_bytes = m.pending_free.len() as u64 * BLOCK_SIZE_U64;
-        if pending_free_bytes <= self.config.max_pending_free_bytes {
-            let skip = self.dirty_count_skip.load(Ordering::Relaxed);
-            if skip > 0 {
-                self.dirty_count_skip.store(skip - 1, Ordering::Relaxed);
-                return;
-            }
-            let page_bytes = crate::paged::PAGE_SIZE as u64;
-            let dirty_bytes = m.dirty_pages() as u64 * page_bytes;
-            if dirty_bytes <= self.config.max_dirty_bytes {
-                let room_pages = (self.config.max_dirty_bytes - dirty_bytes) / page_bytes;
+        let other_pages = (m.refcounts.dirty_count() + m.fingerprints.dirty_count()) as u64;
+        let map_pages = match self.dirty_count_skip.load(Ordering::Relaxed) {
+            0 => {
+                let counted = m.map_dirty_pages() as u64;
+                self.map_dirty_counted.store(counted, Ordering::Relaxed);
+                let room = bound_pages.saturating_sub(other_pages + counted);
                 self.dirty_count_skip
-                    .store(room_pages / DIRTY_PAGES_PER_CHANGE, Ordering::Relaxed);
-                return;
+                    .store(room / MAP_PAGES_PER_CHANGE, Ordering::Relaxed);
+                counted
             }
+            skip => {
+                self.dirty_count_skip.store(skip - 1, Ordering::Relaxed);
+                self.map_dirty_counted.load(Ordering::Relaxed)
+            }
+        };
+        if (other_pages + map_pages) * page_bytes > self.config.max_dirty_bytes
+            || pending_free_bytes > self.config.max_pending_free_bytes
+        {
+            self.commit_wanted.store(true, Ordering::Relaxed);
         }
-        self.commit_wanted.store(true, Ordering::Relaxed);
     }
 
     fn write_unchecked_zero(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
@@ -1715,7 +1728,12 @@ impl Engine {
                 self.no_space_commits.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            Err(EngineError::NoSpace { .. }) => Err(no_space),
+            // (ENOSPC from the data sync itself is a failed sync: the
+            // store stops taking writes, which the client must learn)
+            Err(EngineError::NoSpace { .. }) => match lock(&self.meta).data_sync_failure.clone() {
+                Some(why) => Err(EngineError::DataSyncFailed(why)),
+                None => Err(no_space),
+            },
             Err(e) => Err(e),
         }
     }
@@ -2468,16 +2486,23 @@ fn validate_name(name: &str) -> Result<()> {
 }
 
 /// Takes back what phase 1 of `place_blocks` counted for the new blocks
-/// of a request of `n` blocks whose data could not be written (their
-/// reserved PBAs already went back): they were not written, and a retry
+/// (and their copies in the request) of a request of `n` blocks whose
+/// data could not be written (their reserved PBAs already went back):
+/// they were not written, and a retry
 /// (a read-modify-write reads again) counts them anew. Hits phase 1 mapped
 /// stay counted: those blocks were written.
 fn undo_unwritten(m: &mut Meta, placement: &[Placement], n: usize) {
+    // (copies of a new block within the request are mapped only once it
+    // is written: not written either)
     let (mut new, mut filtered) = (0u64, 0u64);
     for p in placement {
-        if let Placement::New { filtered: f, .. } = p {
-            new += 1;
-            filtered += u64::from(*f);
+        match p {
+            Placement::New { filtered: f, .. } => {
+                new += 1;
+                filtered += u64::from(*f);
+            }
+            Placement::SameAs(_) => new += 1,
+            Placement::Done => {}
         }
     }
     debug_assert!(new <= n as u64);

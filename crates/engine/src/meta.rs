@@ -44,6 +44,9 @@ pub struct Volume {
     /// twice at once): a delete that fails gives the volume back only if
     /// it was the last.
     pub deletes_running: u32,
+    /// (`deleting`, `record.deleting`) before the first of the deletes
+    /// under way: what a failing last one gives back.
+    pub before_deletes: (bool, bool),
 }
 
 impl Volume {
@@ -620,13 +623,12 @@ impl Meta {
 
     /// Pages changed since the last commit, over every array.
     pub fn dirty_pages(&self) -> usize {
-        self.refcounts.dirty_count()
-            + self.fingerprints.dirty_count()
-            + self
-                .volumes
-                .values()
-                .map(|v| v.map.dirty_count())
-                .sum::<usize>()
+        self.refcounts.dirty_count() + self.fingerprints.dirty_count() + self.map_dirty_pages()
+    }
+
+    /// Dirty pages of the volume maps (visits every volume).
+    pub fn map_dirty_pages(&self) -> usize {
+        self.volumes.values().map(|v| v.map.dirty_count()).sum()
     }
 
     /// Bytes of memory held by the metadata arrays (maps, reference counts,

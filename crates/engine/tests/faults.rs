@@ -221,6 +221,13 @@ fn a_full_file_system_commits_and_reuses_released_blocks_instead_of_failing() {
         Err(EngineError::NoSpace { .. }) => {}
         other => panic!("expected ENOSPC, got {other:?}"),
     }
+    // nor a block and its copy in one request: neither is counted written
+    let twice: Vec<u8> = [200, 200].into_iter().flat_map(block).collect();
+    assert!(matches!(
+        e.write(v, 0, &twice, false),
+        Err(EngineError::NoSpace { .. })
+    ));
+    assert_eq!(e.stats().blocks_written, 8);
     assert_eq!(e.stats().no_space_commits, 0);
     // two blocks released, not yet committed
     e.trim(v, 4096, 2 * 4096, false).unwrap();
