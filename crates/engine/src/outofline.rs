@@ -945,8 +945,10 @@ mod tests {
         (kept, copy)
     }
 
-    #[test]
-    fn a_paused_verified_merge_compares_again_once_blocks_were_reused() {
+    /// An engine with `verify` on and inline dedup off, and a merge planned
+    /// of two copies of one content at LBAs 0 and 1 of its volume:
+    /// (engine, volume, content, kept PBA, copy PBA).
+    fn verified_planned_merge() -> (Engine, VolumeId, [u8; BLOCK_SIZE], u64, u64) {
         let cfg = EngineConfig {
             verify: true,
             ..inline_off()
@@ -955,6 +957,12 @@ mod tests {
         let v = e.create_volume("v", 1 << 20).unwrap();
         let content = [3u8; BLOCK_SIZE];
         let (kept, copy) = planned_merge(&e, v, 0, 1, &content);
+        (e, v, content, kept, copy)
+    }
+
+    #[test]
+    fn a_paused_verified_merge_compares_again_once_blocks_were_reused() {
+        let (e, v, content, kept, copy) = verified_planned_merge();
         // the scan finds the copy the same as the kept block, then yields
         let calls = std::cell::Cell::new(0);
         let yield_after_verifying = || {
@@ -999,14 +1007,7 @@ mod tests {
 
     #[test]
     fn a_verified_merge_does_not_trust_a_compare_of_a_freed_copy() {
-        let cfg = EngineConfig {
-            verify: true,
-            ..inline_off()
-        };
-        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
-        let v = e.create_volume("v", 1 << 20).unwrap();
-        let content = [3u8; BLOCK_SIZE];
-        let (kept, copy) = planned_merge(&e, v, 0, 1, &content);
+        let (e, v, content, kept, copy) = verified_planned_merge();
         // the copy's LBA is overwritten and the copy freed before the scan
         e.write(v, 4096, &[4u8; BLOCK_SIZE], false).unwrap();
         e.flush().unwrap();
