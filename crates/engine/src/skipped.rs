@@ -132,6 +132,13 @@ impl SkippedBuffer {
             return;
         }
         if self.used_bytes() + RECORD_BYTES <= self.capacity_bytes {
+            if self.records.len() == self.records.capacity() {
+                // grown by hand, never past the capacity (doubling would
+                // take up to twice the configured bytes)
+                let max = self.capacity_bytes / RECORD_BYTES;
+                let len = self.records.len();
+                self.records.reserve_exact(len.max(16).min(max - len));
+            }
             self.records.push_back((vol, lba));
             return;
         }
@@ -311,6 +318,19 @@ impl SkippedBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_records_never_take_more_than_the_capacity() {
+        // 600 KiB: 38 400 records, which doubling would hold in 65 536
+        let cap = 600 << 10;
+        let mut b = SkippedBuffer::new(cap);
+        for lba in 0..(cap / RECORD_BYTES) as u64 {
+            // one record per region: none folds into another
+            b.record(VolumeId(1), lba * REGION_BLOCKS);
+            assert!(b.memory_bytes() <= cap as u64, "{} bytes", b.memory_bytes());
+        }
+        assert_eq!(b.stats().records, (cap / RECORD_BYTES) as u64);
+    }
 
     #[test]
     fn a_block_rewritten_without_pause_does_not_hold_whole_volume_scans() {
