@@ -158,8 +158,8 @@ impl Selectivity {
 
     /// Decides for `n` blocks which are fingerprinted inline.
     pub fn select(&self, n: usize) -> Vec<bool> {
+        self.refresh();
         let mut s = self.lock();
-        self.refresh(&mut s);
         let product = s.dup_factor * s.load_factor * s.power_factor;
         // (a reading gone wrong must not stop selection for good)
         let fraction = if product.is_finite() {
@@ -214,33 +214,40 @@ impl Selectivity {
         s.window_dups = 0;
     }
 
-    /// Re-reads load and power at most once a second.
-    fn refresh(&self, s: &mut State) {
-        if s.sampled
-            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+    /// Re-reads load and power at most once a second. The files are read
+    /// without the lock every write's [`Selectivity::select`] takes (a
+    /// battery read through ACPI can take tens of milliseconds); the
+    /// thread that finds the reading stale claims it, the others go on
+    /// with the factors they have.
+    fn refresh(&self) {
         {
-            return;
-        }
-        s.sampled = Some(Instant::now());
-        s.load_factor = if self.cfg.load_aware {
-            let p = pressure("/proc/pressure/cpu").max(pressure("/proc/pressure/io"));
-            if p > 50.0 {
-                0.5
-            } else if p < 20.0 {
-                1.0
-            } else {
-                s.load_factor
+            let mut s = self.lock();
+            if s.sampled
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            {
+                return;
             }
-        } else {
-            1.0
+            s.sampled = Some(Instant::now());
+        }
+        let load_pressure = self
+            .cfg
+            .load_aware
+            .then(|| pressure("/proc/pressure/cpu").max(pressure("/proc/pressure/io")));
+        let power = power_factor(self.cfg.power);
+        let mut s = self.lock();
+        s.load_factor = match load_pressure {
+            None => 1.0,
+            Some(p) if p > 50.0 => 0.5,
+            Some(p) if p < 20.0 => 1.0,
+            Some(_) => s.load_factor,
         };
-        s.power_factor = power_factor(self.cfg.power);
+        s.power_factor = power;
     }
 
     /// Figures for `dedupd stats`.
     pub fn stats(&self) -> SelectivityStats {
-        let mut s = self.lock();
-        self.refresh(&mut s);
+        self.refresh();
+        let s = self.lock();
         SelectivityStats {
             selectivity: (s.dup_factor * s.load_factor * s.power_factor).clamp(0.0, 1.0),
             duplication_factor: s.dup_factor,
