@@ -2530,8 +2530,8 @@ mod tests {
 
     #[test]
     fn changed_metadata_over_many_volumes_commits_near_max_dirty() {
-        // 2 MiB: 512 pages, so counts of dirty pages are skipped up to 4
-        // changes at a time
+        // 2 MiB: 512 pages, so counts of the maps' dirty pages are skipped
+        // up to 16 changes at a time
         let max_dirty_pages = 512u64;
         let e = Engine::in_memory_over(
             HashAlgorithm::Sha256,
