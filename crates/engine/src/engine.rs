@@ -492,10 +492,12 @@ impl Engine {
             // (created with the store, or by the first open, before any
             // data), whatever the journal holds: pages of them in the
             // journal over an empty file would free every other block. A
-            // map may be missing while the journal creates it (a volume
-            // created since the last checkpoint).
+            // map may be missing only while the journal creates it (a
+            // volume created since the last checkpoint, whose creation
+            // journals the map's removal first): changes to an existing
+            // map over an empty file would read its other LBAs as holes.
             let expected = match file {
-                MetaFile::Map(_) => ops.is_empty(),
+                MetaFile::Map(_) => !ops.iter().any(|op| matches!(op, Op::Remove { .. })),
                 _ => data_bytes > 0,
             };
             if expected && !path.exists() {
@@ -614,6 +616,21 @@ impl Engine {
                     before_deletes: (false, false),
                 },
             );
+        }
+        // a missing map's journaled pages are not written in place: a file
+        // made of them alone would read its other LBAs as holes at the
+        // next start with no damage said; the map stays missing until a
+        // repair
+        let lost_maps: Vec<VolumeId> = meta
+            .volumes
+            .iter()
+            .filter(|(_, v)| v.map_missing)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut chain_ops = chain_ops;
+        if !lost_maps.is_empty() {
+            chain_ops
+                .retain(|op| !matches!(op.file(), MetaFile::Map(id) if lost_maps.contains(&id)));
         }
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);
@@ -912,6 +929,11 @@ impl Engine {
                     before_deletes: (false, false),
                 },
             );
+            // the removal marks the map as created here: until a
+            // checkpoint writes it, its file may be missing (see `open`)
+            m.structural_ops.push(Op::Remove {
+                file: MetaFile::Map(id),
+            });
             m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),
                 len_bytes: crate::paged::disk_len(size_bytes / BLOCK_SIZE_U64 * 8),

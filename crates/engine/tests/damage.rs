@@ -211,6 +211,76 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
     let (a, _) = e.volume("a").unwrap();
     e.write(a, 0, &pattern(1), true).unwrap();
     assert!(map.exists());
+
+    // a map gone while the journal still changes it, its length too (a
+    // resize since the last checkpoint; a crash image): its other LBAs
+    // must not read as holes, nor the journal recreate it
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    // (a second map page, in place before the journal's changes)
+    e.write(b, 1000 * 4096, &pattern(5), true).unwrap();
+    e.checkpoint().unwrap();
+    e.resize_volume("b", 16 << 20).unwrap();
+    e.write(b, 300 * 4096, &pattern(1), true).unwrap();
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    let maps: Vec<PathBuf> = {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(crash.join("maps"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        v.sort();
+        v
+    };
+    let map_b = maps[1].clone();
+    std::fs::remove_file(&map_b).unwrap();
+    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    assert!(
+        e.volume_read_only(b),
+        "volume b served writable without its map"
+    );
+    // closing (a checkpoint) does not make a map of the journal's pages
+    e.close().unwrap();
+    drop(e);
+    assert!(
+        !map_b.exists(),
+        "a map was made of the journal's pages alone"
+    );
+    let check = fsck(&crash, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "{check:?}");
+    assert!(
+        check
+            .data_lost
+            .iter()
+            .any(|l| l.contains("volume b: its map file is missing")),
+        "{check:?}"
+    );
+    assert_eq!(repair(&crash), 1);
+    assert_intact(&crash, &[("a", 600)]);
+
+    // a volume created since the last checkpoint has no map file yet: not
+    // damage
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let c = e.create_volume("c", 8 << 20).unwrap();
+    e.write(c, 0, &pattern(7), true).unwrap();
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    assert_eq!(std::fs::read_dir(crash.join("maps")).unwrap().count(), 2);
+    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    let (c, _) = e.volume("c").unwrap();
+    assert!(!e.volume_read_only(c));
+    let mut buf = vec![0u8; 4096];
+    e.read(c, 0, &mut buf).unwrap();
+    assert!(buf == pattern(7));
+    assert!(e.check().is_empty(), "{:?}", e.check());
 }
 
 #[test]
