@@ -70,7 +70,7 @@ pub struct ServeArgs {
     /// out-of-line dedup — for phones and battery-powered devices).
     #[arg(long, default_value = "full", value_parser = ["adaptive", "full"])]
     pub selectivity: String,
-    /// Also lower selectivity under CPU or I/O pressure (/proc/pressure).
+    /// Also lower selectivity under CPU or I/O pressure (/proc/pressure; without it, CPU or disk utilisation over 90 % from /proc/stat and /proc/diskstats).
     #[arg(long)]
     pub selectivity_load: bool,
     /// Power source for selectivity: auto (/sys/class/power_supply), ac, or

@@ -22,6 +22,7 @@ pub mod fsck;
 pub mod index;
 pub mod journal;
 pub mod keysort;
+pub mod load;
 pub mod meta;
 pub mod metaopen;
 pub mod observe;

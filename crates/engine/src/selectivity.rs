@@ -10,10 +10,12 @@
 //!   the last 30 windows' shares; when it falls the factor is multiplied
 //!   by 0.9 (floor 30 %), when it rises by 1.3 (cap 100 %) — the paper's
 //!   "10 %" and "30 %" read as relative steps;
-//! - **load**: when CPU or I/O pressure (`/proc/pressure/{cpu,io}`, "some"
-//!   avg10) passes 50 %, the factor halves; under 20 % it is 1. Without
-//!   pressure stall information (a kernel built without PSI, or a
-//!   container hiding it) the factor stays 1: load awareness is then off;
+//! - **load** (with `load_aware`): when CPU or I/O pressure
+//!   (`/proc/pressure/{cpu,io}`, "some" avg10) passes 50 %, the factor
+//!   halves; under 20 % it is 1. Without pressure stall information (a
+//!   kernel built without PSI, or a container hiding it), CPU utilisation
+//!   (`/proc/stat`) or the busiest disk's (`/proc/diskstats`) over 90 %
+//!   halves it and under 70 % gives 1 (see [`crate::load`]);
 //! - **power**: on mains 1; on battery the charge fraction
 //!   (`/sys/class/power_supply`: system batteries, not those of devices
 //!   such as a wireless mouse; an online mains or USB supply means mains);
@@ -121,6 +123,7 @@ struct State {
     credit: f64,
     load_factor: f64,
     power_factor: f64,
+    load: crate::load::LoadMonitor,
     sampled: Option<Instant>,
     selected: u64,
     unselected: u64,
@@ -145,6 +148,7 @@ impl Selectivity {
                 credit: 0.0,
                 load_factor: 1.0,
                 power_factor: 1.0,
+                load: crate::load::LoadMonitor::default(),
                 sampled: None,
                 selected: 0,
                 unselected: 0,
@@ -229,17 +233,15 @@ impl Selectivity {
             }
             s.sampled = Some(Instant::now());
         }
-        let load_pressure = self
-            .cfg
-            .load_aware
-            .then(|| pressure("/proc/pressure/cpu").max(pressure("/proc/pressure/io")));
+        let load = self.cfg.load_aware.then(crate::load::LoadMonitor::sample);
         let power = power_factor(self.cfg.power);
         let mut s = self.lock();
-        s.load_factor = match load_pressure {
+        s.load_factor = match load {
             None => 1.0,
-            Some(p) if p > 50.0 => 0.5,
-            Some(p) if p < 20.0 => 1.0,
-            Some(_) => s.load_factor,
+            Some(sample) => {
+                let reading = s.load.reading(sample);
+                crate::load::load_factor(s.load_factor, reading)
+            }
         };
         s.power_factor = power;
     }
@@ -257,21 +259,6 @@ impl Selectivity {
             blocks_unselected: s.unselected,
         }
     }
-}
-
-/// "some avg10" of a pressure file, in percent; 0 if unreadable.
-fn pressure(path: &str) -> f64 {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("some"))
-                .and_then(|l| l.split_whitespace().find_map(|f| f.strip_prefix("avg10=")))
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|v| v.is_finite())
-        })
-        .unwrap_or(0.0)
-        .clamp(0.0, 100.0)
 }
 
 /// 1 on mains, the charge fraction on battery, 0 in low-power mode.
