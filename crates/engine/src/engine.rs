@@ -479,6 +479,12 @@ impl Engine {
         // a store holding data has reference counts and a reverse index on
         // file once a checkpoint put them there
         let data_bytes = std::fs::metadata(path.join("data")).map_or(0, |m| m.len());
+        let unmarked_volumes: std::collections::HashSet<VolumeId> = state
+            .volumes
+            .iter()
+            .filter(|r| !r.creation_marked)
+            .map(|r| r.id)
+            .collect();
         let load = |file: MetaFile,
                     group: &std::sync::Arc<CacheGroup>,
                     damage: &mut Vec<Damage>,
@@ -496,9 +502,15 @@ impl Engine {
             // volume created since the last checkpoint, whose creation
             // journals the map's removal first): changes to an existing
             // map over an empty file would read its other LBAs as holes.
+            // A file the journal removes and rebuilds whole (a repair) may
+            // be missing too. (A volume created by an earlier version
+            // journaled no removal: its map may be missing whenever the
+            // journal changes it.)
+            let made_anew = ops.iter().any(|op| matches!(op, Op::Remove { .. }));
             let expected = match file {
-                MetaFile::Map(_) => !ops.iter().any(|op| matches!(op, Op::Remove { .. })),
-                _ => data_bytes > 0,
+                MetaFile::Map(id) if unmarked_volumes.contains(&id) => ops.is_empty(),
+                MetaFile::Map(_) => !made_anew,
+                _ => data_bytes > 0 && !made_anew,
             };
             if expected && !path.exists() {
                 damage.push(Damage {
@@ -919,6 +931,7 @@ impl Engine {
                         size_bytes,
                         sequence_threshold_blocks: None,
                         deleting: false,
+                        creation_marked: true,
                     },
                     map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
                     damaged_pages: Vec::new(),
@@ -1105,6 +1118,11 @@ impl Engine {
             if m.volumes[&id].deleting {
                 return Err(EngineError::NoSuchVolume(format!("{name} (being deleted)")));
             }
+            // a damaged map given a new length would hide the damage (a
+            // missing map made anew, a truncated one grown past its cut)
+            if m.volumes[&id].read_only() {
+                return Err(EngineError::ReadOnly(name.into()));
+            }
             (id, m.volumes[&id].size_blocks())
         };
         // shrinking: release the blocks past the new end in pieces first
@@ -1119,6 +1137,9 @@ impl Engine {
             let Some(v) = m.volumes.get(&id).filter(|v| !v.deleting) else {
                 return Err(EngineError::NoSuchVolume(name.into()));
             };
+            if v.read_only() {
+                return Err(EngineError::ReadOnly(name.into()));
+            }
             let old_blocks = v.size_blocks();
             let mut left = Vec::new();
             m.volumes[&id]

@@ -539,6 +539,10 @@ impl Engine {
             } else {
                 continue;
             };
+            // (the removal tells the next open that the journal holds the
+            // whole file: a crash before the checkpoint writes it keeps
+            // the repair)
+            m.structural_ops.push(crate::journal::Op::Remove { file });
             m.structural_ops.push(crate::journal::Op::SetLen {
                 file,
                 len_bytes: crate::paged::disk_len(logical),
@@ -549,14 +553,24 @@ impl Engine {
             for page in std::mem::take(&mut v.damaged_pages) {
                 v.map.redirty(page);
             }
-            if std::mem::take(&mut v.map_missing) || v.map_truncated_at.take().is_some() {
+            let missing = std::mem::take(&mut v.map_missing);
+            if missing || v.map_truncated_at.take().is_some() {
                 // the checkpoint creates the file again (empty) or gives
-                // it back its full length
+                // it back its full length; a missing one is removed first,
+                // as a new volume's is, so that until the checkpoint
+                // writes it the next open knows it is made anew (the
+                // state, saved with the repair, says the volume's creation
+                // is so marked)
+                if missing {
+                    v.record.creation_marked = true;
+                }
                 let len_bytes = crate::paged::disk_len(v.size_blocks() * 8);
-                m.structural_ops.push(crate::journal::Op::SetLen {
-                    file: crate::journal::MetaFile::Map(*id),
-                    len_bytes,
-                });
+                let file = crate::journal::MetaFile::Map(*id);
+                if missing {
+                    m.structural_ops.push(crate::journal::Op::Remove { file });
+                }
+                m.structural_ops
+                    .push(crate::journal::Op::SetLen { file, len_bytes });
             }
         }
         let scratch = self.dir.as_ref().and_then(|d| d.scratch_file());

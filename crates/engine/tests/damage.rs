@@ -781,3 +781,166 @@ fn truncated_map_is_damage_not_a_hole() {
     e.write(a, 550 * 4096, &pattern(550), false).unwrap();
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+/// Copies the store at every journal sync until the first change to
+/// another metadata file: what a crash after a repair's commit and before
+/// its checkpoint leaves.
+struct CopyBeforeCheckpoint {
+    store: PathBuf,
+    copy: PathBuf,
+    checkpoint_began: std::sync::atomic::AtomicBool,
+}
+
+impl dedupd_engine::observe::IoObserver for CopyBeforeCheckpoint {
+    fn event(&self, e: dedupd_engine::observe::IoEvent<'_>) {
+        use dedupd_engine::observe::IoEvent;
+        use std::sync::atomic::Ordering;
+        let file = match e {
+            IoEvent::Write { file, .. }
+            | IoEvent::SetLen { file, .. }
+            | IoEvent::Remove { file }
+            | IoEvent::Sync { file } => file,
+        };
+        if self.checkpoint_began.load(Ordering::SeqCst) || file == "data" {
+            return;
+        }
+        if file != "journal" {
+            self.checkpoint_began.store(true, Ordering::SeqCst);
+        } else if matches!(e, IoEvent::Sync { .. }) {
+            let _ = std::fs::remove_dir_all(&self.copy);
+            crash_copy(&self.store, &self.copy);
+        }
+    }
+}
+
+#[test]
+fn a_repair_of_a_missing_file_survives_a_crash_before_its_checkpoint() {
+    for name in ["maps/1", "refcounts", "fingerprints"] {
+        let d = tempfile::tempdir().unwrap();
+        let path = build(d.path());
+        std::fs::remove_file(path.join(name)).unwrap();
+        let crash = d.path().join("crash");
+        let observer = std::sync::Arc::new(CopyBeforeCheckpoint {
+            store: path.clone(),
+            copy: crash.clone(),
+            checkpoint_began: Default::default(),
+        });
+        let config = EngineConfig {
+            observer: dedupd_engine::observe::Observer(Some(observer.clone())),
+            ..EngineConfig::default()
+        };
+        let report = dedupd_engine::fsck::fsck_with(
+            &path,
+            FsckOptions {
+                repair: true,
+                rehash: false,
+            },
+            config,
+        )
+        .unwrap();
+        assert_eq!(report.exit_code(), 1, "{name}: {report:?}");
+        assert!(observer
+            .checkpoint_began
+            .load(std::sync::atomic::Ordering::SeqCst));
+        assert!(
+            !crash.join(name).exists(),
+            "{name}: copied after the checkpoint"
+        );
+        // the crash image opens with the repair in place
+        let e = Engine::open(&crash, EngineConfig::default())
+            .unwrap_or_else(|err| panic!("{name}: the repair was lost: {err}"));
+        let (a, _) = e.volume("a").unwrap();
+        assert!(!e.volume_read_only(a), "{name}: volume a still damaged");
+        assert!(e.check().is_empty(), "{name}: {:?}", e.check());
+        e.close().unwrap();
+        drop(e);
+        assert!(crash.join(name).exists());
+        let expect_a = if name.starts_with("maps") { 0 } else { 600 };
+        assert_intact(&crash, &[("a", expect_a), ("b", 100)]);
+    }
+}
+
+#[test]
+fn a_volume_with_a_damaged_map_is_not_resized() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let map = first_map_file(&path);
+    std::fs::remove_file(&map).unwrap();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    for size in [4 << 20, 16 << 20] {
+        assert!(
+            matches!(e.resize_volume("a", size), Err(EngineError::ReadOnly(_))),
+            "a map made anew at {size} bytes would hide its loss"
+        );
+    }
+    e.close().unwrap();
+    drop(e);
+    assert!(!map.exists());
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert!(
+        check
+            .data_lost
+            .iter()
+            .any(|l| l.contains("volume a: its map file is missing")),
+        "{check:?}"
+    );
+}
+
+#[test]
+fn a_volume_created_by_an_earlier_version_may_lack_its_map_while_the_journal_creates_it() {
+    use dedupd_engine::journal::{encode_txn, read_chain, MetaFile, Op};
+    use dedupd_engine::store::{decode_checked, encode_checked_compact, State};
+    // a crash image with volume c created and written since the last
+    // checkpoint, its journal rewritten as an earlier version wrote it:
+    // the map's length alone, no removal, no mark in the volume record
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let c = e.create_volume("c", 8 << 20).unwrap();
+    e.write(c, 0, &pattern(7), true).unwrap();
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    let jpath = crash.join("journal");
+    let chain = read_chain(&std::fs::File::open(&jpath).unwrap()).unwrap();
+    let mut old = Vec::new();
+    let mut removals = 0;
+    for t in chain {
+        let ops: Vec<Op> = t
+            .ops
+            .into_iter()
+            .filter_map(|op| match op {
+                Op::Remove {
+                    file: MetaFile::Map(_),
+                } => {
+                    removals += 1;
+                    None
+                }
+                Op::Replace {
+                    file: MetaFile::State,
+                    data,
+                } => {
+                    let mut s: State = decode_checked(&data, &jpath).unwrap();
+                    for v in &mut s.volumes {
+                        v.creation_marked = false;
+                    }
+                    Some(Op::Replace {
+                        file: MetaFile::State,
+                        data: encode_checked_compact(&s),
+                    })
+                }
+                op => Some(op),
+            })
+            .collect();
+        old.extend(encode_txn(t.seq, &ops));
+    }
+    assert_eq!(removals, 1, "the creation journals one removal");
+    std::fs::write(&jpath, old).unwrap();
+    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    let (c, _) = e.volume("c").unwrap();
+    assert!(!e.volume_read_only(c), "{:?}", e.damage());
+    let mut buf = vec![0u8; 4096];
+    e.read(c, 0, &mut buf).unwrap();
+    assert!(buf == pattern(7));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
