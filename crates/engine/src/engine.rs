@@ -1563,8 +1563,10 @@ impl Engine {
             let mut committed_for_space = false;
             for attempt in 1..=2 * RMW_ATTEMPTS {
                 // (past RMW_ATTEMPTS: no freed block is reused until the
-                // write-back, so only a write of this LBA can fail it; the
-                // write path takes no `reuse` lock, commits come after it)
+                // write-back, so only a remap of this LBA can fail it — a
+                // client's write, or out-of-line dedup moving it to a lower
+                // PBA, which can happen only so often; the write path
+                // takes no `reuse` lock, commits come after it)
                 let no_reuse = (attempt > RMW_ATTEMPTS)
                     .then(|| self.reuse.read().unwrap_or_else(|e| e.into_inner()));
                 let read = if no_reuse.is_some() {
