@@ -356,15 +356,26 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             }
         }
         VolumeCommand::Delete { name } => {
-            with_store(
+            let done = with_store(
                 store,
                 Request::VolumeDelete { name: name.clone() },
                 |e, progress| {
-                    e.delete_volume_with_progress(&name, progress)?;
-                    Ok(Value::Null)
+                    Ok(serde_json::to_value(
+                        e.delete_volume_with_progress(&name, progress)?,
+                    )?)
                 },
             )?;
             println!("deleted volume {name}");
+            // (a server of an earlier version answers null)
+            let done: dedupd_engine::VolumeDeleted =
+                serde_json::from_value(done).unwrap_or_default();
+            if done.map_damaged {
+                eprintln!(
+                    "dedupd: volume {name}'s map was damaged: the blocks its lost entries \
+                     referenced stay allocated until `dedupd fsck --repair` (with the server \
+                     stopped) reclaims them"
+                );
+            }
         }
         VolumeCommand::List { json } => {
             let v = with_store(store, Request::VolumeList, |e, _| {

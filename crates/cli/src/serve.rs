@@ -474,8 +474,7 @@ fn answer(
             Value::Null
         }
         Request::VolumeDelete { name } => {
-            engine.delete_volume_with_progress(&name, progress)?;
-            Value::Null
+            serde_json::to_value(engine.delete_volume_with_progress(&name, progress)?)?
         }
         Request::VolumeSet {
             name,

@@ -337,6 +337,29 @@ fn bad_store_paths_get_clear_errors() {
     let out = dedupd(&store, &["volume", "list", "--json"]);
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(list[0]["sequence_threshold_blocks"], 4, "{list}");
+    // deleting a volume whose map is lost works, and says that its blocks
+    // wait for a repair; a sound volume's delete says nothing of the kind
+    let out = dedupd(&store, &["volume", "create", "lost", "8M"]);
+    assert!(out.status.success(), "{out:?}");
+    let out = dedupd(&store, &["volume", "create", "sound", "8M"]);
+    assert!(out.status.success(), "{out:?}");
+    let list: serde_json::Value =
+        serde_json::from_slice(&dedupd(&store, &["volume", "list", "--json"]).stdout).unwrap();
+    let id = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "lost")
+        .map(|v| v["id"].as_u64().unwrap())
+        .unwrap();
+    std::fs::remove_file(store.join("maps").join(id.to_string())).unwrap();
+    let out = dedupd(&store, &["volume", "delete", "lost"]);
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fsck --repair"), "stderr: {err}");
+    let out = dedupd(&store, &["volume", "delete", "sound"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stderr.is_empty(), "{out:?}");
 }
 
 #[test]

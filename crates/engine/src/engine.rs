@@ -212,6 +212,16 @@ pub struct VolumeInfo {
     pub sequence_threshold_blocks: Option<u32>,
 }
 
+/// What [`Engine::delete_volume`] did, beyond deleting the volume.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VolumeDeleted {
+    /// The volume's map was damaged (missing, truncated, or with pages
+    /// failing their checksums): the blocks its lost entries referenced
+    /// were not released and stay allocated, leaked, until
+    /// `dedupd fsck --repair` reclaims them.
+    pub map_damaged: bool,
+}
+
 /// Metadata pages that failed their checksum when the store was opened,
 /// or a metadata file that is missing although the store needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -971,8 +981,12 @@ impl Engine {
     /// blocks together), listed as being deleted; deleting it again
     /// finishes.
     ///
+    /// A volume whose map is damaged is deleted too; the blocks its lost
+    /// map entries referenced stay allocated until `dedupd fsck --repair`
+    /// (said in the returned [`VolumeDeleted`]).
+    ///
     /// Errors: [`EngineError::NoSuchVolume`]; I/O errors of the commits.
-    pub fn delete_volume(&self, name: &str) -> Result<()> {
+    pub fn delete_volume(&self, name: &str) -> Result<VolumeDeleted> {
         self.delete_volume_with_progress(name, &mut |_, _| {})
     }
 
@@ -985,11 +999,13 @@ impl Engine {
         &self,
         name: &str,
         progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<()> {
-        let (id, size_blocks) = {
+    ) -> Result<VolumeDeleted> {
+        let (id, size_blocks, map_damaged) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             let v = m.volumes.get_mut(&id).expect("looked up above");
+            let map_damaged =
+                v.map_missing || v.map_truncated_at.is_some() || !v.damaged_pages.is_empty();
             if v.deletes_running == 0 {
                 v.before_deletes = (v.deleting, v.record.deleting);
             }
@@ -1001,7 +1017,7 @@ impl Engine {
                 m.state_dirty = true;
                 m.change_count += 1;
             }
-            (id, size_blocks)
+            (id, size_blocks, map_damaged)
         };
         // durable before any block is released: a volume cut short is never
         // served writable again
@@ -1042,7 +1058,8 @@ impl Engine {
         m.state_dirty = true;
         m.change_count += 1;
         drop(m);
-        self.flush()
+        self.flush()?;
+        Ok(VolumeDeleted { map_damaged })
     }
 
     /// Unmaps LBAs `first..end` of volume `vol` in pieces, each under the

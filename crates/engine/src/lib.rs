@@ -38,7 +38,7 @@ pub mod stats;
 pub mod store;
 
 pub use block::{Lba, Pba, VolumeId, BLOCK_SIZE};
-pub use engine::{Engine, EngineConfig, VolumeInfo};
+pub use engine::{Engine, EngineConfig, VolumeDeleted, VolumeInfo};
 pub use error::{EngineError, Result};
 pub use fingerprint::{Fingerprint, HashAlgorithm};
 pub use stats::Stats;

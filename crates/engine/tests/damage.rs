@@ -944,3 +944,22 @@ fn a_volume_created_by_an_earlier_version_may_lack_its_map_while_the_journal_cre
     assert!(buf == pattern(7));
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+#[test]
+fn deleting_a_volume_with_a_lost_map_says_its_blocks_wait_for_a_repair() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    std::fs::remove_file(first_map_file(&path)).unwrap();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert!(e.delete_volume("a").unwrap().map_damaged);
+    assert!(!e.delete_volume("b").unwrap().map_damaged);
+    e.close().unwrap();
+    drop(e);
+    // a's references were never released: its 600 blocks (b's 100
+    // among them) stay referenced by no LBA, leaked
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.leaked_blocks, 600, "{check:?}");
+    assert_eq!(repair(&path), 1);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().physical_blocks_stored, 0);
+}
