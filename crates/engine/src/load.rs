@@ -277,29 +277,19 @@ mod tests {
         };
         assert!((u - 95.0).abs() < 1e-9, "{u}");
         assert_eq!(load_factor(1.0, r), 0.5);
-        // a second later: CPU 80 % busy, disks idle: between thresholds
-        let r = m.reading(usage(
-            t0 + Duration::from_secs(2),
-            Some((110, 200)),
-            &[("sda", 100), ("sdb", 950)],
-        ));
-        assert_eq!(r, LoadReading::Utilization(80.0));
-        assert_eq!(load_factor(0.5, r), 0.5);
-        // then quiet: back to 1
-        let r = m.reading(usage(
-            t0 + Duration::from_secs(3),
-            Some((120, 300)),
-            &[("sda", 100), ("sdb", 950)],
-        ));
-        assert_eq!(r, LoadReading::Utilization(10.0));
-        assert_eq!(load_factor(0.5, r), 1.0);
-        // after a long gap: no reading from that pair
-        let r = m.reading(usage(
-            t0 + Duration::from_secs(60),
-            Some((9000, 9100)),
-            &[("sda", 100), ("sdb", 950)],
-        ));
-        assert_eq!(r, LoadReading::Unknown);
+        // then, with the disks idle: CPU 80 % busy (between thresholds:
+        // the factor stays), 10 % (back to 1), and a pair a minute apart
+        // (no reading)
+        let idle = [("sda", 100), ("sdb", 950)];
+        for (secs, cpu, want, factor) in [
+            (2, (110, 200), LoadReading::Utilization(80.0), 0.5),
+            (3, (120, 300), LoadReading::Utilization(10.0), 1.0),
+            (60, (9000, 9100), LoadReading::Unknown, 0.5),
+        ] {
+            let r = m.reading(usage(t0 + Duration::from_secs(secs), Some(cpu), &idle));
+            assert_eq!(r, want, "at {secs} s");
+            assert_eq!(load_factor(0.5, r), factor, "at {secs} s");
+        }
         // counters that went backwards (a disk replaced) are not a reading
         let r = m.reading(usage(
             t0 + Duration::from_secs(61),

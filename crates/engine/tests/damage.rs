@@ -266,17 +266,30 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
     // a volume created since the last checkpoint has no map file yet: not
     // damage
     let d = tempfile::tempdir().unwrap();
-    let path = build(d.path());
+    let crash = crash_image_with_a_new_volume(d.path());
+    assert_eq!(std::fs::read_dir(crash.join("maps")).unwrap().count(), 2);
+    assert_new_volume_served(&crash);
+}
+
+/// A crash image (`<dir>/crash`) of a [`build`] store with volume `c`
+/// created since the last checkpoint, pattern 7 at its block 0.
+fn crash_image_with_a_new_volume(dir: &Path) -> PathBuf {
+    let path = build(dir);
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     let c = e.create_volume("c", 8 << 20).unwrap();
     e.write(c, 0, &pattern(7), true).unwrap();
-    let crash = d.path().join("crash");
+    let crash = dir.join("crash");
     crash_copy(&path, &crash);
     drop(e);
-    assert_eq!(std::fs::read_dir(crash.join("maps")).unwrap().count(), 2);
-    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    crash
+}
+
+/// Volume `c` of [`crash_image_with_a_new_volume`] opens writable and
+/// intact, the store consistent.
+fn assert_new_volume_served(store: &Path) {
+    let e = Engine::open(store, EngineConfig::default()).unwrap();
     let (c, _) = e.volume("c").unwrap();
-    assert!(!e.volume_read_only(c));
+    assert!(!e.volume_read_only(c), "{:?}", e.damage());
     let mut buf = vec![0u8; 4096];
     e.read(c, 0, &mut buf).unwrap();
     assert!(buf == pattern(7));
@@ -894,13 +907,7 @@ fn a_volume_created_by_an_earlier_version_may_lack_its_map_while_the_journal_cre
     // checkpoint, its journal rewritten as an earlier version wrote it:
     // the map's length alone, no removal, no mark in the volume record
     let d = tempfile::tempdir().unwrap();
-    let path = build(d.path());
-    let e = Engine::open(&path, EngineConfig::default()).unwrap();
-    let c = e.create_volume("c", 8 << 20).unwrap();
-    e.write(c, 0, &pattern(7), true).unwrap();
-    let crash = d.path().join("crash");
-    crash_copy(&path, &crash);
-    drop(e);
+    let crash = crash_image_with_a_new_volume(d.path());
     let jpath = crash.join("journal");
     let chain = read_chain(&std::fs::File::open(&jpath).unwrap()).unwrap();
     let mut old = Vec::new();
@@ -936,13 +943,7 @@ fn a_volume_created_by_an_earlier_version_may_lack_its_map_while_the_journal_cre
     }
     assert_eq!(removals, 1, "the creation journals one removal");
     std::fs::write(&jpath, old).unwrap();
-    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
-    let (c, _) = e.volume("c").unwrap();
-    assert!(!e.volume_read_only(c), "{:?}", e.damage());
-    let mut buf = vec![0u8; 4096];
-    e.read(c, 0, &mut buf).unwrap();
-    assert!(buf == pattern(7));
-    assert!(e.check().is_empty(), "{:?}", e.check());
+    assert_new_volume_served(&crash);
 }
 
 #[test]
