@@ -390,6 +390,14 @@ pub struct Engine {
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
     commit_wanted: AtomicBool,
+    /// Set when uncommitted metadata or pending frees pass twice their
+    /// bounds: the next change commits first, waiting for a running
+    /// commit, and is refused if that fails (see [`Engine::enforce_bounds`]).
+    over_commit_bound: AtomicBool,
+    /// Set when committed changes waiting for a checkpoint pass twice the
+    /// journal size because checkpoints fail: the next change checkpoints
+    /// first, and is refused if that fails.
+    checkpoint_behind: AtomicBool,
     /// Set by [`Engine::drop_without_closing`]: dropping the engine then
     /// writes nothing (no commit, no checkpoint, no skipped-buffer save).
     no_close_on_drop: AtomicBool,
@@ -771,6 +779,8 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            over_commit_bound: AtomicBool::new(false),
+            checkpoint_behind: AtomicBool::new(false),
             no_close_on_drop: AtomicBool::new(false),
             map_cache,
             reverse_cache,
@@ -1278,6 +1288,7 @@ impl Engine {
     /// One metadata lock: the volume exists, is writable, and the range is inside it.
     fn check_write(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
+        self.enforce_bounds()?;
         let m = lock(&self.meta);
         let v = m
             .volumes
@@ -1445,6 +1456,8 @@ impl Engine {
         if fua {
             return self.flush();
         }
+        // (between the pieces of a long TRIM, delete or out-of-line pass)
+        self.enforce_bounds()?;
         if self.commit_wanted.swap(false, Ordering::Relaxed) {
             if matches!(
                 self.commit.try_lock(),
@@ -1456,6 +1469,29 @@ impl Engine {
                 return Ok(());
             }
             return self.flush();
+        }
+        Ok(())
+    }
+
+    /// Before a change: while uncommitted metadata or blocks waiting to be
+    /// freed are past twice their bounds (`max_dirty_bytes`,
+    /// `max_pending_free_bytes`: commits fail, or changes pile up while a
+    /// slow one runs), commits first, waiting for a running commit; while
+    /// committed changes waiting for a checkpoint are past twice the
+    /// journal size (checkpoints fail), checkpoints first. A failure
+    /// refuses the change with its error, so memory stays bounded whatever
+    /// the files do. Within the bounds, two atomic loads.
+    ///
+    /// Must not be called holding the metadata lock or the `reuse` lock.
+    fn enforce_bounds(&self) -> Result<()> {
+        if self.over_commit_bound.load(Ordering::Relaxed) {
+            self.flush()?;
+        }
+        if self.checkpoint_behind.load(Ordering::Relaxed) {
+            let mut c = lock(&self.commit);
+            if self.checkpoint_behind.load(Ordering::Relaxed) {
+                self.checkpoint_locked(&mut c)?;
+            }
         }
         Ok(())
     }
@@ -1489,10 +1525,16 @@ impl Engine {
                 self.map_dirty_counted.load(Ordering::Relaxed)
             }
         };
-        if (other_pages + map_pages) * page_bytes > self.config.max_dirty_bytes
+        let dirty_bytes = (other_pages + map_pages) * page_bytes;
+        if dirty_bytes > self.config.max_dirty_bytes
             || pending_free_bytes > self.config.max_pending_free_bytes
         {
             self.commit_wanted.store(true, Ordering::Relaxed);
+            if dirty_bytes > self.config.max_dirty_bytes.saturating_mul(2)
+                || pending_free_bytes > self.config.max_pending_free_bytes.saturating_mul(2)
+            {
+                self.over_commit_bound.store(true, Ordering::Relaxed);
+            }
         }
     }
 
@@ -2209,10 +2251,13 @@ impl Engine {
             return self.sync_data();
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
+        let was_over;
         let mut batch = {
             let mut m = lock(&self.meta);
             // never commit metadata derived from a page that could not be read
             fault_check(&m)?;
+            // (changes from now on count afresh; set again if this fails)
+            was_over = self.over_commit_bound.swap(false, Ordering::Relaxed);
             if c.journal.is_some() {
                 m.take_commit(seq)
             } else {
@@ -2243,6 +2288,9 @@ impl Engine {
         }
         if let Err(e) = result {
             lock(&self.meta).restore_commit(batch);
+            if was_over {
+                self.over_commit_bound.store(true, Ordering::Relaxed);
+            }
             return Err(e);
         }
         c.durable_changes = batch.change_count;
@@ -2269,11 +2317,16 @@ impl Engine {
                 (m.map_cache.stats().pinned_pages + m.fingerprints.stats().pinned_pages)
                     * crate::paged::PAGE_SIZE as u64
             };
-            if used >= self.config.journal_size_bytes
-                || pinned_bytes >= self.config.journal_size_bytes
-            {
-                // a failed checkpoint loses nothing: the journal keeps the changes
-                let _ = self.checkpoint_locked(&mut c);
+            let bound = self.config.journal_size_bytes;
+            if used >= bound || pinned_bytes >= bound {
+                // a failed checkpoint loses nothing: the journal keeps the
+                // changes; past twice the bound, changes wait for one that
+                // succeeds (`enforce_bounds`)
+                if self.checkpoint_locked(&mut c).is_err()
+                    && (used >= bound.saturating_mul(2) || pinned_bytes >= bound.saturating_mul(2))
+                {
+                    self.checkpoint_behind.store(true, Ordering::Relaxed);
+                }
             }
         }
         Ok(())
@@ -2332,6 +2385,7 @@ impl Engine {
         drop(m);
         c.checkpoint_bytes_written += c.checkpoint.bytes;
         c.checkpoint = CheckpointBuffer::default();
+        self.checkpoint_behind.store(false, Ordering::Relaxed);
         if let Some(j) = c.journal.as_mut() {
             // (the checkpoint itself is complete; on failure the next
             // commit retries the restart first)

@@ -438,12 +438,16 @@ impl Journal {
         }
         let seq = self.next_seq;
         let bytes = encode_txn(seq, ops);
-        self.file.write_all_at(&bytes, self.write_offset_bytes)?;
-        self.observer.emit(crate::observe::IoEvent::Write {
+        let write = crate::observe::IoEvent::Write {
             file: "journal",
             offset: self.write_offset_bytes,
             data: &bytes,
-        });
+        };
+        self.observer.check(write)?;
+        self.file.write_all_at(&bytes, self.write_offset_bytes)?;
+        self.observer.emit(write);
+        self.observer
+            .check(crate::observe::IoEvent::Sync { file: "journal" })?;
         self.file.sync_data()?;
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });

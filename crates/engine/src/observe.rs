@@ -45,6 +45,15 @@ pub enum IoEvent<'a> {
 pub trait IoObserver: Send + Sync {
     /// One event.
     fn event(&self, e: IoEvent<'_>);
+
+    /// Asked before each write and sync of the journal and each write,
+    /// length change and sync a checkpoint makes to the metadata files:
+    /// an error returned here fails that operation as the file system's
+    /// own would (fault injection in tests). Default: none.
+    fn inject(&self, e: IoEvent<'_>) -> Option<std::io::Error> {
+        let _ = e;
+        None
+    }
 }
 
 /// An optional observer, cheap to clone; the default observes nothing.
@@ -66,6 +75,15 @@ impl Observer {
     pub fn emit(&self, e: IoEvent<'_>) {
         if let Some(o) = &self.0 {
             o.event(e);
+        }
+    }
+
+    /// Fails with the observer's injected error for `e`, if any, before
+    /// the operation `e` describes is made.
+    pub fn check(&self, e: IoEvent<'_>) -> std::io::Result<()> {
+        match self.0.as_ref().and_then(|o| o.inject(e)) {
+            Some(err) => Err(err),
+            None => Ok(()),
         }
     }
 

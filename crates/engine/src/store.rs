@@ -403,6 +403,29 @@ impl StoreDir {
             };
             let n = name(file);
             let obs = &self.observer;
+            let planned = match op {
+                Op::Write { offset, data, .. } => crate::observe::IoEvent::Write {
+                    file: &n,
+                    offset: *offset,
+                    data,
+                },
+                Op::Replace { data, .. } => crate::observe::IoEvent::Write {
+                    file: &n,
+                    offset: 0,
+                    data,
+                },
+                Op::SetLen { len_bytes, .. } => crate::observe::IoEvent::SetLen {
+                    file: &n,
+                    len_bytes: *len_bytes,
+                },
+                Op::Patch { .. } | Op::Remove { .. } => crate::observe::IoEvent::Write {
+                    file: &n,
+                    offset: 0,
+                    data: &[],
+                },
+            };
+            obs.check(planned)
+                .map_err(|e| EngineError::io(ctx("writing"), e))?;
             match op {
                 Op::Write { offset, data, .. } => {
                     f.write_all_at(data, *offset)
@@ -470,9 +493,13 @@ impl StoreDir {
             }
         }
         for (file, f) in &open {
-            f.sync_all().map_err(|e| {
-                EngineError::io(format!("syncing {}", self.path(*file).display()), e)
-            })?;
+            let n = name(*file);
+            self.observer
+                .check(crate::observe::IoEvent::Sync { file: &n })
+                .and_then(|()| f.sync_all())
+                .map_err(|e| {
+                    EngineError::io(format!("syncing {}", self.path(*file).display()), e)
+                })?;
             self.observer
                 .emit(crate::observe::IoEvent::Sync { file: &name(*file) });
         }

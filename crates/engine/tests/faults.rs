@@ -263,3 +263,117 @@ fn a_full_file_system_commits_and_reuses_released_blocks_instead_of_failing() {
     e.flush().unwrap();
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+/// Fails the writes of metadata files whose name starts with `prefix`
+/// (`journal`, or the files a checkpoint writes) with EIO while armed.
+struct FailingMetadata {
+    prefix: &'static [&'static str],
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl dedupd_engine::observe::IoObserver for FailingMetadata {
+    fn event(&self, _: dedupd_engine::observe::IoEvent<'_>) {}
+    fn inject(&self, e: dedupd_engine::observe::IoEvent<'_>) -> Option<io::Error> {
+        use dedupd_engine::observe::IoEvent;
+        let file = match e {
+            IoEvent::Write { file, .. }
+            | IoEvent::SetLen { file, .. }
+            | IoEvent::Remove { file }
+            | IoEvent::Sync { file } => file,
+        };
+        (self.armed.load(Ordering::SeqCst) && self.prefix.iter().any(|p| file.starts_with(p)))
+            .then(|| io::Error::from_raw_os_error(5))
+    }
+}
+
+fn store_failing(
+    dir: &std::path::Path,
+    prefix: &'static [&'static str],
+    config: EngineConfig,
+) -> (Engine, std::sync::Arc<FailingMetadata>) {
+    let faults = std::sync::Arc::new(FailingMetadata {
+        prefix,
+        armed: Default::default(),
+    });
+    let config = EngineConfig {
+        observer: dedupd_engine::observe::Observer(Some(faults.clone())),
+        ..config
+    };
+    let e = Engine::create(&dir.join("store"), HashAlgorithm::Sha256, config).unwrap();
+    (e, faults)
+}
+
+/// One block per map page (508 LBAs each): every write dirties a page.
+const LBA_STRIDE: u64 = 508;
+
+#[test]
+fn failing_commits_refuse_writes_past_twice_the_dirty_bound() {
+    let d = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        max_dirty_bytes: 64 << 10,
+        map_cache_bytes: 64 << 10,
+        ..EngineConfig::default()
+    };
+    let (e, faults) = store_failing(d.path(), &["journal"], config);
+    let v = e.create_volume("v", 4096 * LBA_STRIDE * 4096).unwrap();
+    e.write(v, 0, &block(0), true).unwrap();
+    let before = e.stats().metadata_bytes_in_memory;
+    faults.armed.store(true, Ordering::SeqCst);
+    let (mut ok, mut refused) = (0u64, 0u64);
+    for i in 1..2000u64 {
+        match e.write(v, i * LBA_STRIDE * 4096, &block(i), false) {
+            Ok(()) => ok += 1,
+            Err(_) => refused += 1,
+        }
+    }
+    let grown = e.stats().metadata_bytes_in_memory.saturating_sub(before);
+    // uncommitted map pages cannot leave memory: past twice the bound
+    // (128 KiB, 32 pages) writes are refused before they change anything
+    assert!(refused > 1900, "{ok} accepted, {refused} refused");
+    assert!(
+        grown < 512 << 10,
+        "metadata in memory grew by {grown} bytes"
+    );
+    // the journal back: writes and flushes work again, nothing accepted lost
+    faults.armed.store(false, Ordering::SeqCst);
+    e.write(v, 0, &block(7), true).unwrap();
+    e.flush().unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(v, 0, &mut buf).unwrap();
+    assert_eq!(buf, block(7));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
+#[test]
+fn failing_checkpoints_refuse_writes_past_twice_the_journal_size() {
+    let d = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        journal_size_bytes: 256 << 10,
+        ..EngineConfig::default()
+    };
+    let (e, faults) = store_failing(d.path(), &["maps/", "refcounts", "fingerprints"], config);
+    let v = e.create_volume("v", 4096 * LBA_STRIDE * 4096).unwrap();
+    e.flush().unwrap();
+    faults.armed.store(true, Ordering::SeqCst);
+    let mut refused = 0u64;
+    let mut buffer_max = 0u64;
+    for i in 0..1000u64 {
+        if e.write(v, i * LBA_STRIDE * 4096, &block(i), true).is_err() {
+            refused += 1;
+        }
+        buffer_max = buffer_max.max(e.stats().checkpoint_buffer_bytes);
+    }
+    assert!(refused > 0, "no write refused");
+    // twice the journal size, plus the commit that passed it
+    assert!(
+        buffer_max < 768 << 10,
+        "checkpoint buffer reached {buffer_max} bytes"
+    );
+    faults.armed.store(false, Ordering::SeqCst);
+    e.write(v, 0, &block(5000), true).unwrap();
+    assert!(e.stats().checkpoint_buffer_bytes < 256 << 10);
+    let mut buf = vec![0u8; 4096];
+    e.read(v, 0, &mut buf).unwrap();
+    assert_eq!(buf, block(5000));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
