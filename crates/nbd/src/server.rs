@@ -154,8 +154,8 @@ pub struct ServerStats {
     pub read_buffer_bytes: u64,
     /// Bytes of request buffers the open connections keep for reuse
     /// between requests: at most one of up to 1 MiB + 16 bytes per worker
-    /// of a busy connection; none once a client has sent nothing for a
-    /// second.
+    /// of a busy connection, and at most the in-flight budget's bytes in
+    /// all; none once a client has sent nothing for a second.
     pub kept_buffer_bytes: u64,
 }
 

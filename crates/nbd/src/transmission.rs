@@ -364,8 +364,14 @@ pub(crate) const SHUTDOWN_REPLIES: usize = 1024;
 /// (so the next request's buffer is neither allocated nor zeroed again); a
 /// larger one is freed at once. A connection keeps at most one per worker,
 /// and frees them all once its client has sent nothing for
-/// [`IDLE_BUFFER_FREE_AFTER`], so idle connections hold none.
+/// [`IDLE_BUFFER_FREE_AFTER`], so idle connections hold none; all
+/// connections together keep at most the in-flight budget's bytes.
 const KEPT_BUFFER_BYTES: usize = (1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN;
+
+/// A kept buffer larger than this and than four times the request taking
+/// it is freed instead of serving it, so that small requests do not each
+/// hold a large buffer (memory in use stays near the in-flight budget).
+const SMALL_BUFFER_BYTES: usize = 64 << 10;
 
 /// How long a connection waits for its client with nothing to read before
 /// it frees its kept request buffers.
@@ -440,21 +446,7 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
     export: Arc<dyn Export>,
     res: &Resources<'_>,
 ) {
-    let conn = Connection {
-        reader: Mutex::new(reader),
-        done: AtomicBool::new(false),
-        writer: &writer,
-        export: &*export,
-        size: export.size_bytes(),
-        read_only: export.read_only(),
-        res,
-        shutdown_replies: AtomicUsize::new(0),
-        spare: Mutex::new(Vec::new()),
-        idle: AtomicBool::new(false),
-        // (plus room for reply headers, so that two reads of a quarter of
-        // the budget each still run together)
-        share: Budget::new(res.budget.capacity() / 2 + SHARE_HEADROOM_BYTES),
-    };
+    let conn = Connection::new(reader, &writer, &*export, res);
     let workers = res.workers.max(1);
     std::thread::scope(|scope| {
         // This thread is one of the workers.
@@ -472,7 +464,30 @@ pub(crate) fn run<R: RequestSource + ?Sized>(
     conn.free_spare_buffers();
 }
 
-impl<R: RequestSource + ?Sized> Connection<'_, R> {
+impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
+    fn new(
+        reader: &'a mut R,
+        writer: &'a ReplyWriter,
+        export: &'a dyn Export,
+        res: &'a Resources<'a>,
+    ) -> Self {
+        Connection {
+            reader: Mutex::new(reader),
+            done: AtomicBool::new(false),
+            writer,
+            export,
+            size: export.size_bytes(),
+            read_only: export.read_only(),
+            res,
+            shutdown_replies: AtomicUsize::new(0),
+            spare: Mutex::new(Vec::new()),
+            idle: AtomicBool::new(false),
+            // (plus room for reply headers, so that two reads of a quarter
+            // of the budget each still run together)
+            share: Budget::new(res.budget.capacity() / 2 + SHARE_HEADROOM_BYTES),
+        }
+    }
+
     /// One worker: read a request, execute it, reply; until reading stops.
     fn work(&self) {
         loop {
@@ -503,14 +518,24 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         }
     }
 
-    /// Keeps a finished request's buffer for a later request.
+    /// Keeps a finished request's buffer for a later request, if all
+    /// connections' kept buffers stay within the in-flight budget's bytes
+    /// (else it is freed).
     fn keep_buffer(&self, buf: Vec<u8>) {
-        if buf.capacity() == 0 {
+        let bytes = buf.capacity() as u64;
+        if bytes == 0 {
             return;
         }
-        self.res
-            .kept_buffer_bytes
-            .fetch_add(buf.capacity() as u64, Ordering::Relaxed);
+        let limit = self.res.budget.capacity() as u64;
+        let counted =
+            self.res
+                .kept_buffer_bytes
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |kept| {
+                    (kept + bytes <= limit).then_some(kept + bytes)
+                });
+        if counted.is_err() {
+            return;
+        }
         self.spare
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -522,8 +547,9 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         }
     }
 
-    /// A kept buffer, or a new empty one.
-    fn take_buffer(&self) -> Vec<u8> {
+    /// A kept buffer for a request of `need` bytes, or a new empty one (a
+    /// kept buffer far larger than the request is freed).
+    fn take_buffer(&self, need: usize) -> Vec<u8> {
         let buf = self
             .spare
             .lock()
@@ -533,6 +559,9 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
         self.res
             .kept_buffer_bytes
             .fetch_sub(buf.capacity() as u64, Ordering::Relaxed);
+        if buf.capacity() > need.saturating_mul(4).max(SMALL_BUFFER_BYTES) {
+            return Vec::new();
+        }
         buf
     }
 
@@ -637,7 +666,7 @@ impl<R: RequestSource + ?Sized> Connection<'_, R> {
                 // the server's budget, so others always find room
                 let share = self.share.acquire(bytes);
                 let guard = self.res.budget.acquire(bytes);
-                let mut buf = self.take_buffer();
+                let mut buf = self.take_buffer(bytes);
                 if req.command == Command::Write {
                     ensure_len(&mut buf, len);
                     if reader.read_payload(&mut buf[..len]).is_err() {
@@ -723,6 +752,68 @@ mod tests {
     }
 
     const MAX: u32 = proto::BLOCK_SIZE_MAX;
+
+    struct Nothing;
+
+    impl Export for Nothing {
+        fn size_bytes(&self) -> u64 {
+            1 << 30
+        }
+        fn read(&self, _: u64, _: &mut [u8]) -> Result<(), ExportError> {
+            Ok(())
+        }
+        fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), ExportError> {
+            Ok(())
+        }
+        fn flush(&self) -> Result<(), ExportError> {
+            Ok(())
+        }
+        fn trim(&self, _: u64, _: u64, _: bool) -> Result<(), ExportError> {
+            Ok(())
+        }
+        fn write_zeroes(&self, _: u64, _: u64, _: bool) -> Result<(), ExportError> {
+            Ok(())
+        }
+    }
+
+    impl ReplySink for Vec<u8> {}
+
+    impl RequestSource for std::io::Empty {
+        fn input_pending(&mut self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn kept_buffers_stay_within_the_budget_and_small_requests_take_small_ones() {
+        let budget = Budget::new(3 << 20);
+        let (requests, stopping, kept) =
+            (AtomicU64::new(0), AtomicBool::new(false), AtomicU64::new(0));
+        let res = Resources {
+            workers: 4,
+            budget: &budget,
+            requests_total: &requests,
+            stopping: &stopping,
+            kept_buffer_bytes: &kept,
+        };
+        let writer = ReplyWriter::new(Box::new(Vec::new()), Box::new(|| {}));
+        let mut input = std::io::empty();
+        let conn = Connection::new(&mut input, &writer, &Nothing, &res);
+        // four finished 1 MiB requests: the budget keeps three of them
+        for _ in 0..4 {
+            conn.keep_buffer(Vec::with_capacity(1 << 20));
+        }
+        assert_eq!(kept.load(Ordering::Relaxed), 3 << 20);
+        assert_eq!(conn.spare.lock().unwrap().len(), 3);
+        // a 4 KiB request does not take one of them along
+        let small = conn.take_buffer(4096);
+        assert_eq!(small.capacity(), 0);
+        assert_eq!(kept.load(Ordering::Relaxed), 2 << 20);
+        // a 512 KiB one does
+        assert_eq!(conn.take_buffer(512 << 10).capacity(), 1 << 20);
+        conn.free_spare_buffers();
+        assert_eq!(kept.load(Ordering::Relaxed), 0);
+    }
 
     #[test]
     fn plans() {
