@@ -368,9 +368,10 @@ pub(crate) const SHUTDOWN_REPLIES: usize = 1024;
 /// connections together keep at most the in-flight budget's bytes.
 const KEPT_BUFFER_BYTES: usize = (1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN;
 
-/// A kept buffer larger than this and than four times the request taking
-/// it is freed instead of serving it, so that small requests do not each
-/// hold a large buffer (memory in use stays near the in-flight budget).
+/// A kept buffer larger than this and than four times a request is left
+/// for a larger request instead of serving it, so that small requests do
+/// not each hold a large buffer (memory in use stays near the in-flight
+/// budget).
 const SMALL_BUFFER_BYTES: usize = 64 << 10;
 
 /// How long a connection waits for its client with nothing to read before
@@ -518,28 +519,30 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         }
     }
 
-    /// Keeps a finished request's buffer for a later request, if all
-    /// connections' kept buffers stay within the in-flight budget's bytes
-    /// (else it is freed).
+    /// Keeps a finished request's buffer for a later request: at most one
+    /// per worker, and all connections' kept buffers within the in-flight
+    /// budget's bytes (else it is freed).
     fn keep_buffer(&self, buf: Vec<u8>) {
         let bytes = buf.capacity() as u64;
         if bytes == 0 {
             return;
         }
-        let limit = self.res.budget.capacity() as u64;
-        let counted =
-            self.res
-                .kept_buffer_bytes
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |kept| {
-                    (kept + bytes <= limit).then_some(kept + bytes)
-                });
-        if counted.is_err() {
-            return;
+        {
+            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            if spare.len() >= self.res.workers.max(1) {
+                return;
+            }
+            let limit = self.res.budget.capacity() as u64;
+            let counted = self.res.kept_buffer_bytes.fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |kept| (kept + bytes <= limit).then_some(kept + bytes),
+            );
+            if counted.is_err() {
+                return;
+            }
+            spare.push(buf);
         }
-        self.spare
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(buf);
         // (after the push: a reader that went idle before it has freed it,
         // or is seen idle here)
         if self.idle.load(Ordering::SeqCst) {
@@ -547,21 +550,29 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         }
     }
 
-    /// A kept buffer for a request of `need` bytes, or a new empty one (a
-    /// kept buffer far larger than the request is freed).
+    /// A kept buffer for a request of `need` bytes (0: none needed), or a
+    /// new empty one. A kept buffer larger than [`SMALL_BUFFER_BYTES`] and
+    /// four times the request is left for a larger request: small requests
+    /// do not hold large buffers.
     fn take_buffer(&self, need: usize) -> Vec<u8> {
-        let buf = self
-            .spare
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or_default();
+        if need == 0 {
+            return Vec::new();
+        }
+        let fits = need.saturating_mul(4).max(SMALL_BUFFER_BYTES);
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        // one that holds the request without growing, else one to grow
+        let pick = spare
+            .iter()
+            .position(|b| (need..=fits).contains(&b.capacity()))
+            .or_else(|| spare.iter().position(|b| b.capacity() < need));
+        let Some(i) = pick else {
+            return Vec::new();
+        };
+        let buf = spare.swap_remove(i);
+        drop(spare);
         self.res
             .kept_buffer_bytes
             .fetch_sub(buf.capacity() as u64, Ordering::Relaxed);
-        if buf.capacity() > need.saturating_mul(4).max(SMALL_BUFFER_BYTES) {
-            return Vec::new();
-        }
         buf
     }
 
@@ -786,7 +797,7 @@ mod tests {
 
     #[test]
     fn kept_buffers_stay_within_the_budget_and_small_requests_take_small_ones() {
-        let budget = Budget::new(3 << 20);
+        let budget = Budget::new((3 << 20) + 8192);
         let (requests, stopping, kept) =
             (AtomicU64::new(0), AtomicBool::new(false), AtomicU64::new(0));
         let res = Resources {
@@ -805,12 +816,19 @@ mod tests {
         }
         assert_eq!(kept.load(Ordering::Relaxed), 3 << 20);
         assert_eq!(conn.spare.lock().unwrap().len(), 3);
-        // a 4 KiB request does not take one of them along
-        let small = conn.take_buffer(4096);
-        assert_eq!(small.capacity(), 0);
-        assert_eq!(kept.load(Ordering::Relaxed), 2 << 20);
-        // a 512 KiB one does
+        // a 4 KiB request (or a FLUSH) takes none of them along
+        assert_eq!(conn.take_buffer(4096).capacity(), 0);
+        assert_eq!(conn.take_buffer(0).capacity(), 0);
+        assert_eq!(kept.load(Ordering::Relaxed), 3 << 20);
+        // its own small buffer is kept, one per worker at most
+        conn.keep_buffer(Vec::with_capacity(4096));
+        conn.keep_buffer(Vec::with_capacity(4096));
+        assert_eq!(conn.spare.lock().unwrap().len(), 4);
+        assert_eq!(kept.load(Ordering::Relaxed), (3 << 20) + 4096);
+        assert_eq!(conn.take_buffer(4096).capacity(), 4096);
+        // a 512 KiB request takes a 1 MiB one
         assert_eq!(conn.take_buffer(512 << 10).capacity(), 1 << 20);
+        assert_eq!(kept.load(Ordering::Relaxed), 2 << 20);
         conn.free_spare_buffers();
         assert_eq!(kept.load(Ordering::Relaxed), 0);
     }
