@@ -518,13 +518,15 @@ impl Engine {
             // journal over an empty file would free every other block. A
             // map may be missing only while the journal creates it (a
             // volume created since the last checkpoint, whose creation
-            // journals the map's removal first): changes to an existing
-            // map over an empty file would read its other LBAs as holes.
-            // A file the journal removes and rebuilds whole (a repair) may
-            // be missing too. (A volume created by an earlier version
-            // journaled no removal: its map may be missing whenever the
-            // journal changes it.)
-            let made_anew = ops.iter().any(|op| matches!(op, Op::Remove { .. }));
+            // journals the map cut to nothing first): changes to an
+            // existing map over an empty file would read its other LBAs as
+            // holes. A file the journal cuts to nothing (or removes) and
+            // rebuilds whole (a repair) may be missing too. (A volume
+            // created by an earlier version journaled no cut: its map may
+            // be missing whenever the journal changes it.)
+            let made_anew = ops
+                .iter()
+                .any(|op| matches!(op, Op::Remove { .. } | Op::SetLen { len_bytes: 0, .. }));
             let expected = match file {
                 MetaFile::Map(id) if unmarked_volumes.contains(&id) => ops.is_empty(),
                 MetaFile::Map(_) => !made_anew,
@@ -611,6 +613,17 @@ impl Engine {
             });
         }
         for rec in &state.volumes {
+            // a volume of an earlier version whose map a checkpoint has put
+            // in place (the file there, no journal change to it) takes the
+            // rule of new ones: missing from now on, its map is lost
+            let mut rec = rec.clone();
+            if !rec.creation_marked
+                && dir.path(MetaFile::Map(rec.id)).exists()
+                && !ops_by_file.contains_key(&MetaFile::Map(rec.id))
+            {
+                rec.creation_marked = true;
+                meta.state_dirty = true;
+            }
             let mut mine = Vec::new();
             let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine, &mut |_, _| {})?;
             let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
@@ -962,10 +975,13 @@ impl Engine {
                     before_deletes: (false, false),
                 },
             );
-            // the removal marks the map as created here: until a
-            // checkpoint writes it, its file may be missing (see `open`)
-            m.structural_ops.push(Op::Remove {
+            // the map cut to nothing marks it as created here: until a
+            // checkpoint writes it, its file may be missing (see `open`).
+            // (A cut, not a removal: a file opened after a crash and paged
+            // from stays the file the checkpoint writes.)
+            m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),
+                len_bytes: 0,
             });
             m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),
@@ -2288,6 +2304,9 @@ impl Engine {
         }
         if let Err(e) = result {
             lock(&self.meta).restore_commit(batch);
+            // (the restored pages are dirty again: the volume maps' count
+            // kept by `note_change` is stale, count them afresh)
+            self.dirty_count_skip.store(0, Ordering::Relaxed);
             if was_over {
                 self.over_commit_bound.store(true, Ordering::Relaxed);
             }
@@ -2385,13 +2404,13 @@ impl Engine {
         drop(m);
         c.checkpoint_bytes_written += c.checkpoint.bytes;
         c.checkpoint = CheckpointBuffer::default();
-        self.checkpoint_behind.store(false, Ordering::Relaxed);
         if let Some(j) = c.journal.as_mut() {
             // (the checkpoint itself is complete; on failure the next
             // commit retries the restart first)
             j.reset()
                 .map_err(|e| EngineError::io("restarting the journal after a checkpoint", e))?;
         }
+        self.checkpoint_behind.store(false, Ordering::Relaxed);
         Ok(())
     }
 

@@ -539,10 +539,11 @@ impl Engine {
             } else {
                 continue;
             };
-            // (the removal tells the next open that the journal holds the
-            // whole file: a crash before the checkpoint writes it keeps
-            // the repair)
-            m.structural_ops.push(crate::journal::Op::Remove { file });
+            // (the cut to nothing tells the next open that the journal
+            // holds the whole file: a crash before the checkpoint writes
+            // it keeps the repair)
+            m.structural_ops
+                .push(crate::journal::Op::SetLen { file, len_bytes: 0 });
             m.structural_ops.push(crate::journal::Op::SetLen {
                 file,
                 len_bytes: crate::paged::disk_len(logical),
@@ -556,8 +557,8 @@ impl Engine {
             let missing = std::mem::take(&mut v.map_missing);
             if missing || v.map_truncated_at.take().is_some() {
                 // the checkpoint creates the file again (empty) or gives
-                // it back its full length; a missing one is removed first,
-                // as a new volume's is, so that until the checkpoint
+                // it back its full length; a missing one is cut to nothing
+                // first, as a new volume's is, so that until the checkpoint
                 // writes it the next open knows it is made anew (the
                 // state, saved with the repair, says the volume's creation
                 // is so marked)
@@ -567,7 +568,8 @@ impl Engine {
                 let len_bytes = crate::paged::disk_len(v.size_blocks() * 8);
                 let file = crate::journal::MetaFile::Map(*id);
                 if missing {
-                    m.structural_ops.push(crate::journal::Op::Remove { file });
+                    m.structural_ops
+                        .push(crate::journal::Op::SetLen { file, len_bytes: 0 });
                 }
                 m.structural_ops
                     .push(crate::journal::Op::SetLen { file, len_bytes });

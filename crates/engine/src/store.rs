@@ -69,9 +69,9 @@ pub struct VolumeRecord {
     /// released, until `volume delete` runs again and finishes.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleting: bool,
-    /// The volume's creation journaled the removal of its map file before
-    /// its length: a map no checkpoint has written yet is then told from
-    /// a lost one (missing without that removal in the journal: damage).
+    /// The volume's creation journaled its map cut to nothing before its
+    /// length: a map no checkpoint has written yet is then told from a
+    /// lost one (missing without that cut in the journal: damage).
     /// False for volumes created by earlier versions, whose creation
     /// journaled the length alone: their map may be missing whenever the
     /// journal changes it.

@@ -329,9 +329,11 @@ fn failing_commits_refuse_writes_past_twice_the_dirty_bound() {
     let grown = e.stats().metadata_bytes_in_memory.saturating_sub(before);
     // uncommitted map pages cannot leave memory: past twice the bound
     // (128 KiB, 32 pages) writes are refused before they change anything
+    // (every write past the bound fails, but without the hard bound the
+    // ones past twice it change the metadata first: 8 MB grew)
     assert!(refused > 1900, "{ok} accepted, {refused} refused");
     assert!(
-        grown < 512 << 10,
+        grown < 192 << 10,
         "metadata in memory grew by {grown} bytes"
     );
     // the journal back: writes and flushes work again, nothing accepted lost
@@ -363,10 +365,11 @@ fn failing_checkpoints_refuse_writes_past_twice_the_journal_size() {
         }
         buffer_max = buffer_max.max(e.stats().checkpoint_buffer_bytes);
     }
-    assert!(refused > 0, "no write refused");
+    // from about a fifth of the way on, once past twice the journal size
+    assert!(refused > 700, "{refused} writes refused");
     // twice the journal size, plus the commit that passed it
     assert!(
-        buffer_max < 768 << 10,
+        buffer_max < 540 << 10,
         "checkpoint buffer reached {buffer_max} bytes"
     );
     faults.armed.store(false, Ordering::SeqCst);
