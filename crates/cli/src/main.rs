@@ -270,7 +270,16 @@ fn with_store(
         match Engine::open(store, EngineConfig::default()) {
             Ok(e) => {
                 let v = local(&e, progress)?;
-                e.close()?;
+                // what the command changed is durable once committed; a
+                // checkpoint that fails (a full file system, say) loses
+                // nothing: the journal keeps it for the next start
+                e.flush()?;
+                if let Err(err) = e.checkpoint() {
+                    eprintln!(
+                        "dedupd: warning: checkpoint failed ({err}); \
+                         the journal keeps every change and the next start replays it"
+                    );
+                }
                 Ok(v)
             }
             Err(EngineError::Locked(_)) => control::call(store, &req, progress),

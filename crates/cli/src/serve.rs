@@ -345,7 +345,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
                 eprintln!(
                     "dedupd: signal {sig} again: exiting now; the next start recovers from the journal (writes not flushed may read back old)"
                 );
-                std::process::exit(130);
+                std::process::exit(128 + sig);
             }
         });
     }
@@ -412,6 +412,12 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
             }
         }
         stop.store(true, Ordering::Relaxed);
+        // the clients' writes committed now, not only once a control
+        // command still running (a long delete or offline pass) ends: the
+        // periodic commit has stopped, and the operator may not wait
+        if let Err(e) = engine.flush() {
+            eprintln!("dedupd: commit at shutdown failed: {e}");
+        }
         result
     });
     // (on a listener's error too: the store is closed cleanly first)

@@ -622,3 +622,44 @@ fn full_backing_file_system_gives_enospc_and_keeps_data() {
         .arg(server.uri("fill")));
     server.stop();
 }
+
+/// `chattr +i` on a file while alive (even root cannot write it then),
+/// `chattr -i` when dropped so the directory can be removed.
+struct Immutable(std::path::PathBuf);
+
+impl Immutable {
+    fn set(path: &Path) -> Immutable {
+        require("chattr");
+        run(Command::new("chattr").arg("+i").arg(path));
+        Immutable(path.to_path_buf())
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = Command::new("chattr").arg("-i").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_command_whose_checkpoint_fails_succeeds_with_a_warning() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    assert!(dedupd(&store, &["init"]).status.success());
+    // the state cannot be written in place: the command's change is
+    // committed to the journal, its checkpoint fails
+    let _frozen = Immutable::set(&store.join("state.json"));
+    let out = dedupd(&store, &["volume", "create", "v", "8M"]);
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("warning: checkpoint failed"), "stderr: {err}");
+    // the volume is there (replayed from the journal), and a second
+    // create of it says so
+    let out = dedupd(&store, &["volume", "list", "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list[0]["name"], "v", "{list}");
+    let out = dedupd(&store, &["volume", "create", "v", "8M"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exists"));
+}

@@ -461,13 +461,16 @@ impl Server {
     pub fn serve_tcp(&self, listener: TcpListener) -> io::Result<()> {
         listener.set_nonblocking(true)?;
         let fd = listener.as_raw_fd();
-        self.accept_loop(fd, || {
-            let (stream, _) = listener.accept()?;
-            stream.set_nonblocking(false)?;
-            stream.set_nodelay(true)?;
-            set_keepalive(&stream)?;
-            Ok(Box::new(stream))
-        })
+        self.accept_loop(
+            || wait_readable(fd, ACCEPT_POLL_MS),
+            || {
+                let (stream, _) = listener.accept()?;
+                stream.set_nonblocking(false)?;
+                stream.set_nodelay(true)?;
+                set_keepalive(&stream)?;
+                Ok(Box::new(stream))
+            },
+        )
     }
 
     /// Accepts NBD clients on the Unix socket `listener` until shutdown,
@@ -478,16 +481,22 @@ impl Server {
     pub fn serve_unix(&self, listener: UnixListener) -> io::Result<()> {
         listener.set_nonblocking(true)?;
         let fd = listener.as_raw_fd();
-        self.accept_loop(fd, || {
-            let (stream, _) = listener.accept()?;
-            stream.set_nonblocking(false)?;
-            Ok(Box::new(stream))
-        })
+        self.accept_loop(
+            || wait_readable(fd, ACCEPT_POLL_MS),
+            || {
+                let (stream, _) = listener.accept()?;
+                stream.set_nonblocking(false)?;
+                Ok(Box::new(stream))
+            },
+        )
     }
 
+    /// Accepts connections until shutdown or a failure of `wait` (true
+    /// once a connection waits to be taken; false after a timeout) and
+    /// serves each on its own thread; returns once they have all ended.
     fn accept_loop(
         &self,
-        fd: RawFd,
+        mut wait: impl FnMut() -> io::Result<bool>,
         mut accept: impl FnMut() -> io::Result<Box<dyn Socket>>,
     ) -> io::Result<()> {
         let mut threads: Vec<JoinHandle<()>> = Vec::new();
@@ -496,11 +505,17 @@ impl Server {
                 break Ok(());
             }
             threads.retain(|t| !t.is_finished());
-            match wait_readable(fd, ACCEPT_POLL_MS) {
+            match wait() {
                 Ok(false) => continue,
                 Ok(true) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => break Err(e),
+                Err(e) => {
+                    // a listener that fails stops the server: its
+                    // connections, which would otherwise wait for their
+                    // clients to leave before this returns, and the others
+                    self.shutdown_handle().shutdown();
+                    break Err(e);
+                }
             }
             match accept() {
                 Ok(socket) if !self.admit() => drop(socket),
@@ -722,5 +737,58 @@ fn close_gracefully(s: &mut dyn Socket) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::{Export, ExportInfo};
+
+    struct NoExports;
+
+    impl ExportProvider for NoExports {
+        fn list(&self) -> Vec<ExportInfo> {
+            Vec::new()
+        }
+        fn open(&self, _: &str) -> Option<Arc<dyn Export>> {
+            None
+        }
+        fn flush_covers_all_connections(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_failing_listener_stops_its_connections_and_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let listener = UnixListener::bind(&path).unwrap();
+        // a client that connects and then says nothing (its connection
+        // waits in the handshake, for up to its 30 s deadline)
+        let _client = UnixStream::connect(&path).unwrap();
+        let server = Server::new(Arc::new(NoExports), ServerConfig::default());
+        let mut waits = 0;
+        let started = Instant::now();
+        let r = server.accept_loop(
+            || {
+                waits += 1;
+                match waits {
+                    1 => Ok(true),
+                    _ => Err(io::Error::from_raw_os_error(libc::ENOMEM)),
+                }
+            },
+            || {
+                let (s, _) = listener.accept()?;
+                Ok(Box::new(s) as Box<dyn Socket>)
+            },
+        );
+        assert!(r.is_err());
+        assert!(server.shutdown_handle().is_shutdown());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "returned after {:?}",
+            started.elapsed()
+        );
     }
 }
