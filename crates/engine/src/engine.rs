@@ -1566,13 +1566,36 @@ impl Engine {
         // in pieces of 8192 blocks (32 MiB), so a huge TRIM never holds the
         // metadata lock for long, and commits between pieces once changed
         // metadata or blocks waiting to be freed pass their bounds (as a
-        // write would), so neither grows with the TRIM's length
+        // write would), so neither grows with the TRIM's length; unmapped
+        // stretches (map holes) are passed over at once, so a discard of a
+        // whole large thin volume (mkfs) costs what it has mapped
+        const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
         let mut lba = first_full;
         while lba < end_full {
-            let piece_end = (lba + 8192).min(end_full);
+            let piece_end;
             {
                 let mut m = lock(&self.meta);
-                for l in lba..piece_end {
+                let mapped = match m.volumes.get(&vol) {
+                    Some(v) => match v
+                        .map
+                        .next_present_page(lba / PER_PAGE, end_full.div_ceil(PER_PAGE))
+                    {
+                        Some(page) => {
+                            let from = lba.max(page * PER_PAGE).min(end_full);
+                            piece_end = (from + 8192).min(end_full);
+                            v.map.nonzero_u64(from..piece_end)
+                        }
+                        None => {
+                            piece_end = end_full;
+                            Vec::new()
+                        }
+                    },
+                    None => {
+                        piece_end = end_full;
+                        Vec::new()
+                    }
+                };
+                for (l, _) in mapped {
                     m.remap(vol, Lba(l), None);
                 }
                 m.counters.blocks_trimmed += piece_end - lba;

@@ -345,3 +345,36 @@ fn a_delete_cut_short_leaves_the_volume_read_only_until_deleted_again() {
     assert!(e.check().is_empty(), "{:?}", e.check());
     assert_eq!(e.stats().physical_blocks_stored, 1);
 }
+
+#[test]
+fn a_discard_of_a_whole_large_thin_volume_costs_what_it_has_mapped() {
+    // 64 TiB (2^34 blocks): block by block, this discard would take many
+    // minutes; the map's holes are passed over at once
+    let e = Engine::in_memory_over(
+        HashAlgorithm::Sha256,
+        EngineConfig::default(),
+        Box::new(dedupd_engine::backend::MemoryBackend::default()),
+    );
+    let size = 64u64 << 40;
+    let v = e.create_volume("big", size).unwrap();
+    let far = size - 16 * 4096;
+    let block = |b: u8| vec![b; 4096];
+    e.write(v, 0, &block(1), false).unwrap();
+    e.write(v, 1 << 40, &block(2), false).unwrap();
+    e.write(v, far, &block(3), false).unwrap();
+    let started = std::time::Instant::now();
+    e.trim(v, 0, size, false).unwrap();
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "the discard took {:?}",
+        started.elapsed()
+    );
+    let s = e.stats();
+    assert_eq!(s.logical_bytes_mapped, 0);
+    assert_eq!(s.blocks_trimmed, size / 4096);
+    assert_eq!(s.pending_free_blocks + s.free_blocks, 3, "{s:?}");
+    let mut buf = vec![1u8; 4096];
+    e.read(v, far, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
