@@ -65,12 +65,18 @@ impl std::str::FromStr for Format {
 }
 
 /// Detects the format from the first (decompressed) bytes: the native
-/// magic, else a tab in the first line means MobileAppTraces, else FIU.
+/// magic, else a tab in the first record line (empty lines and `#`
+/// comments, which the readers skip, skipped here too) means
+/// MobileAppTraces, else FIU.
 pub fn detect_format(head: &[u8]) -> Format {
     if head.starts_with(&MAGIC) {
         return Format::Native;
     }
-    let first = head.split(|&c| c == b'\n').next().unwrap_or(&[]);
+    let first = head
+        .split(|&c| c == b'\n')
+        .map(|l| l.trim_ascii())
+        .find(|l| !l.is_empty() && l[0] != b'#')
+        .unwrap_or(&[]);
     if first.contains(&b'\t') {
         Format::Mobile
     } else {

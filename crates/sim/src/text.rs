@@ -315,7 +315,6 @@ pub fn parse_mobile(
     let process = std::str::from_utf8(f[5]).map_err(|_| "process name is not UTF-8")?;
     Request::check_sectors(lba, size)?;
     req.ts_ns = ts;
-    req.source = sources.id(pid, process);
     req.op = Some(op);
     req.lba_sectors = lba;
     req.sectors = size;
@@ -334,5 +333,7 @@ pub fn parse_mobile(
             "{n_digests} digests do not fit {size} sectors (one per 4 KiB page)"
         ));
     }
+    // (only a line found good adds its source)
+    req.source = sources.id(pid, process);
     Ok(())
 }

@@ -260,6 +260,24 @@ fn mobile_format_is_detected_and_read() {
 }
 
 #[test]
+fn a_mobile_trace_with_a_comment_first_and_a_bad_line_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "# a MobileAppTraces sample\n\
+         0.5\tW\t0\t8\t1200\tcom.whatsapp\t{a}\n\
+         1\tW\t8\t8\t777\tevil\tzz\n\
+         2\tW\t64\t8\t1300\tcom.tencent.mm\t{a}\n",
+        a = h(7),
+    );
+    let p = write(dir.path(), "mobile.txt", &text);
+    let s = trace_stats(&p, None, true).unwrap();
+    assert_eq!(s.format, Some(Format::Mobile));
+    assert_eq!((s.writes, s.bad_records_skipped), (2, 1));
+    // the skipped line's process is not a source
+    assert_eq!((s.sources, s.processes), (2, 2), "{s:?}");
+}
+
+#[test]
 fn gzip_and_zstd_input_are_read_directly() {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
