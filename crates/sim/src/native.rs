@@ -22,6 +22,8 @@ pub const VERSION: u16 = 1;
 pub const HEADER_BYTES: usize = 16;
 /// Largest chunk payload in bytes.
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
+/// Longest LEB128 encoding of a `u64`.
+const MAX_VARINT_BYTES: usize = 10;
 /// Payload size at which the writer closes a chunk.
 const CHUNK_TARGET_BYTES: usize = 64 * 1024;
 
@@ -79,6 +81,7 @@ impl<W: Write> NativeWriter<W> {
     /// Errors: writing to the output fails.
     pub fn define_source(&mut self, s: &Source) -> io::Result<u32> {
         let id = self.sources;
+        self.make_room(1 + 3 * MAX_VARINT_BYTES + s.process.len())?;
         self.chunk.push(TAG_SOURCE);
         put_varint(&mut self.chunk, id as u64);
         put_varint(&mut self.chunk, s.pid as u64);
@@ -112,6 +115,7 @@ impl<W: Write> NativeWriter<W> {
                 ))
             }
         };
+        self.make_room(1 + 5 * MAX_VARINT_BYTES + 17 * r.blocks.len())?;
         let c = &mut self.chunk;
         c.push(tag);
         put_varint(c, zigzag(r.ts_ns.wrapping_sub(self.last_ts) as i64));
@@ -131,6 +135,16 @@ impl<W: Write> NativeWriter<W> {
         }
         self.records += 1;
         self.maybe_flush()
+    }
+
+    /// Writes the chunk out first if a record of up to `bytes` would take
+    /// it past [`MAX_CHUNK_BYTES`] (a record larger than that alone is
+    /// refused when its chunk is written).
+    fn make_room(&mut self, bytes: usize) -> io::Result<()> {
+        if self.chunk.len() + bytes > MAX_CHUNK_BYTES {
+            self.flush_chunk()?;
+        }
+        Ok(())
     }
 
     fn maybe_flush(&mut self) -> io::Result<()> {

@@ -209,3 +209,36 @@ fn a_replayed_trim_unmaps_whole_blocks_only() {
     assert_eq!(r.mapped_blocks, 2);
     assert_eq!(r.trims, 2);
 }
+
+#[test]
+fn a_large_record_after_small_ones_starts_a_chunk_of_its_own() {
+    let src = [Source {
+        pid: 1,
+        process: "p".into(),
+    }];
+    // about 60 KiB of small records, then one write of 61 000 digests
+    // (1.04 MB): it fits a chunk alone, not with them
+    let mut reqs: Vec<Request> = (0..2000)
+        .map(|i| Request {
+            ts_ns: i,
+            source: 0,
+            op: Some(Op::Write),
+            lba_sectors: i * 8,
+            sectors: 8,
+            blocks: vec![Some([i as u8; 16])],
+        })
+        .collect();
+    reqs.push(Request {
+        ts_ns: 5000,
+        source: 0,
+        op: Some(Op::Write),
+        lba_sectors: 1 << 30,
+        sectors: 61_000 * 8,
+        blocks: (0..61_000u32)
+            .map(|i| Some([(i % 251) as u8; 16]))
+            .collect(),
+    });
+    let bytes = encode(&src, &reqs);
+    let (_, back) = decode(&bytes).unwrap();
+    assert_eq!(back, reqs);
+}
