@@ -60,6 +60,13 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             anyhow::bail!("--traces {}: {e}", t.display());
         }
     }
+    // no result or figure may land on a trace
+    for out in dedupd_sim::sweep::output_paths(&args.out, &args.traces) {
+        if args.out.is_dir() {
+            dedupd_sim::output::check_destination(&out, &args.traces)
+                .map_err(|e| anyhow::anyhow!("--out: {e}"))?;
+        }
+    }
     let points = args.traces.len() * args.policies.len() * budgets.len();
     let jobs = args
         .jobs

@@ -266,6 +266,7 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
     let copy = tmp.path().join("copy.blkparse");
     std::fs::copy(&trace, &copy).unwrap();
     let before = std::fs::read(&copy).unwrap();
+    std::fs::copy(&trace, tmp.path().join("results.csv")).unwrap();
     let c = copy.to_str().unwrap();
     let not_a_dir = keep.to_str().unwrap();
     assert_refused(
@@ -288,7 +289,17 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
                 vec!["sweep", "--traces", c, "--jobs", "0", "--out", "o"],
                 "--jobs",
             ),
+            // a trace where the sweep would write its results
+            (
+                vec!["sweep", "--traces", "results.csv", "--out", "."],
+                "is an input",
+            ),
         ],
+    );
+    assert_eq!(
+        std::fs::read(tmp.path().join("results.csv")).unwrap(),
+        before,
+        "the trace named results.csv was overwritten"
     );
     assert_eq!(
         std::fs::read(&copy).unwrap(),

@@ -272,24 +272,42 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         {
             continue;
         }
-        let stem = t.replace(
-            |c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)),
-            "_",
-        );
-        for (kind, what) in [
-            ("duplicates", crate::plot::Figure::Duplicates),
-            ("eviction-io", crate::plot::Figure::EvictionIo),
-        ] {
-            for ext in ["png", "svg"] {
-                let path = dir.join(format!("{stem}-{kind}.{ext}"));
-                crate::output::write_via_temporary(&path, |tmp| {
-                    crate::plot::draw(rows, t, what, tmp)
-                })?;
-                files.push(path);
-            }
+        for (path, what) in figure_paths(dir, t) {
+            crate::output::write_via_temporary(&path, |tmp| crate::plot::draw(rows, t, what, tmp))?;
+            files.push(path);
         }
     }
     Ok(files)
+}
+
+/// The figures of trace `name` in `dir`: duplicates and eviction I/O, each
+/// as PNG and SVG.
+fn figure_paths(dir: &Path, name: &str) -> Vec<(PathBuf, crate::plot::Figure)> {
+    let stem = name.replace(
+        |c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)),
+        "_",
+    );
+    let mut out = Vec::new();
+    for (kind, what) in [
+        ("duplicates", crate::plot::Figure::Duplicates),
+        ("eviction-io", crate::plot::Figure::EvictionIo),
+    ] {
+        for ext in ["png", "svg"] {
+            out.push((dir.join(format!("{stem}-{kind}.{ext}")), what));
+        }
+    }
+    out
+}
+
+/// Every file [`write_outputs`] may write in `dir` for a sweep of `traces`
+/// (results, and each trace's figures), to check before the sweep runs
+/// that none of them is an input.
+pub fn output_paths(dir: &Path, traces: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out = vec![dir.join("results.csv"), dir.join("results.json")];
+    for name in trace_names(traces) {
+        out.extend(figure_paths(dir, &name).into_iter().map(|(p, _)| p));
+    }
+    out
 }
 
 #[cfg(test)]
