@@ -57,7 +57,7 @@ pub struct GenArgs {
     /// Bytes written in total (suffixes K, M, G).
     #[arg(long, default_value = "64M")]
     size: String,
-    /// Bytes per request (a multiple of 4K).
+    /// Bytes per request (a multiple of 4K, at most 32M).
     #[arg(long, default_value = "4K")]
     bs: String,
     /// Address space of each stream.

@@ -249,6 +249,21 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
                 vec!["trace", "gen", "--size", "4iB", "-o", "x.ddt"],
                 "--size",
             ),
+            (
+                vec![
+                    "trace",
+                    "gen",
+                    "--bs",
+                    "1T",
+                    "--size",
+                    "1T",
+                    "--volume-size",
+                    "1T",
+                    "-o",
+                    "x.ddt",
+                ],
+                "at most 32M",
+            ),
             (vec!["serve", "--read-cache", "8X"], "--read-cache"),
         ],
     );

@@ -181,6 +181,10 @@ impl StreamState {
     }
 }
 
+/// Largest request a generator makes: 32 MiB, the largest NBD request
+/// dedupd serves (8192 pages, 139 KiB of digests in one record).
+pub const MAX_REQUEST_BYTES: u64 = 32 << 20;
+
 fn check(spec: &GenSpec) -> Result<()> {
     let bad = |m: &str| Err(TraceError::Config(m.to_string()));
     if spec.streams.is_empty() || spec.streams.iter().all(|s| s.share == 0) {
@@ -188,6 +192,11 @@ fn check(spec: &GenSpec) -> Result<()> {
     }
     if spec.block_bytes == 0 || !spec.block_bytes.is_multiple_of(4096) {
         return bad("request size must be a positive multiple of 4096 bytes");
+    }
+    // (a request's digests are held at once and written as one record of
+    // a native chunk: 17 bytes per 4 KiB page)
+    if spec.block_bytes > MAX_REQUEST_BYTES {
+        return bad("request size must be at most 32M (--bs)");
     }
     if spec.volume_bytes < spec.block_bytes || !spec.volume_bytes.is_multiple_of(spec.block_bytes) {
         return bad("volume size must be a positive multiple of the request size");
