@@ -826,39 +826,43 @@ impl dedupd_engine::observe::IoObserver for CopyBeforeCheckpoint {
     }
 }
 
+/// A [`build`] store with `name` removed, repaired by fsck; returns the
+/// store as a crash after the repair's commit and before its checkpoint
+/// leaves it (`<dir>/crash`).
+fn crash_image_of_a_repair(dir: &Path, name: &str) -> PathBuf {
+    let path = build(dir);
+    std::fs::remove_file(path.join(name)).unwrap();
+    let crash = dir.join("crash");
+    let observer = std::sync::Arc::new(CopyBeforeCheckpoint {
+        store: path.clone(),
+        copy: crash.clone(),
+        checkpoint_began: Default::default(),
+    });
+    let config = EngineConfig {
+        observer: dedupd_engine::observe::Observer(Some(observer.clone())),
+        ..EngineConfig::default()
+    };
+    let opts = FsckOptions {
+        repair: true,
+        rehash: false,
+    };
+    let report = dedupd_engine::fsck::fsck_with(&path, opts, config).unwrap();
+    assert_eq!(report.exit_code(), 1, "{name}: {report:?}");
+    assert!(observer
+        .checkpoint_began
+        .load(std::sync::atomic::Ordering::SeqCst));
+    assert!(
+        !crash.join(name).exists(),
+        "{name}: copied after the checkpoint"
+    );
+    crash
+}
+
 #[test]
 fn a_repair_of_a_missing_file_survives_a_crash_before_its_checkpoint() {
     for name in ["maps/1", "refcounts", "fingerprints"] {
         let d = tempfile::tempdir().unwrap();
-        let path = build(d.path());
-        std::fs::remove_file(path.join(name)).unwrap();
-        let crash = d.path().join("crash");
-        let observer = std::sync::Arc::new(CopyBeforeCheckpoint {
-            store: path.clone(),
-            copy: crash.clone(),
-            checkpoint_began: Default::default(),
-        });
-        let config = EngineConfig {
-            observer: dedupd_engine::observe::Observer(Some(observer.clone())),
-            ..EngineConfig::default()
-        };
-        let report = dedupd_engine::fsck::fsck_with(
-            &path,
-            FsckOptions {
-                repair: true,
-                rehash: false,
-            },
-            config,
-        )
-        .unwrap();
-        assert_eq!(report.exit_code(), 1, "{name}: {report:?}");
-        assert!(observer
-            .checkpoint_began
-            .load(std::sync::atomic::Ordering::SeqCst));
-        assert!(
-            !crash.join(name).exists(),
-            "{name}: copied after the checkpoint"
-        );
+        let crash = crash_image_of_a_repair(d.path(), name);
         // the crash image opens with the repair in place
         let e = Engine::open(&crash, EngineConfig::default())
             .unwrap_or_else(|err| panic!("{name}: the repair was lost: {err}"));
@@ -1019,23 +1023,7 @@ fn files_made_anew_are_paged_from_after_the_checkpoint_that_writes_them() {
     // before the repair's checkpoint
     for name in ["maps/1", "refcounts", "fingerprints"] {
         let d = tempfile::tempdir().unwrap();
-        let path = build(d.path());
-        std::fs::remove_file(path.join(name)).unwrap();
-        let crash = d.path().join("crash");
-        let observer = std::sync::Arc::new(CopyBeforeCheckpoint {
-            store: path.clone(),
-            copy: crash.clone(),
-            checkpoint_began: Default::default(),
-        });
-        let config = EngineConfig {
-            observer: dedupd_engine::observe::Observer(Some(observer)),
-            ..EngineConfig::default()
-        };
-        let opts = FsckOptions {
-            repair: true,
-            rehash: false,
-        };
-        dedupd_engine::fsck::fsck_with(&path, opts, config).unwrap();
+        let crash = crash_image_of_a_repair(d.path(), name);
         let a_blocks = if name.starts_with("maps") { 0 } else { 600 };
         assert_paged_back_after_checkpoint(&crash, false, a_blocks);
     }

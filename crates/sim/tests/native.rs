@@ -83,13 +83,13 @@ proptest! {
     }
 }
 
-#[test]
-fn corruption_and_truncation_are_detected() {
+/// One source, and `n` one-block writes from it at consecutive blocks.
+fn one_block_writes(n: u64) -> ([Source; 1], Vec<Request>) {
     let src = [Source {
         pid: 1,
         process: "p".into(),
     }];
-    let reqs: Vec<Request> = (0..100)
+    let reqs = (0..n)
         .map(|i| Request {
             ts_ns: i,
             source: 0,
@@ -99,6 +99,12 @@ fn corruption_and_truncation_are_detected() {
             blocks: vec![Some([i as u8; 16])],
         })
         .collect();
+    (src, reqs)
+}
+
+#[test]
+fn corruption_and_truncation_are_detected() {
+    let (src, reqs) = one_block_writes(100);
     let good = encode(&src, &reqs);
     assert_eq!(decode(&good).unwrap().1.len(), 100);
     let mut flipped = good.clone();
@@ -212,22 +218,9 @@ fn a_replayed_trim_unmaps_whole_blocks_only() {
 
 #[test]
 fn a_large_record_after_small_ones_starts_a_chunk_of_its_own() {
-    let src = [Source {
-        pid: 1,
-        process: "p".into(),
-    }];
     // about 60 KiB of small records, then one write of 61 000 digests
     // (1.04 MB): it fits a chunk alone, not with them
-    let mut reqs: Vec<Request> = (0..2000)
-        .map(|i| Request {
-            ts_ns: i,
-            source: 0,
-            op: Some(Op::Write),
-            lba_sectors: i * 8,
-            sectors: 8,
-            blocks: vec![Some([i as u8; 16])],
-        })
-        .collect();
+    let (src, mut reqs) = one_block_writes(2000);
     reqs.push(Request {
         ts_ns: 5000,
         source: 0,
