@@ -159,10 +159,12 @@ mod tests {
                 drop(g);
             })
         };
-        // 50 does not fit beside 60; 30 would, but comes after it
-        let large = spawn("large", 50);
+        // 70 does not fit beside 60; 35 would, but comes after it (and
+        // does not fit beside 70: it starts once the large one is done, so
+        // the order recorded does not depend on the scheduler)
+        let large = spawn("large", 70);
         std::thread::sleep(Duration::from_millis(100));
-        let small = spawn("small", 30);
+        let small = spawn("small", 35);
         std::thread::sleep(Duration::from_millis(100));
         assert!(
             order.lock().unwrap().is_empty(),
