@@ -74,12 +74,6 @@ const RMW_STRIPES: usize = 64;
 /// another write.
 const RMW_ATTEMPTS: u32 = 64;
 
-/// Volume-map pages one change ([`Engine::note_change`]) is assumed to
-/// dirty at most (a 32 MiB write: 16; a piece of a delete or TRIM: 8192
-/// LBAs, 17), to space out counts of the maps' dirty pages; past it, the
-/// bound is passed by at most this many pages per skipped count.
-const MAP_PAGES_PER_CHANGE: u64 = 32;
-
 /// What a read-modify-write read: the PBA its LBA mapped (None:
 /// unmapped) and [`Meta::reuse_epoch`] then. While both hold, the LBA's
 /// content is what was read: a mapped PBA's bytes change only after it is
@@ -425,10 +419,6 @@ pub struct Engine {
     /// Commits a write forced on a full file system to reuse the blocks
     /// released since the last commit.
     no_space_commits: AtomicU64,
-    /// Calls of [`Engine::note_change`] left before it counts the volume
-    /// maps' dirty pages again, and that count.
-    dirty_count_skip: AtomicU64,
-    map_dirty_counted: AtomicU64,
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
@@ -644,21 +634,18 @@ impl Engine {
                 });
             }
             damage.extend(mine);
-            meta.volumes.insert(
-                rec.id,
-                Volume {
-                    record: rec.clone(),
-                    map,
-                    damaged_pages,
-                    map_missing,
-                    map_truncated_at,
-                    // a delete cut short (crash, error, signal): finished by
-                    // deleting again, read-only meanwhile
-                    deleting: rec.deleting,
-                    deletes_running: 0,
-                    before_deletes: (false, false),
-                },
-            );
+            meta.insert_volume(Volume {
+                record: rec.clone(),
+                map,
+                damaged_pages,
+                map_missing,
+                map_truncated_at,
+                // a delete cut short (crash, error, signal): finished by
+                // deleting again, read-only meanwhile
+                deleting: rec.deleting,
+                deletes_running: 0,
+                before_deletes: (false, false),
+            });
         }
         // a missing map's journaled pages are not written in place: a file
         // made of them alone would read its other LBAs as holes at the
@@ -804,8 +791,6 @@ impl Engine {
             merge_scan: Mutex::new(None),
             merge_scan_bytes: AtomicU64::new(0),
             no_space_commits: AtomicU64::new(0),
-            dirty_count_skip: AtomicU64::new(0),
-            map_dirty_counted: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
             config,
         }
@@ -928,10 +913,8 @@ impl Engine {
     /// Looks a volume up by name: (id, size in bytes).
     pub fn volume(&self, name: &str) -> Option<(VolumeId, u64)> {
         let m = lock(&self.meta);
-        m.volumes
-            .values()
-            .find(|v| v.record.name == name)
-            .map(|v| (v.record.id, v.record.size_bytes))
+        let id = m.volume_named(name)?;
+        m.volumes.get(&id).map(|v| (id, v.record.size_bytes))
     }
 
     /// Size in bytes of volume `id`, or `None` if it no longer exists.
@@ -943,38 +926,36 @@ impl Engine {
     }
 
     /// Creates a volume of `size_bytes` (a positive multiple of 4096; may
-    /// exceed the physical space: thin provisioning) and makes it durable.
+    /// exceed the physical space: thin provisioning) and makes it durable
+    /// (an engine in memory commits it with its next flush instead).
     /// Names are 1–64 characters of `A-Za-z0-9._-`.
     pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeId> {
         validate_name(name)?;
         validate_size(size_bytes)?;
         let id = {
             let mut m = lock(&self.meta);
-            if m.volumes.values().any(|v| v.record.name == name) {
+            if m.volume_named(name).is_some() {
                 return Err(EngineError::VolumeExists(name.into()));
             }
             let id = VolumeId(m.next_volume_id);
             m.next_volume_id += 1;
-            m.volumes.insert(
-                id,
-                Volume {
-                    record: VolumeRecord {
-                        id,
-                        name: name.into(),
-                        size_bytes,
-                        sequence_threshold_blocks: None,
-                        deleting: false,
-                        creation_marked: true,
-                    },
-                    map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
-                    damaged_pages: Vec::new(),
-                    map_missing: false,
-                    map_truncated_at: None,
+            m.insert_volume(Volume {
+                record: VolumeRecord {
+                    id,
+                    name: name.into(),
+                    size_bytes,
+                    sequence_threshold_blocks: None,
                     deleting: false,
-                    deletes_running: 0,
-                    before_deletes: (false, false),
+                    creation_marked: true,
                 },
-            );
+                map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
+                damaged_pages: Vec::new(),
+                map_missing: false,
+                map_truncated_at: None,
+                deleting: false,
+                deletes_running: 0,
+                before_deletes: (false, false),
+            });
             // the map cut to nothing marks it as created here: until a
             // checkpoint writes it, its file may be missing (see `open`).
             // (A cut, not a removal: a file opened after a crash and paged
@@ -991,7 +972,12 @@ impl Engine {
             m.change_count += 1;
             id
         };
-        self.flush()?;
+        // a store makes the creation durable at once; an engine in memory
+        // (a replay, which creates a volume per stream) leaves it to its
+        // next commit, so creating many costs no commit each
+        if self.dir.is_some() {
+            self.flush()?;
+        }
         Ok(id)
     }
 
@@ -1075,7 +1061,7 @@ impl Engine {
         for lba in left {
             m.remap(id, Lba(lba), None);
         }
-        m.volumes.remove(&id);
+        m.remove_volume(id);
         m.skipped.forget(id);
         m.sequences.forget(id);
         m.structural_ops.push(Op::Remove {
@@ -1515,32 +1501,11 @@ impl Engine {
     /// Called with the metadata lock held after a change: asks the next
     /// writer to commit when changed metadata or blocks waiting to be freed
     /// pass their bounds (freed blocks are reused only after a commit).
-    ///
-    /// The reference counts' and reverse index's dirty pages are counted
-    /// at every call; the volume maps' only now and then, since that
-    /// visits every volume's map: after a count that leaves room for
-    /// `room` more dirty pages, the next `room / MAP_PAGES_PER_CHANGE`
-    /// calls use that count (the skip is read and set under the metadata
-    /// lock, which every caller holds).
     pub(crate) fn note_change(&self, m: &Meta) {
         let page_bytes = crate::paged::PAGE_SIZE as u64;
-        let bound_pages = self.config.max_dirty_bytes / page_bytes;
         let pending_free_bytes = m.pending_free.len() as u64 * BLOCK_SIZE_U64;
         let other_pages = (m.refcounts.dirty_count() + m.fingerprints.dirty_count()) as u64;
-        let map_pages = match self.dirty_count_skip.load(Ordering::Relaxed) {
-            0 => {
-                let counted = m.map_dirty_pages() as u64;
-                self.map_dirty_counted.store(counted, Ordering::Relaxed);
-                let room = bound_pages.saturating_sub(other_pages + counted);
-                self.dirty_count_skip
-                    .store(room / MAP_PAGES_PER_CHANGE, Ordering::Relaxed);
-                counted
-            }
-            skip => {
-                self.dirty_count_skip.store(skip - 1, Ordering::Relaxed);
-                self.map_dirty_counted.load(Ordering::Relaxed)
-            }
-        };
+        let map_pages = m.map_dirty_pages() as u64;
         let dirty_bytes = (other_pages + map_pages) * page_bytes;
         if dirty_bytes > self.config.max_dirty_bytes
             || pending_free_bytes > self.config.max_pending_free_bytes
@@ -2327,9 +2292,6 @@ impl Engine {
         }
         if let Err(e) = result {
             lock(&self.meta).restore_commit(batch);
-            // (the restored pages are dirty again: the volume maps' count
-            // kept by `note_change` is stale, count them afresh)
-            self.dirty_count_skip.store(0, Ordering::Relaxed);
             if was_over {
                 self.over_commit_bound.store(true, Ordering::Relaxed);
             }
@@ -2614,10 +2576,7 @@ pub(crate) fn fault_check(m: &Meta) -> Result<()> {
 }
 
 fn volume_id(m: &Meta, name: &str) -> Result<VolumeId> {
-    m.volumes
-        .values()
-        .find(|v| v.record.name == name)
-        .map(|v| v.record.id)
+    m.volume_named(name)
         .ok_or_else(|| EngineError::NoSuchVolume(name.into()))
 }
 
@@ -2688,8 +2647,7 @@ mod tests {
 
     #[test]
     fn changed_metadata_over_many_volumes_commits_near_max_dirty() {
-        // 2 MiB: 512 pages, so counts of the maps' dirty pages are skipped
-        // up to 16 changes at a time
+        // 2 MiB: 512 pages
         let max_dirty_pages = 512u64;
         let e = Engine::in_memory_over(
             HashAlgorithm::Sha256,
@@ -2720,11 +2678,67 @@ mod tests {
         }
         assert!(commits >= 10, "{commits} commits");
         // a write here dirties a few pages (map, reference count, reverse
-        // index); counts are skipped only while far from the bound, so it
-        // is passed by about the pages of the write that passes it and of
-        // the next one, which commits
+        // index): the bound is passed by about the pages of the write that
+        // passes it and of the next one, which commits
         assert!(peak <= max_dirty_pages + 16, "{peak} dirty pages");
         assert!(e.check().is_empty());
+    }
+
+    #[test]
+    fn the_modelled_state_is_as_long_as_the_state_a_store_writes() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let state_len = |e: &Engine| {
+            let m = lock(&e.meta);
+            let len = m.encoded_state(m.commit_generation).len() as u64;
+            (m.journal_model.state_bytes, len)
+        };
+        let a = e.create_volume("a", 1 << 20).unwrap();
+        e.create_volume("b-with-a-longer-name", 1 << 30).unwrap();
+        e.flush().unwrap();
+        let (modelled, real) = state_len(&e);
+        assert_eq!(modelled, real);
+        // counters change, the volume table does not (its length is kept)
+        for i in 0..3u8 {
+            e.write(a, u64::from(i) * 4096, &[i + 1; BLOCK_SIZE], false)
+                .unwrap();
+            e.flush().unwrap();
+            let (modelled, real) = state_len(&e);
+            assert_eq!(modelled, real);
+        }
+        // the table changes: measured again
+        e.resize_volume("a", 1 << 40).unwrap();
+        e.set_sequence_threshold("b-with-a-longer-name", Some(4))
+            .unwrap();
+        e.flush().unwrap();
+        assert_eq!(state_len(&e).0, state_len(&e).1);
+        e.delete_volume("b-with-a-longer-name").unwrap();
+        e.flush().unwrap();
+        let (modelled, real) = state_len(&e);
+        assert_eq!(modelled, real);
+        assert!(real > 0);
+    }
+
+    #[test]
+    fn volumes_are_found_by_name_after_creates_and_deletes() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let a = e.create_volume("a", 1 << 20).unwrap();
+        let b = e.create_volume("b", 2 << 20).unwrap();
+        assert_eq!(e.volume("a"), Some((a, 1 << 20)));
+        assert_eq!(e.volume("b"), Some((b, 2 << 20)));
+        assert!(matches!(
+            e.create_volume("a", 1 << 20),
+            Err(EngineError::VolumeExists(_))
+        ));
+        e.delete_volume("a").unwrap();
+        assert_eq!(e.volume("a"), None);
+        assert!(matches!(
+            e.delete_volume("a"),
+            Err(EngineError::NoSuchVolume(_))
+        ));
+        let a2 = e.create_volume("a", 3 << 20).unwrap();
+        assert_ne!(a2, a);
+        assert_eq!(e.volume("a"), Some((a2, 3 << 20)));
+        assert_eq!(e.volume("b"), Some((b, 2 << 20)));
     }
 
     #[test]

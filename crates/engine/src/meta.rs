@@ -8,6 +8,8 @@
 //! - an indexed fingerprint's PBA holds the data with that fingerprint.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::block::{Lba, Pba, VolumeId, BLOCK_SIZE_U64};
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
@@ -15,7 +17,7 @@ use crate::index::FingerprintIndex;
 use crate::journal::{MetaFile, Op};
 use crate::pagecache::{CacheGroup, CachedArray};
 use crate::paged::PagedArray;
-use crate::store::{PersistentCounters, State, VolumeRecord};
+use crate::store::{PersistentCounters, VolumeRecord};
 
 /// Pending merges kept at most (duplicate copies awaiting a map scan).
 pub const MAX_PENDING_MERGES: usize = 65536;
@@ -73,8 +75,13 @@ impl Volume {
 /// The metadata of an open store.
 #[derive(Debug, Default)]
 pub struct Meta {
-    /// Volumes by id.
+    /// Volumes by id (added and removed through [`Meta::insert_volume`]
+    /// and [`Meta::remove_volume`], which keep the two counts below).
     pub volumes: BTreeMap<VolumeId, Volume>,
+    /// Volume ids by name.
+    pub(crate) volume_names: HashMap<String, VolumeId>,
+    /// Dirty pages of all volume maps (each map counts its own in it).
+    pub(crate) map_dirty_pages_total: Arc<AtomicU64>,
     /// Set once syncing the data file failed: blocks written since the
     /// last commit may never reach the disk (the kernel may drop them and
     /// report success to a later sync), so nothing more is written or
@@ -441,14 +448,43 @@ impl Meta {
         }
     }
 
-    /// The `state.json` content for the current volume table and counters.
-    pub fn state(&self, journal_seq: u64) -> State {
-        State {
+    /// The `state.json` content ([`State`]: the volume table, counters and
+    /// `journal_seq`), encoded as the file holds it
+    /// ([`crate::store::encode_checked_compact`]).
+    pub(crate) fn encoded_state(&self, journal_seq: u64) -> Vec<u8> {
+        crate::store::encode_checked_compact(&StateView {
             next_volume_id: self.next_volume_id,
-            volumes: self.volumes.values().map(|v| v.record.clone()).collect(),
-            counters: self.counters.clone(),
+            volumes: self.volumes.values().map(|v| &v.record).collect(),
+            counters: &self.counters,
             journal_seq,
-        }
+        })
+    }
+
+    /// Length of [`Meta::encoded_state`]`(journal_seq)`, for the journal
+    /// model. The volume table's share (90 bytes or so per volume) is
+    /// measured again only when the table changed since the last commit
+    /// (`state_dirty`), so a commit's cost does not grow with the number
+    /// of volumes (a replay makes one per stream).
+    fn encoded_state_len(&mut self, journal_seq: u64) -> usize {
+        let table_bytes = match self.journal_model.volume_table_bytes {
+            Some(n) if !self.state_dirty => n,
+            _ => {
+                let mut count = ByteCount(0);
+                let records: Vec<&VolumeRecord> =
+                    self.volumes.values().map(|v| &v.record).collect();
+                serde_json::to_writer(&mut count, &records).expect("serializable");
+                self.journal_model.volume_table_bytes = Some(count.0);
+                count.0
+            }
+        };
+        let without_table = crate::store::encode_checked_compact(&StateView {
+            next_volume_id: self.next_volume_id,
+            volumes: Vec::new(),
+            counters: &self.counters,
+            journal_seq,
+        });
+        // ("[]" is the empty table's encoding)
+        without_table.len() - 2 + table_bytes
     }
 
     /// Takes every change since the last commit as journal operations.
@@ -477,7 +513,7 @@ impl Meta {
         }
         ops.push(Op::Replace {
             file: MetaFile::State,
-            data: crate::store::encode_checked_compact(&self.state(journal_seq)),
+            data: self.encoded_state(journal_seq),
         });
         self.state_dirty = false;
         CommitBatch {
@@ -513,14 +549,14 @@ impl Meta {
             model_log_pages(&mut v.map, &mut lens, &mut images);
         }
         // every commit replaces the state
-        let state = crate::store::encode_checked_compact(&self.state(self.commit_generation));
-        lens.push(state.len());
+        let state_len = self.encoded_state_len(self.commit_generation);
+        lens.push(state_len);
         let bytes = crate::journal::txn_len(lens);
         let model = &mut self.journal_model;
         model.written_bytes += bytes;
         model.used_bytes += bytes;
         model.pages_logged_whole += images;
-        model.state_bytes = state.len() as u64;
+        model.state_bytes = state_len as u64;
         if model.used_bytes >= journal_size_bytes
             || model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 >= journal_size_bytes
         {
@@ -626,9 +662,38 @@ impl Meta {
         self.refcounts.dirty_count() + self.fingerprints.dirty_count() + self.map_dirty_pages()
     }
 
-    /// Dirty pages of the volume maps (visits every volume).
+    /// Dirty pages of the volume maps.
     pub fn map_dirty_pages(&self) -> usize {
-        self.volumes.values().map(|v| v.map.dirty_count()).sum()
+        let total = self.map_dirty_pages_total.load(Ordering::Relaxed) as usize;
+        debug_assert_eq!(
+            total,
+            self.volumes
+                .values()
+                .map(|v| v.map.dirty_count())
+                .sum::<usize>()
+        );
+        total
+    }
+
+    /// Adds volume `v` (its id and name not in use), its map's dirty pages
+    /// counted in [`Meta::map_dirty_pages`].
+    pub fn insert_volume(&mut self, v: Volume) {
+        v.map.count_dirty_in(self.map_dirty_pages_total.clone());
+        self.volume_names.insert(v.record.name.clone(), v.record.id);
+        let replaced = self.volumes.insert(v.record.id, v);
+        debug_assert!(replaced.is_none(), "volume id in use");
+    }
+
+    /// Removes volume `id`, if present, and returns it.
+    pub fn remove_volume(&mut self, id: VolumeId) -> Option<Volume> {
+        let v = self.volumes.remove(&id)?;
+        self.volume_names.remove(&v.record.name);
+        Some(v)
+    }
+
+    /// The id of the volume named `name`, if any.
+    pub fn volume_named(&self, name: &str) -> Option<VolumeId> {
+        self.volume_names.get(name).copied()
     }
 
     /// Bytes of memory held by the metadata arrays (maps, reference counts,
@@ -738,6 +803,33 @@ pub struct JournalModel {
     pub checkpoint_bytes: u64,
     /// Length of the state the last commit carried.
     pub state_bytes: u64,
+    /// Length of the volume table's JSON as of the last commit that
+    /// measured it (`None` before the first).
+    pub volume_table_bytes: Option<usize>,
+}
+
+/// [`crate::store::State`] borrowed from [`Meta`]: the same fields in the
+/// same order, so the same JSON.
+#[derive(serde::Serialize)]
+struct StateView<'a> {
+    next_volume_id: u32,
+    volumes: Vec<&'a VolumeRecord>,
+    counters: &'a PersistentCounters,
+    journal_seq: u64,
+}
+
+/// An [`std::io::Write`] that only counts the bytes written to it.
+struct ByteCount(usize);
+
+impl std::io::Write for ByteCount {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Counts what [`log_pages`] would log for `array`'s dirty pages (one

@@ -534,6 +534,11 @@ impl CachedArray {
         self.inner.borrow().array.dirty_count()
     }
 
+    /// See [`PagedArray::count_dirty_in`].
+    pub fn count_dirty_in(&self, total: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+        self.inner.borrow_mut().array.count_dirty_in(total);
+    }
+
     /// Drops every entry past logical length `len_bytes`.
     pub fn truncate(&mut self, len_bytes: u64) {
         let i = self.inner.get_mut();

@@ -13,6 +13,9 @@
 //! whose trailer does not verify is *damaged*: it is reported, never
 //! silently used.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 /// Size in bytes of one on-disk metadata page (the unit of journaling).
 pub const PAGE_SIZE: usize = 4096;
 /// Bytes of entries per page.
@@ -174,16 +177,24 @@ pub struct PagedArray {
     len_pages: u64,
     allocated_pages: u64,
     dirty: Vec<u64>,
+    /// A count of dirty pages shared by several arrays (the volume maps),
+    /// kept up to date here so that it is read without visiting them.
+    dirty_total: Option<Arc<AtomicU64>>,
+}
+
+impl Drop for PagedArray {
+    fn drop(&mut self) {
+        self.count_cleaned(self.dirty.len());
+    }
 }
 
 impl PagedArray {
     /// An empty array whose on-disk pages carry `tag` (identifies the file,
     /// so a page written to the wrong file or place is detected).
     pub fn new(tag: u32) -> Self {
-        PagedArray {
-            tag,
-            ..PagedArray::default()
-        }
+        let mut a = PagedArray::default();
+        a.tag = tag;
+        a
     }
 
     /// Builds an array from its on-disk bytes (whole pages; a short tail is
@@ -330,6 +341,9 @@ impl PagedArray {
             c.dirty[i / 64] |= 1 << (i % 64);
             c.changed[i] = (lo, hi);
             self.dirty.push(page);
+            if let Some(t) = &self.dirty_total {
+                t.fetch_add(1, Ordering::Relaxed);
+            }
         } else {
             let (a, b) = c.changed[i];
             c.changed[i] = (a.min(lo), b.max(hi));
@@ -547,7 +561,9 @@ impl PagedArray {
     /// whose changed range is then the whole payload) and the payload
     /// bytes changed.
     fn drain_dirty(&mut self, mut f: impl FnMut(u64, Option<&Page>, std::ops::Range<usize>)) {
-        for page in std::mem::take(&mut self.dirty) {
+        let pages = std::mem::take(&mut self.dirty);
+        self.count_cleaned(pages.len());
+        for page in pages {
             let i = page as usize % CHUNK_PAGES;
             let Some(Some(c)) = self.chunks.get_mut(page as usize / CHUNK_PAGES) else {
                 continue; // truncated away
@@ -575,6 +591,22 @@ impl PagedArray {
         self.dirty.len()
     }
 
+    /// Counts this array's dirty pages, now and from now on, in `total`
+    /// (shared with other arrays; the pages leave it as they are cleaned,
+    /// truncated away or dropped with the array), instead of any count it
+    /// was in before.
+    pub fn count_dirty_in(&mut self, total: Arc<AtomicU64>) {
+        self.count_cleaned(self.dirty.len());
+        total.fetch_add(self.dirty.len() as u64, Ordering::Relaxed);
+        self.dirty_total = Some(total);
+    }
+
+    fn count_cleaned(&self, pages: usize) {
+        if let Some(t) = &self.dirty_total {
+            t.fetch_sub(pages as u64, Ordering::Relaxed);
+        }
+    }
+
     /// Drops every page past logical length `len_bytes` and zeroes the tail
     /// of the last kept page.
     pub fn truncate(&mut self, len_bytes: u64) {
@@ -595,7 +627,9 @@ impl PagedArray {
                     }
                 }
             }
+            let before = self.dirty.len();
             self.dirty.retain(|&p| p < keep);
+            self.count_cleaned(before - self.dirty.len());
             if keep > 0 {
                 self.release_chunk(keep - 1);
             }
