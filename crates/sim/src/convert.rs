@@ -59,14 +59,20 @@ pub fn convert_counting(
         .map_err(io_err(&out_name))?;
     let mut req = Request::default();
     let mut summary = ConvertSummary::default();
-    while reader.next_into(&mut req)? {
+    // each source is defined before the first request that names it;
+    // sources after the last request (a native input may hold some) too
+    let mut live = true;
+    while live {
+        live = reader.next_into(&mut req)?;
         while summary.sources < reader.sources().len() as u64 {
             w.define_source(&reader.sources()[summary.sources as usize])
                 .map_err(io_err(&out_name))?;
             summary.sources += 1;
         }
-        w.write(&req).map_err(io_err(&out_name))?;
-        summary.requests += 1;
+        if live {
+            w.write(&req).map_err(io_err(&out_name))?;
+            summary.requests += 1;
+        }
     }
     let out = w.finish().map_err(io_err(&out_name))?;
     out.into_inner()

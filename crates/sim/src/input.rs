@@ -60,15 +60,15 @@ const BUF_BYTES: usize = 256 * 1024;
 /// Errors: the file cannot be opened or read, or a decoder cannot start.
 pub fn open(path: &Path, consumed: Arc<AtomicU64>) -> io::Result<(Box<dyn BufRead>, Compression)> {
     let file = File::open(path)?;
-    let mut raw = BufReader::with_capacity(
+    let raw = BufReader::with_capacity(
         BUF_BYTES,
         Counting {
             inner: file,
             count: consumed,
         },
     );
-    let head = raw.fill_buf()?;
-    let c = detect_compression(head);
+    let (raw, head) = peek(Box::new(raw), |h| h.len() >= 4, 4)?;
+    let c = detect_compression(&head);
     let r: Box<dyn BufRead> = match c {
         Compression::None => Box::new(raw),
         Compression::Gzip => Box::new(BufReader::with_capacity(
@@ -81,6 +81,39 @@ pub fn open(path: &Path, consumed: Arc<AtomicU64>) -> io::Result<(Box<dyn BufRea
         )),
     };
     Ok((r, c))
+}
+
+/// The first bytes of `input`, at least until `enough` holds of them or
+/// `cap` bytes are in (or the input ends): a pipe, or a gzip file of
+/// several members, may deliver them over several reads. Returns the
+/// input to read from (those bytes first) and the bytes.
+///
+/// Errors: reading the input.
+pub fn peek(
+    mut input: Box<dyn BufRead>,
+    enough: impl Fn(&[u8]) -> bool,
+    cap: usize,
+) -> io::Result<(Box<dyn BufRead>, Vec<u8>)> {
+    let first = input.fill_buf()?;
+    if first.is_empty() || first.len() >= cap || enough(first) {
+        let head = first.to_vec();
+        return Ok((input, head));
+    }
+    let mut head = Vec::new();
+    loop {
+        let buf = input.fill_buf()?;
+        if buf.is_empty() {
+            break;
+        }
+        let n = buf.len();
+        head.extend_from_slice(buf);
+        input.consume(n);
+        if head.len() >= cap || enough(&head) {
+            break;
+        }
+    }
+    let again = io::Cursor::new(head.clone());
+    Ok((Box::new(again.chain(input)), head))
 }
 
 #[cfg(test)]
@@ -106,5 +139,37 @@ mod tests {
         // stays text
         assert_eq!(detect_compression(b"_*M\x18"), Compression::Zstd);
         assert_eq!(detect_compression(b"PXYZ"), Compression::None);
+    }
+
+    /// Delivers its bytes `step` at a time, as a pipe may.
+    struct Trickle(Vec<u8>, usize);
+
+    impl Read for Trickle {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = self.1.min(buf.len()).min(self.0.len());
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0.drain(..n);
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_peek_over_several_reads_keeps_every_byte() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+        for step in [1, 3, 4, 700, 20_000] {
+            let input: Box<dyn BufRead> = Box::new(BufReader::new(Trickle(data.clone(), step)));
+            let (mut r, head) = peek(input, |h| h.len() >= 1000, 5000).unwrap();
+            assert!(head.len() >= 1000 && data.starts_with(&head), "step {step}");
+            let mut all = Vec::new();
+            r.read_to_end(&mut all).unwrap();
+            assert_eq!(all, data, "step {step}");
+        }
+        // an input shorter than asked for: all of it
+        let input: Box<dyn BufRead> = Box::new(BufReader::new(Trickle(vec![7; 3], 1)));
+        let (mut r, head) = peek(input, |h| h.len() >= 4, 4).unwrap();
+        assert_eq!(head, vec![7; 3]);
+        let mut all = Vec::new();
+        r.read_to_end(&mut all).unwrap();
+        assert_eq!(all, vec![7; 3]);
     }
 }

@@ -14,6 +14,10 @@ use std::io::{self, BufRead, Read, Write};
 
 use crate::request::{Op, Request, Source, SECTORS_PER_BLOCK};
 
+/// Bytes of the end marker: a chunk length of 0, the record count (8
+/// bytes) and its CRC32C (4 bytes).
+const END_MARKER_BYTES: u64 = 4 + 8 + 4;
+
 /// First 8 bytes of every native trace.
 pub const MAGIC: [u8; 8] = *b"DDTRACE\0";
 /// Format version written and accepted.
@@ -304,7 +308,7 @@ impl NativeReader {
                 Ok(false) => {}
                 Ok(true) => {
                     return Err((
-                        self.offset + 20,
+                        self.offset + END_MARKER_BYTES,
                         "data after the end marker (traces concatenated? convert them into one)"
                             .into(),
                     ))

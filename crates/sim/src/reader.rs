@@ -84,6 +84,24 @@ pub fn detect_format(head: &[u8]) -> Format {
     }
 }
 
+/// Most bytes read to find the first record line for [`detect_format`].
+const DETECT_CAP_BYTES: usize = 2 * MAX_LINE_BYTES;
+
+/// True once `head` decides [`detect_format`]: it starts with the native
+/// magic, or holds a whole first record line.
+fn format_decidable(head: &[u8]) -> bool {
+    if head.len() >= MAGIC.len() && head.starts_with(&MAGIC) {
+        return true;
+    }
+    if head.len() < MAGIC.len() && MAGIC.starts_with(head) {
+        return false;
+    }
+    head.split_inclusive(|&c| c == b'\n')
+        .take_while(|l| l.ends_with(b"\n"))
+        .map(|l| l.trim_ascii())
+        .any(|l| !l.is_empty() && l[0] != b'#')
+}
+
 enum Inner {
     Text {
         input: Box<dyn BufRead>,
@@ -120,10 +138,14 @@ impl TraceReader {
         consumed: Arc<AtomicU64>,
     ) -> Result<Self> {
         let name = path.display().to_string();
-        let (mut input, _) = input::open(path, consumed).map_err(io_err(&name))?;
-        let format = match format {
-            Some(f) => f,
-            None => detect_format(input.fill_buf().map_err(io_err(&name))?),
+        let (input, _) = input::open(path, consumed).map_err(io_err(&name))?;
+        let (input, format) = match format {
+            Some(f) => (input, f),
+            None => {
+                let (input, head) = input::peek(input, format_decidable, DETECT_CAP_BYTES)
+                    .map_err(io_err(&name))?;
+                (input, detect_format(&head))
+            }
         };
         let inner = match format {
             Format::Native => {

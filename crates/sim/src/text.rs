@@ -328,7 +328,9 @@ pub fn parse_mobile(
     }
     let pages = size.div_ceil(SECTORS_PER_BLOCK);
     let n_digests = req.blocks.len() as u64;
-    if op == Op::Write && n_digests != pages && n_digests != req.blocks_touched() {
+    // (a read may carry no digests; any it carries must fit as a write's)
+    let checked = op == Op::Write || n_digests > 0;
+    if checked && n_digests != pages && n_digests != req.blocks_touched() {
         return Err(format!(
             "{n_digests} digests do not fit {size} sectors (one per 4 KiB page)"
         ));

@@ -278,6 +278,27 @@ fn a_mobile_trace_with_a_comment_first_and_a_bad_line_skipped() {
 }
 
 #[test]
+fn the_format_of_a_gzip_file_of_several_members_is_detected_past_the_first() {
+    // the first member holds only a comment: the decoder's first read
+    // stops at its end, before any record line
+    let dir = tempfile::tempdir().unwrap();
+    let gz = dir.path().join("m.gz");
+    let mut bytes = Vec::new();
+    for part in [
+        "# a MobileAppTraces sample\n".to_string(),
+        format!("0.5\tW\t0\t8\t1200\tcom.whatsapp\t{}\n", h(7)),
+    ] {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(part.as_bytes()).unwrap();
+        bytes.extend(e.finish().unwrap());
+    }
+    std::fs::write(&gz, &bytes).unwrap();
+    let s = trace_stats(&gz, None, false).unwrap();
+    assert_eq!(s.format, Some(Format::Mobile));
+    assert_eq!(s.writes, 1);
+}
+
+#[test]
 fn gzip_and_zstd_input_are_read_directly() {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
@@ -602,6 +623,11 @@ fn hostile_lines_are_refused_with_file_and_line() {
             "address space",
         ),
         (&mobile, format!(".\tW\t0\t8\t1\tp\t{}\n", h(4)), "bad time"),
+        (
+            &mobile,
+            format!("1.6\tR\t0\t8\t1\tp\t{0}-{0}-{0}\n", h(4)),
+            "do not fit",
+        ),
         (&good, format!("{}\n", "9".repeat(2 << 20)), "longer than"),
     ];
     for (i, (good, bad, why)) in cases.iter().enumerate() {

@@ -125,6 +125,11 @@ fn corruption_and_truncation_are_detected() {
     let twice = [good.clone(), good.clone()].concat();
     let e = decode(&twice).unwrap_err();
     assert!(e.to_string().contains("after the end marker"), "{e}");
+    // the offset named is where the extra data starts
+    match decode(&[good.clone(), vec![b'X']].concat()).unwrap_err() {
+        TraceError::BadNative { offset, .. } => assert_eq!(offset, good.len() as u64),
+        e => panic!("{e}"),
+    }
 }
 
 #[test]
@@ -234,4 +239,28 @@ fn a_large_record_after_small_ones_starts_a_chunk_of_its_own() {
     let bytes = encode(&src, &reqs);
     let (_, back) = decode(&bytes).unwrap();
     assert_eq!(back, reqs);
+}
+
+#[test]
+fn a_conversion_keeps_sources_defined_after_the_last_request() {
+    let (src, reqs) = one_block_writes(3);
+    let mut w = NativeWriter::new(Vec::new()).unwrap();
+    w.define_source(&src[0]).unwrap();
+    for r in &reqs {
+        w.write(r).unwrap();
+    }
+    let late = Source {
+        pid: 2,
+        process: "late".into(),
+    };
+    w.define_source(&late).unwrap();
+    let bytes = w.finish().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.ddt"), dir.path().join("out.ddt"));
+    std::fs::write(&input, &bytes).unwrap();
+    let summary = dedupd_sim::convert(&input, None, false, &output).unwrap();
+    assert_eq!((summary.requests, summary.sources), (3, 2));
+    let (sources, converted) = decode(&std::fs::read(&output).unwrap()).unwrap();
+    assert_eq!(sources, vec![src[0].clone(), late]);
+    assert_eq!(converted, reqs);
 }
