@@ -390,16 +390,19 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             let v = with_store(store, Request::VolumeList, |e, _| {
                 Ok(serde_json::to_value(e.volumes())?)
             })?;
+            use std::fmt::Write as _;
+            let mut out = String::new();
             if json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
             } else {
                 let Some(list) = v.as_array() else {
                     bail!("malformed volume list")
                 };
-                println!(
+                writeln!(
+                    out,
                     "{:<24} {:>12} {:>12} {:>10} STATE",
                     "NAME", "SIZE", "MAPPED", "SEQ-T"
-                );
+                )?;
                 for vol in list {
                     let state = if vol["deleting"].as_bool().unwrap_or(false) {
                         "being deleted (read-only; delete again to finish)"
@@ -408,7 +411,8 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     } else {
                         "ok"
                     };
-                    println!(
+                    writeln!(
+                        out,
                         "{:<24} {:>12} {:>12} {:>10} {}",
                         vol["name"].as_str().unwrap_or("?"),
                         human(vol["size_bytes"].as_u64().unwrap_or(0)),
@@ -417,12 +421,26 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                             .as_u64()
                             .map_or("default".to_string(), |t| t.to_string()),
                         state
-                    );
+                    )?;
                 }
             }
+            print_quietly_if_cut(&out)?;
         }
     }
     Ok(())
+}
+
+/// Writes `text` to stdout; a reader that went away (`| head`) ends the
+/// output quietly instead of failing.
+///
+/// Errors: other write errors.
+fn print_quietly_if_cut(text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
 }
 
 /// A progress bar on stderr (drawn only on a terminal) counting blocks,

@@ -173,9 +173,35 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
         return opened;
     }
     let size_bytes = args.default_volume_size;
+    let existed = store.exists();
     let engine = Engine::create(store, args.hash, config)
         .with_context(|| format!("creating store {}", store.display()))?;
-    engine.create_volume("default", size_bytes)?;
+    if let Err(e) = engine.create_volume("default", size_bytes) {
+        // a store without its first volume would be served empty at every
+        // later start: take back what this call made
+        drop(engine);
+        let undone = if existed {
+            std::fs::read_dir(store).and_then(|entries| {
+                entries.into_iter().try_for_each(|entry| {
+                    let path = entry?.path();
+                    if path.is_dir() {
+                        std::fs::remove_dir_all(path)
+                    } else {
+                        std::fs::remove_file(path)
+                    }
+                })
+            })
+        } else {
+            std::fs::remove_dir_all(store)
+        };
+        if let Err(u) = undone {
+            eprintln!(
+                "dedupd: warning: could not remove the store just created at {}: {u}",
+                store.display()
+            );
+        }
+        return Err(e).with_context(|| format!("creating volume default in {}", store.display()));
+    }
     println!(
         "created store {} with volume default ({})",
         store.display(),
@@ -222,16 +248,14 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         ..ServerConfig::default()
     };
-    // (before the store is opened or created: a bad --socket changes nothing)
+    // the listeners first: a bad --listen or --socket, or one in use,
+    // changes nothing (no store is created)
+    if args.no_tcp && args.socket.is_none() {
+        anyhow::bail!("nothing to listen on: give --socket when using --no-tcp");
+    }
     if let Some(p) = &args.socket {
         remove_stale_socket(p)?;
     }
-    let engine = Arc::new(open_or_create(store, &args, config)?);
-    let server = Arc::new(Server::new(
-        Arc::new(VolumeExports::new(engine.clone())),
-        server_config,
-    ));
-
     let tcp = if args.no_tcp {
         None
     } else {
@@ -249,9 +273,19 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         )),
         None => None,
     };
-    if tcp.is_none() && unix.is_none() {
-        anyhow::bail!("nothing to listen on: give --socket when using --no-tcp");
-    }
+    let engine = match open_or_create(store, &args, config) {
+        Ok(e) => Arc::new(e),
+        Err(e) => {
+            if let Some((_, p)) = &unix {
+                let _ = std::fs::remove_file(p);
+            }
+            return Err(e);
+        }
+    };
+    let server = Arc::new(Server::new(
+        Arc::new(VolumeExports::new(engine.clone())),
+        server_config,
+    ));
 
     // control socket (we hold the store lock, so an existing one is stale)
     let ctl_path = control::socket_path(store);
@@ -292,13 +326,22 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
             store.display()
         );
     }
+    if names.is_empty() {
+        println!(
+            "dedupd: no volumes: create one with `dedupd --store {} volume create NAME SIZE`",
+            shell_quote(&store.display().to_string())
+        );
+    }
     if let Some(l) = &tcp {
         let addr = l.local_addr()?;
         println!("dedupd: listening on nbd://{addr}");
-        println!("dedupd: try: nbdinfo nbd://{addr}/{first}");
+        if !names.is_empty() {
+            println!("dedupd: try: nbdinfo nbd://{addr}/{}", uri_encode(&first));
+        }
     }
     if let Some((_, p)) = &unix {
-        println!("dedupd: listening on nbd+unix:///?socket={}", p.display());
+        let socket = uri_encode(&p.display().to_string());
+        println!("dedupd: listening on nbd+unix:///?socket={socket}");
         if p.as_os_str().len() > 107 {
             eprintln!(
                 "dedupd: warning: --socket {} is longer than a Unix socket address \
@@ -307,12 +350,15 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
                 p.display()
             );
         }
-        println!(
-            "dedupd: try: nbdinfo 'nbd+unix:///{first}?socket={}'",
-            p.display()
-        );
+        if !names.is_empty() {
+            let uri = format!("nbd+unix:///{}?socket={socket}", uri_encode(&first));
+            println!("dedupd: try: nbdinfo {}", shell_quote(&uri));
+        }
     }
-    println!("dedupd: stats: dedupd --store {} stats", store.display());
+    println!(
+        "dedupd: stats: dedupd --store {} stats",
+        shell_quote(&store.display().to_string())
+    );
     use std::io::Write;
     std::io::stdout().flush().ok();
 
@@ -500,6 +546,33 @@ fn answer(
 ///
 /// Errors: `path` is not a socket (a file, a directory...), or a server
 /// still answers on it.
+/// `s` percent-encoded for a URI's path or query (RFC 3986: unreserved
+/// characters and `/` kept, every other byte as `%XX`).
+fn uri_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `s` as one word for a POSIX shell: as is if it holds only characters a
+/// shell leaves alone, else in single quotes.
+fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~/+,:=@%".contains(&b));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
 fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     let md = match std::fs::symlink_metadata(path) {

@@ -42,13 +42,17 @@ pub fn parse_index_memory(s: &str) -> Result<u64, String> {
 }
 
 /// Parses a volume size: a size (as [`parse_size`]) that is a positive
-/// multiple of 4 KiB (a whole number of blocks).
+/// multiple of 4 KiB (a whole number of blocks), at most 1 PiB
+/// ([`dedupd_engine::engine::MAX_VOLUME_BYTES`]).
 pub fn parse_volume_size(s: &str) -> Result<u64, String> {
     let v = parse_size(s)?;
     if v == 0 || !v.is_multiple_of(4096) {
         return Err(format!(
             "{s:?} is not a positive multiple of 4K (a volume holds whole 4 KiB blocks)"
         ));
+    }
+    if v > dedupd_engine::engine::MAX_VOLUME_BYTES {
+        return Err(format!("{s:?} is over the 1 PiB limit of a volume"));
     }
     Ok(v)
 }
@@ -89,7 +93,8 @@ mod tests {
         }
         assert_eq!(human(1536), "1.50 KiB");
         assert_eq!(parse_volume_size("16G").unwrap(), 16 << 30);
-        for bad in ["0", "1000", "4097", "x"] {
+        assert_eq!(parse_volume_size("1P").unwrap(), 1 << 50);
+        for bad in ["0", "1000", "4097", "x", "2P", "1025T"] {
             assert!(parse_volume_size(bad).is_err(), "{bad:?} accepted");
         }
     }

@@ -663,3 +663,95 @@ fn a_command_whose_checkpoint_fails_succeeds_with_a_warning() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("exists"));
 }
+
+#[test]
+fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work() {
+    require("nbdinfo");
+    let tmp = tempfile::tempdir().unwrap();
+    // refused before anything is written: no store appears
+    for (i, args) in [
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--default-volume-size",
+            "2P",
+        ][..],
+        &["serve", "--no-tcp"],
+        &["serve", "--listen", "127.0.0.1"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let store = tmp.path().join(format!("s{i}"));
+        let out = dedupd(&store, args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(!store.exists(), "{args:?} made a store");
+    }
+    // a file given as the store is named as such, and left alone
+    let file = tmp.path().join("afile");
+    std::fs::write(&file, b"hi\n").unwrap();
+    for args in [
+        &["serve", "--listen", "127.0.0.1:0"][..],
+        &["stats"],
+        &["fsck"],
+    ] {
+        let out = dedupd(&file, args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("not a dedupd store"), "{args:?}: {err}");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"hi\n");
+
+    // paths a shell or a URI must quote: the commands printed at start
+    // work as printed (dedupd on PATH)
+    let odd = tmp.path().join("sp ace%");
+    std::fs::create_dir(&odd).unwrap();
+    let store = odd.join("st 'q'");
+    let socket = odd.join("n.sock");
+    let server = Server::start(&store, &["--socket", socket.to_str().unwrap()]);
+    let bin_dir = common::dedupd_bin().parent().unwrap().to_path_buf();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let commands: Vec<&str> = server
+        .banner
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("dedupd: try: ")
+                .or_else(|| l.strip_prefix("dedupd: stats: "))
+        })
+        .collect();
+    assert_eq!(commands.len(), 3, "{}", server.banner);
+    for c in commands {
+        let out = Command::new("bash")
+            .args(["-c", c])
+            .env("PATH", &path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{c}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    server.stop();
+
+    // a listing whose reader went away ends quietly
+    let out = Command::new("bash")
+        .args([
+            "-c",
+            "set -o pipefail; \"$0\" --store \"$1\" volume list | true",
+        ])
+        .arg(common::dedupd_bin())
+        .arg(&store)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -2627,13 +2627,16 @@ fn undo_unwritten(m: &mut Meta, placement: &[Placement], n: usize) {
     m.counters.sequence_filtered_blocks -= filtered;
 }
 
+/// Largest volume size in bytes: 1 PiB.
+pub const MAX_VOLUME_BYTES: u64 = 1 << 50;
+
 fn validate_size(size_bytes: u64) -> Result<()> {
     if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
         return Err(EngineError::InvalidArgument(format!(
             "volume size {size_bytes} bytes is not a positive multiple of 4096"
         )));
     }
-    if size_bytes > (1u64 << 50) {
+    if size_bytes > MAX_VOLUME_BYTES {
         return Err(EngineError::InvalidArgument(format!(
             "volume size {size_bytes} bytes is over the 1 PiB limit"
         )));

@@ -27,7 +27,8 @@ pub enum EngineError {
     /// A store already exists where a new one was to be created.
     #[error("a dedupd store already exists at {0}")]
     StoreExists(PathBuf),
-    /// The directory exists but is not a dedupd store (no or foreign superblock).
+    /// The path exists but is not a dedupd store (not a directory, or no or
+    /// foreign superblock).
     #[error("{path} is not a dedupd store: {detail}")]
     NotAStore {
         /// The path given.

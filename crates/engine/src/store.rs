@@ -232,6 +232,12 @@ impl StoreDir {
     /// Opens and locks the existing store at `root`, checking its superblock.
     pub fn open(root: &Path) -> Result<(StoreDir, Superblock)> {
         if !root.is_dir() {
+            if root.exists() {
+                return Err(EngineError::NotAStore {
+                    path: root.to_path_buf(),
+                    detail: "not a directory".into(),
+                });
+            }
             return Err(EngineError::NoStore(root.to_path_buf()));
         }
         let sb_path = root.join("superblock");
