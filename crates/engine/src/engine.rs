@@ -1211,9 +1211,13 @@ impl Engine {
             m.sequences.forget(id);
             let default_t = self.config.sequence_threshold_blocks;
             let v = m.volumes.get_mut(&id).expect("looked up above");
+            // (a volume that took the engine's T may have run under a
+            // server with another: this engine's tells nothing of it)
+            let inherited = v.record.sequence_threshold_blocks.is_none();
             let was = v.record.sequence_threshold_blocks.unwrap_or(default_t);
             v.record.sequence_threshold_blocks = threshold_blocks;
-            if was > 1 && threshold_blocks.unwrap_or(default_t) <= 1 {
+            let lowered_to_one = threshold_blocks.unwrap_or(default_t) <= 1;
+            if lowered_to_one && (was > 1 || inherited && threshold_blocks.is_some()) {
                 // its writes under T > 1 were not recorded for the
                 // background pass: it examines the volume whole (where
                 // mapped) instead
@@ -2719,6 +2723,17 @@ mod tests {
         let (modelled, real) = state_len(&e);
         assert_eq!(modelled, real);
         assert!(real > 0);
+    }
+
+    #[test]
+    fn a_threshold_of_one_set_on_a_volume_that_took_the_default_queues_it_whole() {
+        // this engine's T is 1, but the volume may have run under a server
+        // whose T was higher: its duplicates may wait for a whole pass
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        e.create_volume("v", 1 << 20).unwrap();
+        assert_eq!(lock(&e.meta).skipped.stats().volumes, 0);
+        e.set_sequence_threshold("v", Some(1)).unwrap();
+        assert_eq!(lock(&e.meta).skipped.stats().volumes, 1);
     }
 
     #[test]
