@@ -24,6 +24,11 @@ use crate::transmission::{self, ReplySink, ReplyWriter, RequestSource, Resources
 /// reading side shut down (a client stalled in the middle of a request
 /// header would otherwise hold the shutdown up).
 const SHUTDOWN_STOP_READING_AFTER: Duration = Duration::from_secs(5);
+/// After shutdown began, connections still negotiating this long have
+/// their reading side shut down; until then the options they send are
+/// answered `NBD_REP_ERR_SHUTDOWN` (proto.md: a server being shut down
+/// SHOULD error further options so).
+const SHUTDOWN_NEGOTIATION_GRACE: Duration = Duration::from_secs(1);
 /// How often an idle accept loop checks for shutdown.
 const ACCEPT_POLL_MS: libc::c_int = 50;
 /// A reply write that makes no progress for this long (the client does not
@@ -380,15 +385,15 @@ impl ShutdownHandle {
     /// requests finish and are replied to, connections end with FIN (what
     /// a client sends after it is read and dropped), then the `serve_*`
     /// calls return. Connections still negotiating get
-    /// `NBD_REP_ERR_SHUTDOWN` or are closed (their reading side is shut
-    /// down). A connection still open 5 s later has its reading side shut
-    /// down too. A client that does not read
+    /// `NBD_REP_ERR_SHUTDOWN` for the options they send in the next second,
+    /// then are closed (their reading side is shut down). A connection
+    /// still open 5 s later has its reading side shut down too. A client that does not read
     /// its replies is given 10 s per reply before its connection is
     /// dropped. Idempotent and permanent.
     pub fn shutdown(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         for r in self.shared.registry().values() {
-            stop_socket(r.socket.as_ref(), r.transmitting.load(Ordering::SeqCst));
+            stop_socket(r.socket.as_ref());
         }
     }
 
@@ -533,11 +538,19 @@ impl Server {
         // In-flight requests finish and connections stop reading by
         // themselves; one whose client stalls in the middle of a request
         // header has its reading side shut down after a while.
+        let negotiations_end_at = Instant::now() + SHUTDOWN_NEGOTIATION_GRACE;
         let forced_at = Instant::now() + SHUTDOWN_STOP_READING_AFTER;
         let mut forced = false;
         while self.shared.stopping.load(Ordering::SeqCst)
             && threads.iter().any(|t| !t.is_finished())
         {
+            if !forced && Instant::now() >= negotiations_end_at {
+                for r in self.shared.registry().values() {
+                    if !r.transmitting.load(Ordering::SeqCst) {
+                        let _ = r.socket.shutdown_socket(Shutdown::Read);
+                    }
+                }
+            }
             if !forced && Instant::now() >= forced_at {
                 for r in self.shared.registry().values() {
                     let _ = r.socket.shutdown_socket(Shutdown::Read);
@@ -595,17 +608,16 @@ struct Registered {
 }
 
 /// At shutdown, bounds how long a connection's remaining replies may
-/// block on a client that does not read them, and stops a negotiating
-/// connection's reading (its reading side is shut down). A connection in
+/// block on a client that does not read them. A connection in
 /// transmission stops reading by itself once nothing more has arrived
 /// (its reading side stays open: data a client sends after the server's
 /// FIN is then read and dropped, where a shut reading side would answer
-/// it with a reset that destroys replies not yet delivered).
-fn stop_socket(socket: &dyn Socket, transmitting: bool) {
+/// it with a reset that destroys replies not yet delivered); one still
+/// negotiating answers options `NBD_REP_ERR_SHUTDOWN` until
+/// [`SHUTDOWN_NEGOTIATION_GRACE`] has passed, when the accept loop shuts
+/// its reading side.
+fn stop_socket(socket: &dyn Socket) {
     let _ = socket.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
-    if !transmitting {
-        let _ = socket.shutdown_socket(Shutdown::Read);
-    }
 }
 
 /// Waits up to `timeout_ms` for `fd` to become readable.
@@ -662,7 +674,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     );
     // A shutdown that ran before the registration did not see this socket.
     if shared.stopping.load(Ordering::SeqCst) {
-        stop_socket(socket.as_ref(), false);
+        stop_socket(socket.as_ref());
     }
 
     let mut reader = SocketReader {
@@ -688,7 +700,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         Ok(o)
     });
     // (a shutdown from now on leaves reading to the transmission phase;
-    // one just before shut the reading side, which it will find)
+    // one just before made negotiate refuse the options that followed)
     transmitting.store(true, Ordering::SeqCst);
     drop(buffered);
     let hangup_half = Arc::new(hangup_half);

@@ -478,8 +478,12 @@ fn shutdown_finishes_inflight_requests_then_returns() {
     assert_eq!(busy.read_n(4096).len(), 4096);
     assert!(busy.at_eof());
     assert!(idle.at_eof());
+    // A client still negotiating has its options refused with
+    // ERR_SHUTDOWN (proto.md: the server SHOULD), then is closed.
     negotiating.send_option(OPT_LIST, &[]);
-    // Either ERR_SHUTDOWN or a closed connection is acceptable.
+    let r = negotiating.option_reply();
+    assert_eq!((r.option, r.kind), (OPT_LIST, proto::REP_ERR_SHUTDOWN));
+    assert!(negotiating.at_eof());
     let addr = h.addr;
     h.stop();
     assert!(started.elapsed() < Duration::from_secs(5));
