@@ -139,6 +139,16 @@ pub(crate) struct MergeScan {
 /// batches.
 const MERGE_BYTES: u64 = 64;
 
+/// Why examining a skipped record failed, which decides whether the
+/// record is kept for a later pass.
+enum ExamineError {
+    /// Reading the block itself: the record is dropped (left to `dedupd
+    /// dedup --offline`).
+    Block(EngineError),
+    /// Reading or writing the fingerprint store: the record is kept.
+    Index(EngineError),
+}
+
 impl Engine {
     /// True if out-of-line work is pending.
     pub fn dedup_pending(&self) -> bool {
@@ -207,7 +217,9 @@ impl Engine {
             let per_page = crate::paged::U64_PER_PAGE;
             let mapped = |v: VolumeId, start: u64, end: u64| {
                 volumes.get(&v).is_some_and(|vol| {
-                    (start / per_page..=(end - 1) / per_page).any(|pg| !vol.map.page_is_hole(pg))
+                    vol.map
+                        .next_present_page(start / per_page, (end - 1) / per_page + 1)
+                        .is_some()
                 })
             };
             (
@@ -220,16 +232,24 @@ impl Engine {
             // bounds on uncommitted metadata and pending frees)
             let done = self
                 .pass_chunk(chunk, &sizes, &mut r)
-                .map_err(|(i, e)| (k * PASS_CHUNK + i + 1, e))
+                .map_err(|(i, e)| {
+                    // (a record whose own block could not be read is
+                    // dropped; one that met the fingerprint store is kept)
+                    let failed = k * PASS_CHUNK + i;
+                    match e {
+                        ExamineError::Block(e) => (failed + 1, e),
+                        ExamineError::Index(e) => (failed, e),
+                    }
+                })
                 .and_then(|()| {
                     self.after_write(false)
                         .map_err(|e| (((k + 1) * PASS_CHUNK).min(items.len()), e))
                 });
             if let Err((rest, e)) = done {
-                // the records after the one that failed go back to the
-                // buffer; that one is left to `dedupd dedup --offline`
-                // (retrying it at every pass would stall the buffer behind
-                // a block that cannot be read)
+                // the records from `rest` on go back to the buffer: a
+                // record whose block cannot be read is left to `dedupd
+                // dedup --offline` (retrying it at every pass would stall
+                // the buffer behind it)
                 let mut m = lock(&self.meta);
                 for &(vol, lba) in &items[rest..] {
                     if sizes.contains_key(&vol) {
@@ -257,7 +277,7 @@ impl Engine {
         chunk: &[(VolumeId, u64)],
         sizes: &HashMap<VolumeId, u64>,
         r: &mut PassReport,
-    ) -> std::result::Result<(), (usize, EngineError)> {
+    ) -> std::result::Result<(), (usize, ExamineError)> {
         let mut m = lock(&self.meta);
         m.collect_displaced();
         let mut result = Ok(());
@@ -277,7 +297,8 @@ impl Engine {
     /// pending merges. A volume not in `sizes` (deleted, or with a sequence
     /// threshold T > 1) is passed over.
     ///
-    /// Errors: reading the block or the on-disk fingerprint store.
+    /// Errors: reading the block ([`ExamineError::Block`]) or the on-disk
+    /// fingerprint store ([`ExamineError::Index`]).
     fn examine(
         &self,
         m: &mut crate::meta::Meta,
@@ -285,8 +306,15 @@ impl Engine {
         lba: u64,
         sizes: &HashMap<VolumeId, u64>,
         r: &mut PassReport,
-    ) -> Result<()> {
-        if !sizes.contains_key(&vol) {
+    ) -> std::result::Result<(), ExamineError> {
+        let default_t = self.config.sequence_threshold_blocks;
+        // (a volume whose threshold was raised since the records were
+        // taken is left as it is now, as the merge scan leaves it)
+        let threshold_one = m
+            .volumes
+            .get(&vol)
+            .is_some_and(|v| v.record.sequence_threshold_blocks.unwrap_or(default_t) <= 1);
+        if !sizes.contains_key(&vol) || !threshold_one {
             return Ok(());
         }
         r.blocks_examined += 1;
@@ -297,21 +325,23 @@ impl Engine {
         if fp == crate::engine::UNHASHED {
             // stored without inline dedup (selectivity): hash it now
             let mut block = vec![0u8; BLOCK_SIZE];
-            self.backend
-                .read_blocks(p, &mut block)
-                .map_err(|e| EngineError::io(format!("reading PBA {}", p.0), e))?;
+            self.backend.read_blocks(p, &mut block).map_err(|e| {
+                ExamineError::Block(EngineError::io(format!("reading PBA {}", p.0), e))
+            })?;
             fp = self.hash.fingerprint(&block);
             m.record_unindexed(p, fp);
             r.blocks_hashed += 1;
         }
-        let mut candidates = m
-            .lookup_all(&fp)
-            .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
+        let mut candidates = m.lookup_all(&fp).map_err(|e| {
+            ExamineError::Index(EngineError::io("reading the fingerprint store", e))
+        })?;
         // (a copy with the most references a count holds takes no more)
         candidates.retain(|c| m.shareable(c.0));
         if self.config.verify {
             // only copies with the same bytes are merged
-            candidates = self.same_bytes(m, p, candidates)?;
+            candidates = self
+                .same_bytes(m, p, candidates)
+                .map_err(ExamineError::Block)?;
         }
         let canonical = candidates.iter().copied().chain([p]).min().unwrap_or(p);
         if canonical != p {
@@ -328,15 +358,18 @@ impl Engine {
             }
         }
         if candidates.len() != 1 || candidates[0] != canonical {
-            m.index_insert(fp, canonical)
-                .map_err(|e| EngineError::io("writing the fingerprint store", e))?;
+            m.index_insert(fp, canonical).map_err(|e| {
+                ExamineError::Index(EngineError::io("writing the fingerprint store", e))
+            })?;
         }
         Ok(())
     }
 
     /// The `candidates` (other than `p` itself) whose bytes equal `p`'s
-    /// (`verify`); each that differs is counted as a verify mismatch.
-    /// Called under the metadata lock, so no block is released meanwhile.
+    /// (`verify`); each that differs is counted as a verify mismatch (a
+    /// comparison: a pair compared again, by a later pass or by the write
+    /// that stored it apart, counts again). Called under the metadata
+    /// lock, so no block is released meanwhile.
     ///
     /// Errors: reading `p`. (A candidate that cannot be read is left out.)
     fn same_bytes(
@@ -523,10 +556,12 @@ impl Engine {
                 // volumes created while a paused scan waited (their LBAs
                 // may have been mapped to its copies since) are scanned
                 // too before it ends
+                let scanned: std::collections::HashSet<VolumeId> =
+                    scan.volumes.iter().copied().collect();
                 let later: Vec<VolumeId> = self
                     .volumes_to_merge(scan.only, scan.keep_sequences)
                     .into_iter()
-                    .filter(|v| !scan.volumes.contains(v))
+                    .filter(|v| !scanned.contains(v))
                     .collect();
                 if later.is_empty() {
                     break;
@@ -555,11 +590,15 @@ impl Engine {
                 if scan.page >= pages {
                     break;
                 }
-                let end_page = (scan.page + pages_per_hold).min(pages);
-                for pg in scan.page..end_page {
-                    if m.volumes[&vol].map.page_is_hole(pg) {
-                        continue;
-                    }
+                // the pages in use only (a thin volume's map spans its
+                // whole size: a 1 PiB volume has 5.4e8 page numbers)
+                let mut next_page = scan.page;
+                for _ in 0..pages_per_hold {
+                    let Some(pg) = m.volumes[&vol].map.next_present_page(next_page, pages) else {
+                        next_page = pages;
+                        break;
+                    };
+                    next_page = pg + 1;
                     for l in pg * per_page..(pg + 1) * per_page {
                         let Some(p) = m.volumes.get(&vol).and_then(|v| v.get(Lba(l))) else {
                             continue;
@@ -598,7 +637,7 @@ impl Engine {
                 }
                 self.note_change(&m);
                 drop(m);
-                scan.page = end_page;
+                scan.page = next_page;
                 self.after_write(false)?;
             }
             scan.volume += 1;
@@ -787,15 +826,17 @@ impl Engine {
                         // one verify) before it yields
                         last_pass = Instant::now();
                         let steps = std::cell::Cell::new(0u32);
+                        // (a stop ends a pass at its next step too)
                         let after_one_step = || {
                             steps.set(steps.get() + 1);
-                            steps.get() > 1
+                            steps.get() > 1 || flag.load(Ordering::Relaxed)
                         };
                         report(engine.dedup_pass_yielding(batch as usize, &after_one_step));
                     } else if !busy && engine.dedup_pending() {
                         last_pass = Instant::now();
                         let seen = engine.foreground_ops();
-                        let yield_now = || engine.foreground_ops() != seen;
+                        let yield_now =
+                            || engine.foreground_ops() != seen || flag.load(Ordering::Relaxed);
                         report(engine.dedup_pass_yielding(batch as usize, &yield_now));
                     }
                     let wait = if busy {
@@ -827,7 +868,8 @@ pub struct WorkerHandle {
 }
 
 impl WorkerHandle {
-    /// Stops the worker and waits for its current pass to finish.
+    /// Stops the worker and waits for its current pass to reach its next
+    /// yield point (a batch of records, or a step of a merge scan).
     pub fn stop(mut self) {
         self.halt();
     }
@@ -943,6 +985,26 @@ mod tests {
         let (kept, copy) = (a.0.min(b.0), a.0.max(b.0));
         m.pending_merges.insert(copy, kept);
         (kept, copy)
+    }
+
+    #[test]
+    fn a_merge_scan_of_a_1_pib_volume_visits_only_its_pages_in_use() {
+        // 5.4e8 page numbers, two in use: a scan stepping through every
+        // page number would take minutes here
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 50).unwrap();
+        let far = (1u64 << 38) - 1;
+        let content = [9u8; BLOCK_SIZE];
+        let (kept, _copy) = planned_merge(&e, v, 0, far, &content);
+        // and a whole-volume record, taken by the next pass
+        lock(&e.meta).skipped.record_volume(v);
+        e.dedup_pass(1 << 20).unwrap();
+        assert!(e.apply_pending_merges(&|| false).unwrap() <= 1);
+        let m = lock(&e.meta);
+        assert_eq!(m.volumes[&v].get(Lba(far)), Some(Pba(kept)));
+        assert_eq!(m.volumes[&v].get(Lba(0)), Some(Pba(kept)));
+        drop(m);
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
     /// An engine with `verify` on and inline dedup off, and a merge planned
@@ -1171,6 +1233,13 @@ mod tests {
         let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
         let v = e.create_volume("v", 1 << 32).unwrap();
         let far = 1000 * crate::paged::U64_PER_PAGE;
+        // pages in use between the copies, so that the first chunk of the
+        // scan (3 pages in use) ends before the far one
+        for pg in 1..=4u64 {
+            let lba = pg * crate::paged::U64_PER_PAGE;
+            e.write(v, lba * 4096, &[20 + pg as u8; BLOCK_SIZE], false)
+                .unwrap();
+        }
         let (a, b) = planned_merge(&e, v, 0, far, &[6u8; BLOCK_SIZE]);
         // the scan pauses after its first chunk...
         let first = std::cell::Cell::new(true);
@@ -1184,7 +1253,8 @@ mod tests {
             e.apply_pending_merges(&|| false).unwrap();
         }
         assert_eq!(lock(&e.meta).volumes[&w].get(Lba(0)), Some(Pba(a)));
-        assert_eq!(e.stats().physical_blocks_stored, 1);
+        // (the kept copy and the 4 blocks between)
+        assert_eq!(e.stats().physical_blocks_stored, 5);
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 

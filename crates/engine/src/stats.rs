@@ -43,8 +43,10 @@ pub struct Stats {
     pub duplicate_writes_eliminated_percent: f64,
     /// Blocks discarded by TRIM or WRITE_ZEROES since creation.
     pub blocks_trimmed: u64,
-    /// Fingerprint hits whose bytes differed from the stored block (verify
-    /// on); each such block was stored separately.
+    /// Comparisons (verify on) that found a block's bytes differing from
+    /// a stored block with its fingerprint, on the write path (the block
+    /// was stored separately) and in the out-of-line passes (the copies
+    /// stay apart); a pair compared again counts again.
     pub verify_mismatches: u64,
     /// LBAs remapped onto an existing copy by out-of-line dedup (duplicates
     /// inline dedup missed), since the store was created.

@@ -95,8 +95,10 @@ pub struct PersistentCounters {
     /// fingerprint store failed (the blocks were stored all the same).
     #[serde(default)]
     pub index_errors: u64,
-    /// Fingerprint hits whose bytes differed from the stored block (with
-    /// verify on); those blocks were stored separately.
+    /// Comparisons (verify on) that found a block's bytes differing from
+    /// a stored block with its fingerprint: on the write path (the block
+    /// was stored separately) and in the out-of-line passes (the copies
+    /// stay apart); a pair compared again counts again.
     #[serde(default)]
     pub verify_mismatches: u64,
     /// LBAs remapped onto an existing copy by out-of-line dedup.
