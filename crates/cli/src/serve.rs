@@ -178,7 +178,10 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
         .with_context(|| format!("creating store {}", store.display()))?;
     if let Err(e) = engine.create_volume("default", size_bytes) {
         // a store without its first volume would be served empty at every
-        // later start: take back what this call made
+        // later start: take back what this call made. The superblock goes
+        // first, while this process holds the store's lock: from then on
+        // no other dedupd takes the directory for a store
+        let _ = std::fs::remove_file(store.join("superblock"));
         drop(engine);
         let undone = if existed {
             std::fs::read_dir(store).and_then(|entries| {
@@ -248,39 +251,40 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         ..ServerConfig::default()
     };
-    // the listeners first: a bad --listen or --socket, or one in use,
-    // changes nothing (no store is created)
+    // the listeners are tried first: a bad --listen or --socket, or one in
+    // use, changes nothing (no store is created). They are let go again
+    // while the store opens (minutes, for a large one): clients meanwhile
+    // are refused and retry, instead of waiting for a greeting.
     if args.no_tcp && args.socket.is_none() {
         anyhow::bail!("nothing to listen on: give --socket when using --no-tcp");
     }
+    let bind_tcp = |listen: &str| -> anyhow::Result<TcpListener> {
+        TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))
+    };
+    let bind_unix = |p: &Path| -> anyhow::Result<UnixListener> {
+        SocketPath::new(p)
+            .and_then(|at| UnixListener::bind(at.addr()))
+            .with_context(|| format!("listening on {}", p.display()))
+    };
     if let Some(p) = &args.socket {
         remove_stale_socket(p)?;
+        drop(bind_unix(p)?);
+        let _ = std::fs::remove_file(p);
     }
+    // (a port of 0, tried here and bound again below, gets another free
+    // port; the one printed is the one bound)
+    if !args.no_tcp {
+        drop(bind_tcp(&args.listen)?);
+    }
+    let engine = Arc::new(open_or_create(store, &args, config)?);
     let tcp = if args.no_tcp {
         None
     } else {
-        Some(
-            TcpListener::bind(&args.listen)
-                .with_context(|| format!("listening on {}", args.listen))?,
-        )
+        Some(bind_tcp(&args.listen)?)
     };
     let unix = match &args.socket {
-        Some(p) => Some((
-            SocketPath::new(p)
-                .and_then(|at| UnixListener::bind(at.addr()))
-                .with_context(|| format!("listening on {}", p.display()))?,
-            p.clone(),
-        )),
+        Some(p) => Some((bind_unix(p)?, p.clone())),
         None => None,
-    };
-    let engine = match open_or_create(store, &args, config) {
-        Ok(e) => Arc::new(e),
-        Err(e) => {
-            if let Some((_, p)) = &unix {
-                let _ = std::fs::remove_file(p);
-            }
-            return Err(e);
-        }
     };
     let server = Arc::new(Server::new(
         Arc::new(VolumeExports::new(engine.clone())),
@@ -336,11 +340,14 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         let addr = l.local_addr()?;
         println!("dedupd: listening on nbd://{addr}");
         if !names.is_empty() {
-            println!("dedupd: try: nbdinfo nbd://{addr}/{}", uri_encode(&first));
+            println!(
+                "dedupd: try: nbdinfo nbd://{addr}/{}",
+                uri_encode(first.as_ref())
+            );
         }
     }
     if let Some((_, p)) = &unix {
-        let socket = uri_encode(&p.display().to_string());
+        let socket = uri_encode(p.as_os_str());
         println!("dedupd: listening on nbd+unix:///?socket={socket}");
         if p.as_os_str().len() > 107 {
             eprintln!(
@@ -351,7 +358,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
             );
         }
         if !names.is_empty() {
-            let uri = format!("nbd+unix:///{}?socket={socket}", uri_encode(&first));
+            let uri = format!("nbd+unix:///{}?socket={socket}", uri_encode(first.as_ref()));
             println!("dedupd: try: nbdinfo {}", shell_quote(&uri));
         }
     }
@@ -541,16 +548,13 @@ fn answer(
     })
 }
 
-/// Removes a socket left at `path` by a server that is gone, so the Unix
-/// listener can bind there. Anything else at `path` is left alone.
-///
-/// Errors: `path` is not a socket (a file, a directory...), or a server
-/// still answers on it.
 /// `s` percent-encoded for a URI's path or query (RFC 3986: unreserved
-/// characters and `/` kept, every other byte as `%XX`).
-fn uri_encode(s: &str) -> String {
+/// characters and `/` kept, every other byte as `%XX`; bytes that are not
+/// UTF-8 too).
+fn uri_encode(s: &std::ffi::OsStr) -> String {
+    use std::os::unix::ffi::OsStrExt;
     let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
+    for &b in s.as_bytes() {
         if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
             out.push(b as char);
         } else {
@@ -561,9 +565,11 @@ fn uri_encode(s: &str) -> String {
 }
 
 /// `s` as one word for a POSIX shell: as is if it holds only characters a
-/// shell leaves alone, else in single quotes.
+/// shell leaves alone (and does not start with `~` or `=`, which shells
+/// expand there), else in single quotes.
 fn shell_quote(s: &str) -> String {
     let plain = !s.is_empty()
+        && !s.starts_with(['~', '='])
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-._~/+,:=@%".contains(&b));
     if plain {
@@ -573,6 +579,11 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
+/// Removes a socket left at `path` by a server that is gone, so the Unix
+/// listener can bind there. Anything else at `path` is left alone.
+///
+/// Errors: `path` is not a socket (a file, a directory...), or a server
+/// still answers on it.
 fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     let md = match std::fs::symlink_metadata(path) {
@@ -604,4 +615,33 @@ fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    #[test]
+    fn printed_words_are_quoted_where_a_shell_would_change_them() {
+        assert_eq!(shell_quote("dedupd-store"), "dedupd-store");
+        assert_eq!(shell_quote("/tmp/a_b/c.d"), "/tmp/a_b/c.d");
+        assert_eq!(shell_quote("sp ace"), "'sp ace'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote("~/x"), "'~/x'");
+        assert_eq!(shell_quote("=x"), "'=x'");
+        assert_eq!(shell_quote("a?b*"), "'a?b*'");
+        assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn uri_parts_are_percent_encoded_byte_by_byte() {
+        assert_eq!(uri_encode(OsStr::new("/tmp/n.sock")), "/tmp/n.sock");
+        assert_eq!(
+            uri_encode(OsStr::new("/tmp/sp ace%/n?.sock")),
+            "/tmp/sp%20ace%25/n%3F.sock"
+        );
+        assert_eq!(uri_encode(OsStr::from_bytes(b"/a\xffb")), "/a%FFb");
+    }
 }

@@ -145,7 +145,8 @@ enum ExamineError {
     /// Reading the block itself: the record is dropped (left to `dedupd
     /// dedup --offline`).
     Block(EngineError),
-    /// Reading or writing the fingerprint store: the record is kept.
+    /// Reading or writing the fingerprint store: the record is kept
+    /// (unless it was the first of its pass).
     Index(EngineError),
 }
 
@@ -234,11 +235,15 @@ impl Engine {
                 .pass_chunk(chunk, &sizes, &mut r)
                 .map_err(|(i, e)| {
                     // (a record whose own block could not be read is
-                    // dropped; one that met the fingerprint store is kept)
+                    // dropped; one that met the fingerprint store is kept,
+                    // unless it was the pass's first: every pass then
+                    // does or drops at least one record, so records that
+                    // keep failing cannot hold the buffer, and the merges
+                    // waiting for it to empty, for ever)
                     let failed = k * PASS_CHUNK + i;
                     match e {
-                        ExamineError::Block(e) => (failed + 1, e),
-                        ExamineError::Index(e) => (failed, e),
+                        ExamineError::Index(e) if failed > 0 => (failed, e),
+                        ExamineError::Block(e) | ExamineError::Index(e) => (failed + 1, e),
                     }
                 })
                 .and_then(|()| {

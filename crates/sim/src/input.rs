@@ -70,7 +70,7 @@ pub fn open(path: &Path, consumed: Arc<AtomicU64>) -> io::Result<(Box<dyn BufRea
     let (raw, head) = peek(Box::new(raw), |h| h.len() >= 4, 4)?;
     let c = detect_compression(&head);
     let r: Box<dyn BufRead> = match c {
-        Compression::None => Box::new(raw),
+        Compression::None => raw,
         Compression::Gzip => Box::new(BufReader::with_capacity(
             BUF_BYTES,
             flate2::bufread::MultiGzDecoder::new(raw),
