@@ -448,8 +448,8 @@ impl Meta {
         }
     }
 
-    /// The `state.json` content ([`State`]: the volume table, counters and
-    /// `journal_seq`), encoded as the file holds it
+    /// The `state.json` content ([`crate::store::State`]: the volume table,
+    /// counters and `journal_seq`), encoded as the file holds it
     /// ([`crate::store::encode_checked_compact`]).
     pub(crate) fn encoded_state(&self, journal_seq: u64) -> Vec<u8> {
         crate::store::encode_checked_compact(&StateView {
