@@ -726,32 +726,16 @@ fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work
         .collect();
     assert_eq!(commands.len(), 3, "{}", server.banner);
     for c in commands {
-        let out = Command::new("bash")
-            .args(["-c", c])
-            .env("PATH", &path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{c}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run(Command::new("bash").args(["-c", c]).env("PATH", &path));
     }
     server.stop();
 
     // a listing whose reader went away ends quietly
-    let out = Command::new("bash")
+    run(Command::new("bash")
         .args([
             "-c",
             "set -o pipefail; \"$0\" --store \"$1\" volume list | true",
         ])
         .arg(common::dedupd_bin())
-        .arg(&store)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .arg(&store));
 }
