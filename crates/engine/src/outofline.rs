@@ -705,17 +705,24 @@ impl Engine {
             self.dir.as_ref().and_then(|d| d.scratch_file()),
         );
         let mut p = 0;
+        let mut block = vec![0u8; crate::block::BLOCK_SIZE];
         while p < high {
-            let end = (p + SCAN_CHUNK).min(high);
+            let limit = (p + SCAN_CHUNK).min(high);
+            let mut end = p;
+            // (blocks stored unhashed are read and hashed here: at most
+            // PASS_CHUNK of them per hold of the lock, as a background pass)
+            let mut reads = 0;
             let mut m = lock(&self.meta);
-            for q in p..end {
+            while end < limit && reads < PASS_CHUNK {
+                let q = end;
+                end += 1;
                 if m.refcounts.get_u32(q) == 0 {
                     continue;
                 }
                 r.blocks_examined += 1;
                 let mut fp = m.fingerprint_of(Pba(q));
                 if fp == crate::engine::UNHASHED {
-                    let mut block = vec![0u8; crate::block::BLOCK_SIZE];
+                    reads += 1;
                     if self.backend.read_blocks(Pba(q), &mut block).is_err() {
                         // (one bad block does not stop the pass)
                         r.blocks_unreadable += 1;
