@@ -620,8 +620,12 @@ fn print_stats(v: &Value) {
         u("sequence_filtered_blocks")
     );
     println!(
-        "verify mismatches            {} (fingerprint hits whose bytes differed, --verify: stored apart)",
+        "verify mismatches            {} (comparisons that found different bytes, --verify: kept apart)",
         u("verify_mismatches")
+    );
+    println!(
+        "fingerprint store errors     {} (lookups or inserts that failed: the blocks stored as copies of their own)",
+        u("index_errors")
     );
     print_page_cache("reverse index in memory     ", &v["reverse_index"]);
     print_page_cache("maps + refcounts in memory  ", &v["map_cache"]);

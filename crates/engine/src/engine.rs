@@ -1948,9 +1948,13 @@ impl Engine {
                 Some(_) if inline.is_some_and(|on| !on[i]) => Candidate::Other,
                 Some(fp) => {
                     selected_blocks += 1;
-                    let hit = m
-                        .lookup(fp)
-                        .map_err(|e| EngineError::io("reading the fingerprint store", e))?;
+                    // (an unreadable fingerprint store, derived data rebuilt
+                    // at every start, makes a miss, not a failed write: the
+                    // block is stored as a copy of its own)
+                    let hit = m.lookup(fp).unwrap_or_else(|_| {
+                        m.counters.index_errors += 1;
+                        None
+                    });
                     let same_request = first_of.get(fp).copied();
                     if let Some(p) = hit.filter(|&p| self.verified(p, block(i), &mut m)) {
                         Candidate::Stored(p.0)
@@ -2098,6 +2102,9 @@ impl Engine {
                     // (written again by the retry; a read-modify-write
                     // is one block, mapped in phase 1 or not at all)
                     m.counters.blocks_written -= n as u64;
+                } else {
+                    // (the blocks phase 1 mapped stay counted)
+                    undo_unwritten(&mut m, &placement, n);
                 }
                 return gone.map_or(Ok(false), Err);
             }
@@ -2140,15 +2147,13 @@ impl Engine {
                 } else {
                     match m.lookup(fp) {
                         Ok(r) => r,
-                        Err(e) => {
-                            // this block's PBA and those of the new blocks
-                            // after it are not mapped yet: they go back
-                            for later in &placement[i..] {
-                                if let Placement::New { pba, .. } = later {
-                                    m.unreserve(*pba);
-                                }
-                            }
-                            return Err(EngineError::io("reading the fingerprint store", e));
+                        // the fingerprint store cannot be read: taken as a
+                        // miss (the block is written: it stays a copy of
+                        // its own, which out-of-line dedup or fsck finds),
+                        // so the request is mapped whole
+                        Err(_) => {
+                            m.counters.index_errors += 1;
+                            None
                         }
                     }
                 };
@@ -2454,6 +2459,7 @@ impl Engine {
                 duplicate_writes_eliminated_percent: percent(c.duplicate_blocks, c.blocks_written),
                 blocks_trimmed: c.blocks_trimmed,
                 verify_mismatches: c.verify_mismatches,
+                index_errors: c.index_errors,
                 out_of_line_duplicates: c.out_of_line_duplicates,
                 sequence_filtered_blocks: c.sequence_filtered_blocks,
                 blocks_fingerprinted_inline: m.fingerprinted_inline,
@@ -2734,6 +2740,85 @@ mod tests {
         assert_eq!(lock(&e.meta).skipped.stats().volumes, 0);
         e.set_sequence_threshold("v", Some(1)).unwrap();
         assert_eq!(lock(&e.meta).skipped.stats().volumes, 1);
+    }
+
+    /// On-disk fingerprint groups in memory whose reads fail once `failing`
+    /// is set (a bad sector under `fpgroups`).
+    struct FlakyGroups {
+        groups: crate::index::MemoryGroupStore,
+        failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl crate::index::GroupStore for FlakyGroups {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+            if self.failing.load(Ordering::Relaxed) {
+                return Err(std::io::Error::other("bad sector"));
+            }
+            self.groups.read_at(buf, offset)
+        }
+        fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
+            self.groups.write_at(data, offset)
+        }
+    }
+
+    #[test]
+    fn an_unreadable_fingerprint_store_makes_misses_not_failed_writes() {
+        let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let config = EngineConfig {
+            index: crate::index::IndexConfig {
+                // inline lookups read the on-disk groups; a budget of a
+                // few groups, so most fingerprints are only there
+                lookup: crate::index::LookupMode::Disk,
+                memory_budget_bytes: 16 << 10,
+                ..crate::index::IndexConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        let index = FingerprintIndex::new(
+            config.index,
+            Box::new(FlakyGroups {
+                groups: crate::index::MemoryGroupStore::default(),
+                failing: failing.clone(),
+            }),
+        );
+        let meta = Meta {
+            next_volume_id: 1,
+            ..Meta::empty(index)
+        };
+        let e = Engine::assemble(
+            HashAlgorithm::Sha256,
+            Box::new(crate::backend::MemoryBackend::default()),
+            meta,
+            None,
+            config,
+        );
+        let v = e.create_volume("v", 64 << 20).unwrap();
+        let block = |k: u64| {
+            let mut b = vec![0u8; BLOCK_SIZE];
+            b[..8].copy_from_slice(&(k + 1).to_le_bytes());
+            b
+        };
+        const N: u64 = 4096;
+        for k in 0..N {
+            e.write(v, k * 4096, &block(k), false).unwrap();
+        }
+        assert!(e.stats().index.entries_on_disk > 0);
+        // the same contents again, one block and 8 blocks a request, while
+        // the on-disk groups cannot be read: stored, as copies of their own
+        failing.store(true, Ordering::Relaxed);
+        for k in 0..64 {
+            e.write(v, (N + k) * 4096, &block(k), false).unwrap();
+        }
+        let run: Vec<u8> = (64..72).flat_map(block).collect();
+        e.write(v, (N + 64) * 4096, &run, false).unwrap();
+        assert!(e.stats().index_errors > 0);
+        failing.store(false, Ordering::Relaxed);
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        for k in 0..72 {
+            e.read(v, (N + k) * 4096, &mut buf).unwrap();
+            assert_eq!(buf, block(k), "block {k}");
+        }
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
     #[test]

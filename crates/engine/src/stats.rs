@@ -48,6 +48,11 @@ pub struct Stats {
     /// was stored separately) and in the out-of-line passes (the copies
     /// stay apart); a pair compared again counts again.
     pub verify_mismatches: u64,
+    /// Fingerprint lookups and inserts the on-disk fingerprint store failed
+    /// (read or write errors), since the store was created: each block
+    /// concerned was stored as a copy of its own (out-of-line dedup or
+    /// fsck finds its duplicates).
+    pub index_errors: u64,
     /// LBAs remapped onto an existing copy by out-of-line dedup (duplicates
     /// inline dedup missed), since the store was created.
     pub out_of_line_duplicates: u64,

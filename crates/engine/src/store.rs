@@ -91,8 +91,8 @@ pub struct PersistentCounters {
     pub duplicate_blocks: u64,
     /// Blocks discarded by TRIM or WRITE_ZEROES.
     pub blocks_trimmed: u64,
-    /// Fingerprints that could not be indexed because the on-disk
-    /// fingerprint store failed (the blocks were stored all the same).
+    /// Fingerprint lookups and inserts the on-disk fingerprint store
+    /// failed (the blocks were stored all the same, as copies of their own).
     #[serde(default)]
     pub index_errors: u64,
     /// Comparisons (verify on) that found a block's bytes differing from
