@@ -37,7 +37,7 @@ use crate::pagecache::{CacheGroup, CachedArray, OnLoadError};
 use crate::paged::PagedArray;
 use crate::sequence::Candidate;
 use crate::stats::{proc_status_bytes, Stats};
-use crate::store::{decode_checked, State, StoreDir, VolumeRecord};
+use crate::store::{decode_checked, CounterState, State, StoreDir, VolumeRecord};
 
 /// Stands for "not fingerprinted yet" (a block stored without inline
 /// dedup); the reverse index keeps it until out-of-line dedup hashes the
@@ -343,6 +343,10 @@ struct CommitState {
     durable_changes: u64,
     /// Bytes the checkpoints since start wrote in place.
     checkpoint_bytes_written: u64,
+    /// The superblock and counters (as opened) of a store of an older
+    /// format, to be marked [`crate::store::FORMAT_VERSION`] before the
+    /// first commit.
+    format_upgrade: Option<(crate::store::Superblock, CounterState)>,
 }
 
 /// LBAs released per hold of the metadata lock when a volume is deleted
@@ -459,8 +463,28 @@ impl Engine {
         // journal's newer pages pinned over them (crate::metaopen).
         let chain_ops: Vec<Op> = chain.into_iter().flat_map(|t| t.ops).collect();
         let state_path = dir.path(MetaFile::State);
-        let state: State = decode_checked(&dir.state_bytes(&chain_ops)?, &state_path)?;
-        let next_seq = state.journal_seq.max(last_seq) + 1;
+        let state: State =
+            decode_checked(&dir.blob_bytes(MetaFile::State, &chain_ops)?, &state_path)?;
+        // format 2 keeps the counters apart; format 1 in the state (a
+        // counters.json beside it is left from an upgrade that did not
+        // finish)
+        let counter_state = if sb.format_version < 2 {
+            CounterState {
+                counters: state.counters.clone().unwrap_or_default(),
+                journal_seq: state.journal_seq,
+            }
+        } else {
+            let path = dir.path(MetaFile::Counters);
+            let bytes = dir.blob_bytes(MetaFile::Counters, &chain_ops)?;
+            if bytes.is_empty() {
+                return Err(EngineError::Corrupt {
+                    file: path,
+                    detail: "missing or empty".into(),
+                });
+            }
+            decode_checked::<CounterState>(&bytes, &path)?
+        };
+        let next_seq = counter_state.journal_seq.max(last_seq) + 1;
         // the on-disk fingerprint store is derived data, rebuilt at every open
         let groups = dir.open_file("fpgroups", true)?;
         groups
@@ -562,7 +586,7 @@ impl Engine {
         };
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
-            counters: state.counters.clone(),
+            counters: counter_state.counters.clone(),
             refcounts: load(MetaFile::Refcounts, &map_cache, &mut damage, &mut |_, _| {})?,
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             map_cache: map_cache.clone(),
@@ -737,19 +761,19 @@ impl Engine {
         for v in meta.volumes.values() {
             v.map.trim();
         }
-        let journal =
-            Journal::new(jfile, chain_bytes, next_seq).with_observer(config.observer.clone());
+        let mut journal = Journal::new(jfile, chain_bytes, next_seq)
+            .map_err(|e| EngineError::io("reading the journal's length", e))?
+            .with_observer(config.observer.clone());
         // best effort: without the reserve the store still works
         let _ = journal.reserve(config.journal_reserve_bytes);
         let mut engine = Engine::assemble(sb.hash, Box::new(data), meta, Some(journal), config);
         engine.dir = Some(dir);
         engine.damage = damage;
         engine.notes = damage_notes;
-        engine
-            .commit
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .checkpoint = checkpoint;
+        let c = engine.commit.get_mut().unwrap_or_else(|e| e.into_inner());
+        c.checkpoint = checkpoint;
+        c.format_upgrade =
+            (sb.format_version < crate::store::FORMAT_VERSION).then_some((sb, counter_state));
         Ok(engine)
     }
 
@@ -776,6 +800,7 @@ impl Engine {
                 checkpoint: CheckpointBuffer::default(),
                 durable_changes: 0,
                 checkpoint_bytes_written: 0,
+                format_upgrade: None,
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
@@ -2359,6 +2384,12 @@ impl Engine {
     }
 
     fn commit_ops(&self, c: &mut CommitState, ops: &[Op]) -> Result<()> {
+        if let (Some((sb, counters)), Some(dir)) = (&c.format_upgrade, &self.dir) {
+            // a reader of the old format must not meet what this
+            // transaction journals (counters.json)
+            dir.upgrade_format(sb, counters)?;
+            c.format_upgrade = None;
+        }
         match c.journal.as_mut() {
             Some(j) => j
                 .commit(ops)
@@ -2430,9 +2461,9 @@ impl Engine {
         let mut c = lock(&self.commit);
         self.checkpoint_locked(&mut c)?;
         if let Some(j) = c.journal.as_mut() {
+            // (which reserves the journal's space again)
             j.truncate()
                 .map_err(|e| EngineError::io("emptying the journal", e))?;
-            let _ = j.reserve(self.config.journal_reserve_bytes);
         }
         Ok(())
     }
@@ -2698,37 +2729,47 @@ mod tests {
     }
 
     #[test]
-    fn the_modelled_state_is_as_long_as_the_state_a_store_writes() {
+    fn the_modelled_state_and_counters_are_as_long_as_those_a_store_writes() {
         let e = Engine::in_memory(HashAlgorithm::Sha256);
-        let state_len = |e: &Engine| {
+        let lens = |e: &Engine| {
             let m = lock(&e.meta);
-            let len = m.encoded_state(m.commit_generation).len() as u64;
-            (m.journal_model.state_bytes, len)
+            let model = &m.journal_model;
+            (
+                model.state_bytes,
+                m.encoded_state().len() as u64,
+                model.counters_bytes,
+                m.encoded_counters(m.commit_generation).len() as u64,
+            )
         };
         let a = e.create_volume("a", 1 << 20).unwrap();
         e.create_volume("b-with-a-longer-name", 1 << 30).unwrap();
         e.flush().unwrap();
-        let (modelled, real) = state_len(&e);
-        assert_eq!(modelled, real);
-        // counters change, the volume table does not (its length is kept)
+        let (state, real_state, counters, real_counters) = lens(&e);
+        assert_eq!(state, Some(real_state));
+        assert_eq!(counters, real_counters);
+        e.checkpoint().unwrap();
+        // counters change, the volume table does not: only the counters
+        // are logged
         for i in 0..3u8 {
             e.write(a, u64::from(i) * 4096, &[i + 1; BLOCK_SIZE], false)
                 .unwrap();
             e.flush().unwrap();
-            let (modelled, real) = state_len(&e);
-            assert_eq!(modelled, real);
+            let (state, _, counters, real_counters) = lens(&e);
+            assert_eq!(state, None);
+            assert_eq!(counters, real_counters);
         }
-        // the table changes: measured again
+        // the table changes: logged again
         e.resize_volume("a", 1 << 40).unwrap();
         e.set_sequence_threshold("b-with-a-longer-name", Some(4))
             .unwrap();
         e.flush().unwrap();
-        assert_eq!(state_len(&e).0, state_len(&e).1);
+        let (state, real_state, ..) = lens(&e);
+        assert_eq!(state, Some(real_state));
         e.delete_volume("b-with-a-longer-name").unwrap();
         e.flush().unwrap();
-        let (modelled, real) = state_len(&e);
-        assert_eq!(modelled, real);
-        assert!(real > 0);
+        let (state, real_state, ..) = lens(&e);
+        assert_eq!(state, Some(real_state));
+        assert!(real_state > 0);
     }
 
     #[test]

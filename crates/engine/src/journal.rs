@@ -36,8 +36,13 @@ pub enum MetaFile {
     /// `fingerprints`: the 32-byte fingerprint stored at each PBA (reverse
     /// index PBA → fingerprint).
     Fingerprints,
-    /// `state.json`: volume table and persistent counters.
+    /// `state.json`: the volume table (and, in stores written before
+    /// `counters.json` existed, the counters). Replaced whole, only by a
+    /// transaction that changed the table.
     State,
+    /// `counters.json`: persistent counters and the sequence number of the
+    /// last transaction. Replaced whole by every transaction.
+    Counters,
     /// `maps/<id>`: one little-endian `u64` per LBA of a volume, 0 for
     /// unmapped, PBA + 1 otherwise.
     Map(VolumeId),
@@ -50,17 +55,19 @@ impl MetaFile {
             MetaFile::Fingerprints => (2, 0),
             MetaFile::State => (3, 0),
             MetaFile::Map(v) => (4, v.0),
+            MetaFile::Counters => (5, 0),
         }
     }
 
     fn decode(kind: u8, id: u32) -> Option<Self> {
         Some(match kind {
             // only maps carry an id: one encoding per file
-            1..=3 if id != 0 => return None,
+            1..=3 | 5 if id != 0 => return None,
             1 => MetaFile::Refcounts,
             2 => MetaFile::Fingerprints,
             3 => MetaFile::State,
             4 => MetaFile::Map(VolumeId(id)),
+            5 => MetaFile::Counters,
             _ => return None,
         })
     }
@@ -72,6 +79,7 @@ impl MetaFile {
             MetaFile::Refcounts => 1,
             MetaFile::Fingerprints => 2,
             MetaFile::State => 3,
+            MetaFile::Counters => 4,
             MetaFile::Map(v) => 0x1000_0000 | v.0,
         }
     }
@@ -82,8 +90,15 @@ impl MetaFile {
             MetaFile::Refcounts => "refcounts".into(),
             MetaFile::Fingerprints => "fingerprints".into(),
             MetaFile::State => "state.json".into(),
+            MetaFile::Counters => "counters.json".into(),
             MetaFile::Map(v) => format!("maps/{}", v.0),
         }
+    }
+
+    /// True for the small files replaced whole (`state.json`,
+    /// `counters.json`), false for the paged ones.
+    pub fn is_blob(self) -> bool {
+        matches!(self, MetaFile::State | MetaFile::Counters)
     }
 }
 
@@ -234,8 +249,8 @@ fn header_len(header: &[u8]) -> Result<(u64, u64), DecodeError> {
 /// Largest offset or length a record of a metadata file carries: 2^50
 /// bytes (the reference counts of 2^48 blocks, a 1 EiB store, need 2^50).
 const MAX_FILE_BYTES: u64 = 1 << 50;
-/// Largest offset or length a record of `state.json` carries (the volume
-/// table and counters: kilobytes).
+/// Largest offset or length a record of `state.json` or `counters.json`
+/// carries (the volume table, the counters: kilobytes).
 const MAX_STATE_BYTES: u64 = 1 << 30;
 
 /// Decodes one whole transaction from `bytes` (which may extend past it).
@@ -271,7 +286,7 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
         // (offsets and lengths a sound writer never exceeds: a record
         // that passes its checksum with a wild value is damage, not a
         // reason to allocate or overflow)
-        let limit = if file == MetaFile::State {
+        let limit = if file.is_blob() {
             MAX_STATE_BYTES
         } else {
             MAX_FILE_BYTES
@@ -298,7 +313,7 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
             }
             3 => Op::SetLen { file, len_bytes: a },
             4 => Op::Remove { file },
-            5 if file == MetaFile::State || data.is_empty() => {
+            5 if file.is_blob() || data.is_empty() => {
                 return Err(DecodeError::Malformed("patch of a file without pages"))
             }
             5 if (a % PAYLOAD_SIZE as u64) as usize + data.len() > PAYLOAD_SIZE => {
@@ -323,9 +338,13 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
 }
 
 /// Bytes at the start of the journal zeroed when it restarts after a
-/// checkpoint ([`Journal::reset`]): one page, covering the first
-/// transaction's header whatever the device's sector size.
-pub const INVALIDATE_BYTES: usize = 4096;
+/// checkpoint ([`Journal::reset`]): one 512-byte sector, holding the first
+/// transaction's header. A device writes a sector whole or not at all, so
+/// a crash cannot zero part of this range and leave the rest: a longer
+/// range could lose the sectors of a second transaction while the first
+/// stayed readable, and recovery would replay that first one alone over
+/// the newer files.
+pub const INVALIDATE_BYTES: usize = 512;
 
 /// Reads the chain of valid transactions from the start of `file`: each
 /// with a good checksum and a sequence number one more than the previous.
@@ -376,21 +395,37 @@ pub struct Journal {
     /// fails if it fails), so no transaction is written after an old chain
     /// whose start may already be zeroed, nor over one still readable.
     reset_pending: bool,
+    /// The file holds bytes past `write_offset_bytes` (transactions of an
+    /// older chain, or of this one after a damaged transaction). The next
+    /// commit cuts them off first: a new transaction ending where one of
+    /// them begins could otherwise chain onto it, mixing a history that
+    /// recovery dropped into the one written since.
+    cut_pending: bool,
+    /// Bytes the last [`Journal::reserve`] asked for, asked for again
+    /// after a cut (which frees the space past the file's end).
+    reserve_bytes: u64,
     observer: crate::observe::Observer,
 }
 
 impl Journal {
     /// Wraps an open journal file; the next transaction is written at
-    /// `write_offset_bytes` with sequence number `next_seq`.
-    pub fn new(file: File, write_offset_bytes: u64, next_seq: u64) -> Self {
-        Journal {
+    /// `write_offset_bytes` with sequence number `next_seq`. Bytes of the
+    /// file past that offset are cut off by the first commit (not here:
+    /// opening a store writes nothing).
+    ///
+    /// Errors: the file's length cannot be read.
+    pub fn new(file: File, write_offset_bytes: u64, next_seq: u64) -> io::Result<Self> {
+        let cut_pending = file.metadata()?.len() > write_offset_bytes;
+        Ok(Journal {
             reset_pending: false,
+            cut_pending,
+            reserve_bytes: 0,
             file,
             write_offset_bytes,
             written_bytes: 0,
             next_seq,
             observer: crate::observe::Observer::default(),
-        }
+        })
     }
 
     /// Reports every write and sync (as file `journal`) to `observer`.
@@ -402,8 +437,9 @@ impl Journal {
     /// Allocates `bytes` of disk space for the journal without changing its
     /// length, so commits within that space never fail with ENOSPC (a full
     /// file system can still record the TRIMs that free space).
-    pub fn reserve(&self, bytes: u64) -> io::Result<()> {
+    pub fn reserve(&mut self, bytes: u64) -> io::Result<()> {
         use std::os::unix::io::AsRawFd;
+        self.reserve_bytes = bytes;
         // SAFETY: fallocate on a file descriptor we own.
         let rc = unsafe {
             libc::fallocate(
@@ -435,6 +471,10 @@ impl Journal {
     pub fn commit(&mut self, ops: &[Op]) -> io::Result<u64> {
         if self.reset_pending {
             self.reset()?;
+        }
+        if self.cut_pending {
+            self.cut_at(self.write_offset_bytes)?;
+            self.cut_pending = false;
         }
         let seq = self.next_seq;
         let bytes = encode_txn(seq, ops);
@@ -492,15 +532,24 @@ impl Journal {
     /// Empties the journal file (after a checkpoint, at shutdown), so the
     /// next start has nothing to replay.
     pub fn truncate(&mut self) -> io::Result<()> {
-        self.file.set_len(0)?;
+        self.cut_at(0)?;
+        self.write_offset_bytes = 0;
+        self.cut_pending = false;
+        Ok(())
+    }
+
+    /// Cuts the file to `len_bytes` and syncs it, then reserves its space
+    /// again (best effort, as at open).
+    fn cut_at(&mut self, len_bytes: u64) -> io::Result<()> {
+        self.file.set_len(len_bytes)?;
         self.observer.emit(crate::observe::IoEvent::SetLen {
             file: "journal",
-            len_bytes: 0,
+            len_bytes,
         });
         self.file.sync_all()?;
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
-        self.write_offset_bytes = 0;
+        let _ = self.reserve(self.reserve_bytes);
         Ok(())
     }
 }
@@ -639,7 +688,7 @@ mod tests {
             .truncate(true)
             .open(dir.path().join("j"))
             .unwrap();
-        let mut j = Journal::new(f.try_clone().unwrap(), 0, 1);
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 1).unwrap();
         for _ in 0..3 {
             j.commit(&sample_ops()).unwrap();
         }
@@ -661,13 +710,106 @@ mod tests {
         assert!(read_chain(&f).unwrap().is_empty());
         // a header announcing more bytes than the file holds (any size up
         // to 2^64) ends the chain without reading or allocating them
-        let mut j = Journal::new(f.try_clone().unwrap(), 0, 9);
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 9).unwrap();
         j.commit(&sample_ops()).unwrap();
         assert_eq!(read_chain(&f).unwrap().len(), 1);
         for body in [1u64 << 40, u64::MAX - 8, u64::MAX] {
             f.write_all_at(&body.to_le_bytes(), 20).unwrap();
             assert!(read_chain(&f).unwrap().is_empty(), "body {body}");
         }
+    }
+
+    fn journal_file(dir: &std::path::Path) -> File {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join("j"))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_reset_torn_anywhere_leaves_no_prefix_of_the_old_chain() {
+        // A first transaction shorter than a sector (a volume creation:
+        // two length changes and the state) and a second one after it:
+        // whatever sectors of the reset's write a crash persisted, neither
+        // may replay alone over the files the checkpoint wrote.
+        let dir = tempfile::tempdir().unwrap();
+        let f = journal_file(dir.path());
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 1).unwrap();
+        let small = [
+            Op::SetLen {
+                file: MetaFile::Map(VolumeId(1)),
+                len_bytes: 0,
+            },
+            Op::SetLen {
+                file: MetaFile::Map(VolumeId(1)),
+                len_bytes: 8192,
+            },
+            Op::Replace {
+                file: MetaFile::State,
+                data: vec![b' '; 100],
+            },
+        ];
+        j.commit(&small).unwrap();
+        j.commit(&sample_ops()).unwrap();
+        assert_eq!(read_chain(&f).unwrap().len(), 2);
+        let before = {
+            let mut b = vec![0u8; f.metadata().unwrap().len() as usize];
+            f.read_exact_at(&mut b, 0).unwrap();
+            b
+        };
+        let sectors = INVALIDATE_BYTES.div_ceil(512);
+        for persisted in 1u32..(1 << sectors) {
+            f.write_all_at(&before, 0).unwrap();
+            for s in (0..sectors).filter(|s| persisted & (1 << s) != 0) {
+                f.write_all_at(&[0u8; 512], s as u64 * 512).unwrap();
+            }
+            let chain = read_chain(&f).unwrap();
+            assert!(
+                chain.is_empty(),
+                "sectors {persisted:b} of the reset persisted: {} transactions replay",
+                chain.len()
+            );
+        }
+    }
+
+    #[test]
+    fn a_commit_after_a_chain_cut_short_cannot_chain_onto_what_followed() {
+        // Transactions 1-4 of equal length; 2 is damaged, so recovery
+        // replays 1 alone and the next commit is number 2 again, at the
+        // same offset and of the same length: the old 3 and 4 after it
+        // must not join the new chain.
+        let dir = tempfile::tempdir().unwrap();
+        let f = journal_file(dir.path());
+        let ops = |b: u8| {
+            [Op::Replace {
+                file: MetaFile::State,
+                data: vec![b; 100],
+            }]
+        };
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 1).unwrap();
+        for b in 1..=4 {
+            j.commit(&ops(b)).unwrap();
+        }
+        let len = encode_txn(1, &ops(1)).len() as u64;
+        f.write_all_at(&[0xff], len + 40).unwrap();
+        let chain = read_chain(&f).unwrap();
+        assert_eq!(chain.len(), 1);
+        let mut j = Journal::new(f.try_clone().unwrap(), len, 2).unwrap();
+        // opening wrote nothing
+        assert_eq!(f.metadata().unwrap().len(), 4 * len);
+        j.commit(&ops(9)).unwrap();
+        let chain = read_chain(&f).unwrap();
+        assert_eq!(
+            chain.iter().map(|t| t.seq).collect::<Vec<_>>(),
+            [1, 2],
+            "old transactions joined the new chain"
+        );
+        assert_eq!(chain[1].ops, ops(9));
+        j.commit(&ops(10)).unwrap();
+        assert_eq!(read_chain(&f).unwrap().len(), 3);
     }
 
     /// A transaction of raw records (tag, file kind, file id, argument,

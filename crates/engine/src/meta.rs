@@ -448,47 +448,42 @@ impl Meta {
         }
     }
 
-    /// The `state.json` content ([`crate::store::State`]: the volume table,
-    /// counters and `journal_seq`), encoded as the file holds it
+    /// The `state.json` content ([`crate::store::State`]: the volume
+    /// table), encoded as the file holds it
     /// ([`crate::store::encode_checked_compact`]).
-    pub(crate) fn encoded_state(&self, journal_seq: u64) -> Vec<u8> {
-        crate::store::encode_checked_compact(&StateView {
+    pub(crate) fn encoded_state(&self) -> Vec<u8> {
+        crate::store::encode_checked_compact(&self.state_view())
+    }
+
+    fn state_view(&self) -> StateView<'_> {
+        StateView {
             next_volume_id: self.next_volume_id,
             volumes: self.volumes.values().map(|v| &v.record).collect(),
+        }
+    }
+
+    /// The `counters.json` content ([`crate::store::CounterState`]: the
+    /// counters and `journal_seq`), encoded as the file holds it.
+    pub(crate) fn encoded_counters(&self, journal_seq: u64) -> Vec<u8> {
+        crate::store::encode_checked_compact(&CounterStateView {
             counters: &self.counters,
             journal_seq,
         })
     }
 
-    /// Length of [`Meta::encoded_state`]`(journal_seq)`, for the journal
-    /// model. The volume table's share (90 bytes or so per volume) is
-    /// measured again only when the table changed since the last commit
-    /// (`state_dirty`), so a commit's cost does not grow with the number
-    /// of volumes (a replay makes one per stream).
-    fn encoded_state_len(&mut self, journal_seq: u64) -> usize {
-        let table_bytes = match self.journal_model.volume_table_bytes {
-            Some(n) if !self.state_dirty => n,
-            _ => {
-                let mut count = ByteCount(0);
-                let records: Vec<&VolumeRecord> =
-                    self.volumes.values().map(|v| &v.record).collect();
-                serde_json::to_writer(&mut count, &records).expect("serializable");
-                self.journal_model.volume_table_bytes = Some(count.0);
-                count.0
-            }
-        };
-        let without_table = crate::store::encode_checked_compact(&StateView {
-            next_volume_id: self.next_volume_id,
-            volumes: Vec::new(),
-            counters: &self.counters,
-            journal_seq,
-        });
-        // ("[]" is the empty table's encoding)
-        without_table.len() - 2 + table_bytes
+    /// Length of [`Meta::encoded_state`], for the journal model, without
+    /// building it.
+    fn encoded_state_len(&self) -> usize {
+        let mut count = ByteCount(0);
+        serde_json::to_writer(&mut count, &self.state_view()).expect("serializable");
+        // a newline, then the checksum line: "crc32c=" and 8 hex digits
+        count.0 + 1 + "crc32c=00000000\n".len()
     }
 
-    /// Takes every change since the last commit as journal operations.
-    /// The state blob is always included (it carries the sequence number).
+    /// Takes every change since the last commit as journal operations:
+    /// the pages changed, the structural changes, `state.json` if the
+    /// volume table changed (`state_dirty`), and always `counters.json`
+    /// (it carries the sequence number).
     pub fn take_commit(&mut self, journal_seq: u64) -> CommitBatch {
         // (the index's dropped copies leave its budget at every commit,
         // whether or not the out-of-line worker runs)
@@ -511,9 +506,15 @@ impl Meta {
         for (id, v) in self.volumes.iter_mut() {
             log_pages(&mut v.map, MetaFile::Map(*id), generation, &mut ops);
         }
+        if self.state_dirty {
+            ops.push(Op::Replace {
+                file: MetaFile::State,
+                data: self.encoded_state(),
+            });
+        }
         ops.push(Op::Replace {
-            file: MetaFile::State,
-            data: self.encoded_state(journal_seq),
+            file: MetaFile::Counters,
+            data: self.encoded_counters(journal_seq),
         });
         self.state_dirty = false;
         CommitBatch {
@@ -548,15 +549,21 @@ impl Meta {
         for v in self.volumes.values_mut() {
             model_log_pages(&mut v.map, &mut lens, &mut images);
         }
-        // every commit replaces the state
-        let state_len = self.encoded_state_len(self.commit_generation);
-        lens.push(state_len);
+        // every commit replaces the counters, and the state if the volume
+        // table changed
+        if self.state_dirty {
+            let state_len = self.encoded_state_len();
+            lens.push(state_len);
+            self.journal_model.state_bytes = Some(state_len as u64);
+        }
+        let counters_len = self.encoded_counters(self.commit_generation).len();
+        lens.push(counters_len);
         let bytes = crate::journal::txn_len(lens);
         let model = &mut self.journal_model;
         model.written_bytes += bytes;
         model.used_bytes += bytes;
         model.pages_logged_whole += images;
-        model.state_bytes = state_len as u64;
+        model.counters_bytes = counters_len as u64;
         if model.used_bytes >= journal_size_bytes
             || model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 >= journal_size_bytes
         {
@@ -576,15 +583,17 @@ impl Meta {
 
     /// Counts a checkpoint in the [`JournalModel`] (an engine without a
     /// journal, at the point a store would checkpoint): it writes each page
-    /// logged since the previous one and the state, after which pages are
-    /// logged whole again. Nothing if nothing was committed since.
+    /// logged since the previous one, the counters, and the state if it
+    /// was logged since, after which pages are logged whole again. Nothing
+    /// if nothing was committed since.
     pub fn model_checkpoint(&mut self) {
         let model = &mut self.journal_model;
         if model.used_bytes == 0 {
             return;
         }
-        model.checkpoint_bytes +=
-            model.pages_logged_whole * crate::paged::PAGE_SIZE as u64 + model.state_bytes;
+        model.checkpoint_bytes += model.pages_logged_whole * crate::paged::PAGE_SIZE as u64
+            + model.counters_bytes
+            + model.state_bytes.take().unwrap_or(0);
         model.used_bytes = 0;
         model.pages_logged_whole = 0;
         model.checkpoints += 1;
@@ -631,8 +640,9 @@ impl Meta {
                 Op::Patch { file, offset, .. } => {
                     (*file, offset / crate::paged::PAYLOAD_SIZE as u64)
                 }
-                Op::Replace { .. } => {
-                    self.state_dirty = true;
+                // (the counters go into every commit)
+                Op::Replace { file, .. } => {
+                    self.state_dirty |= *file == MetaFile::State;
                     continue;
                 }
                 _ => {
@@ -644,7 +654,7 @@ impl Meta {
                 MetaFile::Refcounts => Some(&mut self.refcounts),
                 MetaFile::Fingerprints => Some(self.fingerprints.cached_mut()),
                 MetaFile::Map(id) => self.volumes.get_mut(&id).map(|v| &mut v.map),
-                MetaFile::State => None,
+                MetaFile::State | MetaFile::Counters => None,
             };
             if let Some(a) = array {
                 a.redirty(page);
@@ -801,19 +811,24 @@ pub struct JournalModel {
     /// Bytes those checkpoints wrote in place: each page logged since the
     /// one before, once, and the state.
     pub checkpoint_bytes: u64,
-    /// Length of the state the last commit carried.
-    pub state_bytes: u64,
-    /// Length of the volume table's JSON as of the last commit that
-    /// measured it (`None` before the first).
-    pub volume_table_bytes: Option<usize>,
+    /// Length of the counters the last commit carried.
+    pub counters_bytes: u64,
+    /// Length of the state last committed, if a commit carried it since
+    /// the last checkpoint.
+    pub state_bytes: Option<u64>,
 }
 
 /// [`crate::store::State`] borrowed from [`Meta`]: the same fields in the
-/// same order, so the same JSON.
+/// same order, so the same JSON (the format-1 fields left out).
 #[derive(serde::Serialize)]
 struct StateView<'a> {
     next_volume_id: u32,
     volumes: Vec<&'a VolumeRecord>,
+}
+
+/// [`crate::store::CounterState`] borrowed from [`Meta`].
+#[derive(serde::Serialize)]
+struct CounterStateView<'a> {
     counters: &'a PersistentCounters,
     journal_seq: u64,
 }

@@ -6,7 +6,8 @@
 //! <store>/journal        write-ahead journal of metadata changes (see `journal`)
 //! <store>/refcounts      u32 reference count per PBA
 //! <store>/fingerprints   32-byte fingerprint per PBA (reverse index)
-//! <store>/state.json     volume table and counters (checksummed)
+//! <store>/state.json     volume table (checksummed)
+//! <store>/counters.json  persistent counters, last journal sequence (checksummed)
 //! <store>/maps/<id>      u64 per LBA of volume <id>: 0 unmapped, else PBA + 1
 //! <store>/lock           held (flock) by the process that has the store open
 //! ```
@@ -26,8 +27,15 @@ use crate::error::{EngineError, Result};
 use crate::fingerprint::HashAlgorithm;
 use crate::journal::{MetaFile, Op};
 
-/// Version of the on-disk format this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the on-disk format this build writes: 2 keeps the counters
+/// in `counters.json`, apart from the volume table in `state.json`, so a
+/// journal transaction carries the table only when it changed.
+pub const FORMAT_VERSION: u32 = 2;
+/// Oldest on-disk format this build reads. A store of format 1 (counters
+/// inside `state.json`) is read as it is and marked format 2 by its first
+/// commit ([`StoreDir::upgrade_format`]), before that commit journals a
+/// `counters.json` a format-1 reader would not know.
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
 const SUPERBLOCK_MAGIC: &str = "dedupd-store";
 
 /// The superblock: fixed properties of a store, written once at creation.
@@ -120,9 +128,26 @@ pub struct State {
     pub next_volume_id: u32,
     /// Every volume.
     pub volumes: Vec<VolumeRecord>,
+    /// Persistent counters of a format-1 store (format 2 keeps them in
+    /// `counters.json`, [`CounterState`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<PersistentCounters>,
+    /// Sequence number of the journal transaction that wrote a format-1
+    /// state (0 in format 2).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub journal_seq: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The content of `counters.json`, replaced by every journal transaction.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CounterState {
     /// Persistent counters.
     pub counters: PersistentCounters,
-    /// Sequence number of the journal transaction that wrote this state.
+    /// Sequence number of the journal transaction that wrote them.
     pub journal_seq: u64,
 }
 
@@ -212,6 +237,7 @@ impl StoreDir {
         // directory entries a power loss could take away)
         for (name, bytes) in [
             ("state.json", encode_checked(&state)),
+            ("counters.json", encode_checked(&CounterState::default())),
             ("journal", Vec::new()),
             ("data", Vec::new()),
             ("refcounts", Vec::new()),
@@ -266,11 +292,11 @@ impl StoreDir {
                 detail: "wrong superblock magic".into(),
             });
         }
-        if sb.format_version != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&sb.format_version) {
             return Err(EngineError::NotAStore {
                 path: root.to_path_buf(),
                 detail: format!(
-                    "format version {} (this build reads {FORMAT_VERSION})",
+                    "format version {} (this build reads {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION})",
                     sb.format_version
                 ),
             });
@@ -287,6 +313,33 @@ impl StoreDir {
             observer: crate::observe::Observer::default(),
         };
         Ok((dir, sb))
+    }
+
+    /// Marks a format-1 store as of [`FORMAT_VERSION`]: writes `counters`
+    /// (as the format-1 state held them) to `counters.json`, then `sb` with
+    /// the new version to `superblock.new`, each synced, and renames the
+    /// latter over `superblock` (a crash leaves the old superblock or the
+    /// new one, both valid for this build; a format-1 store's
+    /// `counters.json` is ignored), syncing the directory after each step.
+    ///
+    /// Errors: [`EngineError::Io`] naming the file (e.g. ENOSPC); the old
+    /// superblock is then still in place.
+    pub fn upgrade_format(&self, sb: &Superblock, counters: &CounterState) -> Result<()> {
+        write_durable(
+            &self.path(MetaFile::Counters),
+            &encode_checked_compact(counters),
+        )?;
+        sync_dir(&self.root)?;
+        let new = Superblock {
+            format_version: FORMAT_VERSION,
+            ..sb.clone()
+        };
+        let tmp = self.root.join("superblock.new");
+        write_durable(&tmp, &encode_checked(&new))?;
+        let path = self.root.join("superblock");
+        fs::rename(&tmp, &path)
+            .map_err(|e| EngineError::io(format!("renaming {} into place", tmp.display()), e))?;
+        sync_dir(&self.root)
     }
 
     /// Reports every change [`StoreDir::apply`] makes to `observer`.
@@ -332,29 +385,33 @@ impl StoreDir {
             .map_err(|e| EngineError::io(format!("opening {}", p.display()), e))
     }
 
-    /// The bytes of `state.json` as the journal operations `ops` (in
-    /// order; those on other files are skipped) leave it: the file's
-    /// content (empty if missing) with every write, length change,
-    /// replacement and removal applied. The state is small (the volume
-    /// table and counters).
+    /// The bytes of the small file `file` (`state.json` or
+    /// `counters.json`, [`MetaFile::is_blob`]) as the journal operations
+    /// `ops` (in order; those on other files are skipped) leave it: the
+    /// file's content (empty if missing) with every write, length change,
+    /// replacement and removal applied.
     ///
     /// Errors: reading the file; [`EngineError::Corrupt`] for a page patch
-    /// of the state (never written: the state is replaced whole).
-    pub fn state_bytes<'o>(&self, ops: impl IntoIterator<Item = &'o Op>) -> Result<Vec<u8>> {
-        let p = self.path(MetaFile::State);
+    /// of it (never written: these files are replaced whole).
+    pub fn blob_bytes<'o>(
+        &self,
+        file: MetaFile,
+        ops: impl IntoIterator<Item = &'o Op>,
+    ) -> Result<Vec<u8>> {
+        let p = self.path(file);
         let mut bytes = match fs::read(&p) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(EngineError::io(format!("reading {}", p.display()), e)),
         };
-        for op in ops.into_iter().filter(|op| op.file() == MetaFile::State) {
+        for op in ops.into_iter().filter(|op| op.file() == file) {
             match op {
-                // the state is replaced whole, never patched: a patch's
-                // offset counts page payload bytes, meaningless here
+                // replaced whole, never patched: a patch's offset counts
+                // page payload bytes, meaningless here
                 Op::Patch { .. } => {
                     return Err(EngineError::Corrupt {
                         file: self.root.join("journal"),
-                        detail: "a page patch of state.json".into(),
+                        detail: format!("a page patch of {}", file.relative_path()),
                     })
                 }
                 Op::Write { offset, data, .. } => {
@@ -611,7 +668,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let s = d.path().join("s");
         let dir = StoreDir::create(&s, HashAlgorithm::Sha256, 16).unwrap();
-        let before = dir.state_bytes(&[]).unwrap();
+        let before = dir.blob_bytes(MetaFile::State, &[]).unwrap();
         let ops = [
             Op::Replace {
                 file: MetaFile::State,
@@ -627,12 +684,18 @@ mod tests {
                 data: b"2}".to_vec(),
             },
         ];
-        assert_eq!(dir.state_bytes(&ops).unwrap(), b"{\"a\":2}".to_vec());
-        assert_eq!(dir.state_bytes(&ops[1..2]).unwrap(), before);
+        assert_eq!(
+            dir.blob_bytes(MetaFile::State, &ops).unwrap(),
+            b"{\"a\":2}".to_vec()
+        );
+        assert_eq!(dir.blob_bytes(MetaFile::State, &ops[1..2]).unwrap(), before);
         let removed = [Op::Remove {
             file: MetaFile::State,
         }];
-        assert!(dir.state_bytes(&removed).unwrap().is_empty());
+        assert!(dir
+            .blob_bytes(MetaFile::State, &removed)
+            .unwrap()
+            .is_empty());
         // a page patch of the state is refused, not applied as a write
         let patch = [Op::Patch {
             file: MetaFile::State,
@@ -640,7 +703,7 @@ mod tests {
             data: b"x".to_vec(),
         }];
         assert!(matches!(
-            dir.state_bytes(&patch),
+            dir.blob_bytes(MetaFile::State, &patch),
             Err(EngineError::Corrupt { .. })
         ));
     }

@@ -354,12 +354,25 @@ fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
 }
 
 #[test]
-fn flipped_state_and_superblock_are_refused_with_names() {
+fn flipped_state_counters_and_superblock_are_refused_with_names() {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
     flip(&path.join("state.json"), 20);
     match Engine::open(&path, EngineConfig::default()) {
         Err(EngineError::Corrupt { file, .. }) => assert!(file.ends_with("state.json")),
+        other => panic!("{:?}", other.err()),
+    }
+    let path3 = build(&d.path().join("3"));
+    flip(&path3.join("counters.json"), 20);
+    match Engine::open(&path3, EngineConfig::default()) {
+        Err(EngineError::Corrupt { file, .. }) => assert!(file.ends_with("counters.json")),
+        other => panic!("{:?}", other.err()),
+    }
+    std::fs::remove_file(path3.join("counters.json")).unwrap();
+    match Engine::open(&path3, EngineConfig::default()) {
+        Err(EngineError::Corrupt { file, detail }) => {
+            assert!(file.ends_with("counters.json") && detail.contains("missing"))
+        }
         other => panic!("{:?}", other.err()),
     }
     let path2 = build(&d.path().join("2"));

@@ -378,3 +378,113 @@ fn a_discard_of_a_whole_large_thin_volume_costs_what_it_has_mapped() {
     assert!(buf.iter().all(|&b| b == 0));
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+#[test]
+fn a_commit_that_leaves_the_volume_table_alone_does_not_log_it() {
+    // With many volumes (one per VM or container) the table is tens of
+    // kilobytes; a FLUSH after a small write must not journal it again.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let first = e.create_volume("vm-0000", 1 << 30).unwrap();
+    for i in 1..400 {
+        e.create_volume(&format!("vm-{i:04}"), 1 << 30).unwrap();
+    }
+    e.flush().unwrap();
+    e.checkpoint().unwrap();
+    let table_bytes = std::fs::metadata(path.join("state.json")).unwrap().len();
+    assert!(table_bytes > 20_000, "{table_bytes} bytes of volume table");
+    let journal = |e: &Engine| e.stats().journal_bytes_written;
+    // the first change to a page after a checkpoint logs its image; the
+    // second one a patch
+    e.write(first, 0, &[1; 4096], false).unwrap();
+    e.flush().unwrap();
+    let before = journal(&e);
+    e.write(first, 4096, &[2; 4096], false).unwrap();
+    e.flush().unwrap();
+    let per_commit = journal(&e) - before;
+    assert!(
+        per_commit < 2048,
+        "a one-block commit journaled {per_commit} bytes ({table_bytes} of volume table)"
+    );
+    // a change to the table is journaled, and all of it survives a crash
+    // (no close: the journal is replayed)
+    e.resize_volume("vm-0399", 2 << 30).unwrap();
+    e.flush().unwrap();
+    assert!(journal(&e) - before - per_commit > table_bytes / 2);
+    e.drop_without_closing();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let vols = e.volumes();
+    assert_eq!(vols.len(), 400);
+    assert_eq!(
+        vols.iter()
+            .find(|v| v.name == "vm-0399")
+            .unwrap()
+            .size_bytes,
+        2 << 30
+    );
+    let s = e.stats();
+    assert_eq!(s.blocks_written, 2);
+    let mut back = vec![0u8; 4096];
+    e.read(first, 4096, &mut back).unwrap();
+    assert_eq!(back, [2; 4096]);
+}
+
+#[test]
+fn a_format_1_store_opens_with_its_counters_and_is_marked_format_2_by_its_first_commit() {
+    // Format 1 kept the counters and the last journal sequence in
+    // state.json and had no counters.json.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let vol = {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let vol = e.create_volume("v", 1 << 20).unwrap();
+        e.write(vol, 0, &[7; 8192], false).unwrap();
+        e.close().unwrap();
+        vol
+    };
+    let checked = |value: &serde_json::Value| {
+        let mut body = serde_json::to_vec(value).unwrap();
+        body.push(b'\n');
+        let crc = crc32c::crc32c(&body);
+        body.extend_from_slice(format!("crc32c={crc:08x}\n").as_bytes());
+        body
+    };
+    let unchecked = |file: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(path.join(file)).unwrap();
+        serde_json::from_str(&text[..text.rfind("crc32c=").unwrap()]).unwrap()
+    };
+    let counters = unchecked("counters.json");
+    let mut state = unchecked("state.json");
+    state["counters"] = counters["counters"].clone();
+    state["journal_seq"] = counters["journal_seq"].clone();
+    let mut sb = unchecked("superblock");
+    assert_eq!(sb["format_version"], 2);
+    sb["format_version"] = 1.into();
+    std::fs::write(path.join("state.json"), checked(&state)).unwrap();
+    std::fs::write(path.join("superblock"), checked(&sb)).unwrap();
+    std::fs::remove_file(path.join("counters.json")).unwrap();
+
+    // a counters.json left by an upgrade that did not finish is ignored
+    std::fs::write(path.join("counters.json"), b"torn").unwrap();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().blocks_written, 2);
+    assert_eq!(unchecked("superblock")["format_version"], 1);
+    e.write(vol, 8192, &[8; 4096], false).unwrap();
+    e.flush().unwrap();
+    assert_eq!(unchecked("superblock")["format_version"], 2);
+    // the upgrade wrote the counters as opened; the commit's are in the
+    // journal only
+    assert_eq!(unchecked("counters.json")["counters"]["blocks_written"], 2);
+    e.drop_without_closing();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().blocks_written, 3);
+    let mut back = vec![0u8; 4096];
+    e.read(vol, 8192, &mut back).unwrap();
+    assert_eq!(back, [8; 4096]);
+    e.close().unwrap();
+    drop(e);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().blocks_written, 3);
+    assert!(path.join("counters.json").exists());
+}
