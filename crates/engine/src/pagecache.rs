@@ -182,9 +182,13 @@ impl Bits {
         }
         None
     }
+    /// Clears every bit from `n` on.
     fn truncate(&mut self, n: u64) {
-        self.0.truncate(n.div_ceil(64) as usize);
-        if !n.is_multiple_of(64) {
+        let words = n.div_ceil(64) as usize;
+        self.0.truncate(words);
+        // the word holding bit n, if there is one (a shorter vector has
+        // no bit at or past n)
+        if !n.is_multiple_of(64) && self.0.len() == words {
             if let Some(w) = self.0.last_mut() {
                 *w &= (1 << (n % 64)) - 1;
             }
@@ -570,6 +574,7 @@ impl CachedArray {
         let i = self.inner.borrow();
         i.array.resident_bytes()
             + i.evicted.0.capacity() as u64 * 8
+            + i.queued.0.capacity() as u64 * 8
             + i.logged.0.capacity() as u64 * 8
             + i.fifo.capacity() as u64 * 8
             + i.pinned.capacity() as u64 * 24
@@ -718,6 +723,23 @@ mod tests {
     use std::os::unix::fs::FileExt;
 
     const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
+
+    #[test]
+    fn truncating_bits_past_their_end_keeps_them() {
+        let mut b = Bits::default();
+        b.set(20, true);
+        b.set(63, true);
+        // one word; a cut at 1033 is in word 16, which it does not have
+        b.truncate(1033);
+        assert!(b.get(20) && b.get(63));
+        b.set(100, true);
+        b.truncate(70);
+        assert!(b.get(20) && b.get(63) && !b.get(100));
+        b.truncate(21);
+        assert!(b.get(20) && !b.get(63));
+        b.truncate(0);
+        assert!(!b.get(20));
+    }
 
     /// An array of `pages` pages (entry `i` = `i + 1`), committed and
     /// checkpointed to a temporary file, paging under `group`.

@@ -488,3 +488,64 @@ fn a_format_1_store_opens_with_its_counters_and_is_marked_format_2_by_its_first_
     assert_eq!(e.stats().blocks_written, 3);
     assert!(path.join("counters.json").exists());
 }
+
+#[test]
+fn growing_a_reopened_volume_keeps_the_mappings_paged_out() {
+    // After a restart a volume's map pages are on file, not in memory;
+    // a resize must keep them reachable (reads, TRIM, later writes).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    // map pages of 508 entries: entries on a dozen pages, more than the
+    // small map cache below holds
+    let lbas: Vec<u64> = [20u64, 30, 40, 50, 60, 100, 150, 200, 250, 300, 350, 393]
+        .iter()
+        .map(|page| page * 508 + 5)
+        .collect();
+    {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let v = e.create_volume("v", 1 << 30).unwrap();
+        for (i, &lba) in lbas.iter().enumerate() {
+            e.write(v, lba * 4096, &[i as u8 + 1; 4096], false).unwrap();
+        }
+        e.close().unwrap();
+    }
+    let read = |e: &Engine, v, lba: u64| {
+        let mut b = vec![0u8; 4096];
+        e.read(v, lba * 4096, &mut b).unwrap();
+        b[0]
+    };
+    // a map cache of a few pages: the pages are evicted, not resident
+    let small = || EngineConfig {
+        map_cache_bytes: 4 * 4096,
+        ..EngineConfig::default()
+    };
+    for size in [2u64 << 30, 2 << 30, 3 << 30] {
+        let e = Engine::open(&path, small()).unwrap();
+        let (v, _) = e.volume("v").unwrap();
+        // the pages read last stay in memory, the others are evicted:
+        // the highest ones among those
+        for &lba in &lbas[..4] {
+            read(&e, v, lba);
+        }
+        e.resize_volume("v", size).unwrap();
+        for (i, &lba) in lbas.iter().enumerate() {
+            assert_eq!(
+                read(&e, v, lba),
+                i as u8 + 1,
+                "LBA {lba} after growing to {size}"
+            );
+        }
+        // a write into the same map page keeps its neighbours
+        e.write(v, (20 * 508 + 6) * 4096, &[99; 4096], false)
+            .unwrap();
+        assert!(e.check().is_empty());
+        e.close().unwrap();
+        drop(e);
+        let e = Engine::open(&path, small()).unwrap();
+        for (i, &lba) in lbas.iter().enumerate() {
+            assert_eq!(read(&e, v, lba), i as u8 + 1, "LBA {lba} after a restart");
+        }
+        assert_eq!(read(&e, v, 20 * 508 + 6), 99);
+        drop(e);
+    }
+}
