@@ -736,14 +736,17 @@ impl Engine {
             .len_bytes()
             .map_err(|e| EngineError::io("reading the data file size", e))?
             .div_ceil(BLOCK_SIZE_U64);
-        if let Err(e) = meta.rebuild_derived(data_blocks, IndexPairs::Collected(index_pairs)) {
-            match EngineError::io("rebuilding the on-disk fingerprint store", e) {
+        let references = match meta.rebuild_derived(data_blocks, IndexPairs::Collected(index_pairs))
+        {
+            Ok(references) => references,
+            Err(e) => match EngineError::io("rebuilding the on-disk fingerprint store", e) {
                 // a full file system: keep the on-disk groups in memory for
                 // this run, so the store still opens and serves reads
                 EngineError::NoSpace { .. } => {
                     let cfg = meta.index.config();
                     meta.index = FingerprintIndex::new(cfg, Box::new(MemoryGroupStore::default()));
-                    meta.rebuild_derived(data_blocks, IndexPairs::Scan(None))
+                    let references = meta
+                        .rebuild_derived(data_blocks, IndexPairs::Scan(None))
                         .map_err(|e| {
                             EngineError::io("rebuilding the fingerprint store in memory", e)
                         })?;
@@ -751,8 +754,32 @@ impl Engine {
                         "no space for the on-disk fingerprint store: it is kept in memory until the next start"
                             .to_string(),
                     );
+                    references
                 }
                 other => return Err(other),
+            },
+        };
+        // Every LBA mapped holds one reference. Fewer references than
+        // mapped LBAs (reference counts cut short or zeroed in place, which
+        // no page checksum sees) would put blocks still mapped on the free
+        // list, and the next writes would overwrite them: refused. More
+        // (map entries lost the same way) only leak blocks: a warning.
+        if damage.is_empty() && !config.allow_damaged_metadata {
+            let mapped = meta.mapped_blocks;
+            if references < mapped {
+                return Err(EngineError::Corrupt {
+                    file: dir.path(MetaFile::Refcounts),
+                    detail: format!(
+                        "the reference counts add up to {references} but the volume maps                          map {mapped} LBAs; the store is not served. Run `dedupd --store {}                          fsck --repair` to rebuild them from the volume maps",
+                        path.display()
+                    ),
+                });
+            }
+            if references > mapped {
+                damage_notes.push(format!(
+                    "the reference counts add up to {references} but the volume maps map                      {mapped} LBAs: blocks are held that no LBA maps (`dedupd --store {}                      fsck --repair` reclaims them)",
+                    path.display()
+                ));
             }
         }
         // the scans above leave each array's last pages in memory

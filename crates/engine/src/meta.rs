@@ -183,20 +183,25 @@ impl Meta {
     /// and rebuilds the fingerprint index from `pairs` (see
     /// [`IndexPairs`]). `data_blocks` is the data file's length in blocks.
     /// The pairs are sorted through a scratch file so that memory stays
-    /// about the index budget whatever the store's size.
+    /// about the index budget whatever the store's size. Returns the sum
+    /// of every PBA's reference count, which equals `mapped_blocks` in a
+    /// consistent store.
     ///
     /// Errors: writing the on-disk fingerprint store, reading the scratch
     /// file.
-    pub fn rebuild_derived(&mut self, data_blocks: u64, pairs: IndexPairs) -> std::io::Result<()> {
+    pub fn rebuild_derived(&mut self, data_blocks: u64, pairs: IndexPairs) -> std::io::Result<u64> {
         let rc_blocks = self.refcounts.logical_len() / 4;
         let mut top = 0;
+        let mut references = 0u64;
         self.stored_blocks = 0;
         let (mut sorter, scan) = match pairs {
             IndexPairs::Collected(sorter) => (sorter, false),
             IndexPairs::Scan(scratch) => (self.index_sorter(rc_blocks, scratch), true),
         };
         for p in 0..rc_blocks {
-            if self.refcounts.get_u32(p) > 0 {
+            let rc = self.refcounts.get_u32(p);
+            if rc > 0 {
+                references += u64::from(rc);
                 top = p + 1;
                 self.stored_blocks += 1;
                 if scan {
@@ -220,7 +225,7 @@ impl Meta {
         for v in self.volumes.values() {
             self.mapped_blocks += v.map.count_nonzero_u64(0..v.size_blocks());
         }
-        Ok(())
+        Ok(references)
     }
 
     /// A sorter for the index's (key, PBA) pairs of up to `pbas` PBAs, in

@@ -1041,3 +1041,67 @@ fn files_made_anew_are_paged_from_after_the_checkpoint_that_writes_them() {
         assert_paged_back_after_checkpoint(&crash, false, a_blocks);
     }
 }
+
+#[test]
+fn reference_counts_zeroed_in_place_are_refused_and_repaired() {
+    // A page of zeros passes as a hole (files grow sparsely), so no
+    // checksum sees reference counts zeroed or cut short; served, the
+    // blocks they count would be free for the next writes to overwrite.
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let rc = path.join("refcounts");
+    let len = std::fs::metadata(&rc).unwrap().len();
+    std::fs::write(&rc, vec![0u8; len as usize]).unwrap();
+    match Engine::open(&path, EngineConfig::default()) {
+        Err(EngineError::Corrupt { file, detail }) => {
+            assert!(file.ends_with("refcounts"), "{file:?}");
+            assert!(detail.contains("fsck --repair"), "{detail}");
+        }
+        other => panic!("{:?}", other.err()),
+    }
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_ne!(check.exit_code(), 0);
+    let fixed = fsck(
+        &path,
+        FsckOptions {
+            repair: true,
+            rehash: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert!(e.notes().is_empty(), "{:?}", e.notes());
+    let (a, _) = e.volume("a").unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    // new writes take free blocks, not the ones the maps hold
+    e.write(b, 200 * 4096, &vec![0xee; 64 * 4096], false)
+        .unwrap();
+    let mut back = vec![0u8; 4096];
+    for i in 0..600 {
+        e.read(a, i * 4096, &mut back).unwrap();
+        assert_eq!(back, pattern(i), "block {i} of a");
+    }
+    assert!(e.check().is_empty());
+}
+
+#[test]
+fn a_map_page_zeroed_in_place_is_reported_as_held_blocks() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    {
+        use std::os::unix::fs::FileExt;
+        let map = std::fs::OpenOptions::new()
+            .write(true)
+            .open(first_map_file(&path))
+            .unwrap();
+        map.write_all_at(&[0u8; 4096], 0).unwrap();
+    }
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert!(e.damage().is_empty());
+    assert!(
+        e.notes().iter().any(|n| n.contains("fsck --repair")),
+        "{:?}",
+        e.notes()
+    );
+}
