@@ -163,7 +163,13 @@ fn handshake(input: &[u8]) {
     let provider = One(mem(4096));
     let mut out = Vec::new();
     let stopping = AtomicBool::new(false);
-    let _ = negotiate(&mut Cursor::new(input), &mut out, &provider, &stopping);
+    let _ = negotiate(
+        &mut Cursor::new(input),
+        &mut out,
+        &provider,
+        &stopping,
+        &AtomicBool::new(false),
+    );
 }
 
 proptest! {
@@ -223,7 +229,14 @@ fn handshake_go_then_transmission_roundtrip() {
     let mut out = Vec::new();
     let stopping = AtomicBool::new(false);
     let mut cur = Cursor::new(&input[..]);
-    let r = negotiate(&mut cur, &mut out, &provider, &stopping).unwrap();
+    let r = negotiate(
+        &mut cur,
+        &mut out,
+        &provider,
+        &stopping,
+        &AtomicBool::new(false),
+    )
+    .unwrap();
     assert!(matches!(r, Outcome::Transmission { .. }));
     // greeting + INFO_EXPORT + BLOCK_SIZE + ACK
     assert_eq!(out.len(), 18 + (20 + 12) + (20 + 14) + 20);
@@ -248,7 +261,14 @@ fn oversized_option_is_discarded_not_allocated() {
     let provider = One(mem(4096));
     let mut out = Vec::new();
     let stopping = AtomicBool::new(false);
-    let r = negotiate(&mut Cursor::new(&input[..]), &mut out, &provider, &stopping).unwrap();
+    let r = negotiate(
+        &mut Cursor::new(&input[..]),
+        &mut out,
+        &provider,
+        &stopping,
+        &AtomicBool::new(false),
+    )
+    .unwrap();
     assert!(matches!(r, Outcome::Closed));
     let first = &out[18..];
     assert_eq!(&first[12..16], &proto::REP_ERR_TOO_BIG.to_be_bytes());

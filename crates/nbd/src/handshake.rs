@@ -69,12 +69,16 @@ fn known_option(option: u32) -> bool {
 ///
 /// `r` and `w` are the two directions of one connection. `stopping` is the
 /// server's shutdown flag: once set, options other than `NBD_OPT_ABORT` are
-/// answered `NBD_REP_ERR_SHUTDOWN`.
+/// answered `NBD_REP_ERR_SHUTDOWN`. `transmitting` is set before the reply
+/// that moves the client to transmission is flushed, so a shutdown from
+/// then on treats the connection as transmitting (its requests get
+/// `NBD_ESHUTDOWN`) rather than as still negotiating.
 pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
     r: &mut R,
     w: &mut W,
     provider: &dyn ExportProvider,
     stopping: &AtomicBool,
+    transmitting: &AtomicBool,
 ) -> Result<Outcome, HandshakeError> {
     w.write_all(&proto::encode_greeting())?;
     w.flush()?;
@@ -145,6 +149,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                     flags,
                     no_zeroes,
                 ))?;
+                transmitting.store(true, Ordering::SeqCst);
                 w.flush()?;
                 return Ok(Outcome::Transmission { export });
             }
@@ -171,6 +176,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
             proto::OPT_INFO | proto::OPT_GO => {
                 if let Some(export) = answer_info(w, option, &data, provider)? {
                     if option == proto::OPT_GO {
+                        transmitting.store(true, Ordering::SeqCst);
                         w.flush()?;
                         return Ok(Outcome::Transmission { export });
                     }

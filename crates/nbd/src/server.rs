@@ -24,11 +24,18 @@ use crate::transmission::{self, ReplySink, ReplyWriter, RequestSource, Resources
 /// reading side shut down (a client stalled in the middle of a request
 /// header would otherwise hold the shutdown up).
 const SHUTDOWN_STOP_READING_AFTER: Duration = Duration::from_secs(5);
-/// After shutdown began, connections still negotiating this long have
-/// their reading side shut down; until then the options they send are
-/// answered `NBD_REP_ERR_SHUTDOWN` (proto.md: a server being shut down
-/// SHOULD error further options so).
+/// After shutdown began, connections still negotiating this long are shut
+/// down both ways (a reply blocked on a client that does not read fails at
+/// once); until then the options they send are answered
+/// `NBD_REP_ERR_SHUTDOWN` (proto.md: a server being shut down SHOULD error
+/// further options so).
 const SHUTDOWN_NEGOTIATION_GRACE: Duration = Duration::from_secs(1);
+/// After shutdown began, connections still open this long are shut down
+/// both ways: a client that reads its replies, but slower than a send
+/// timeout notices, would otherwise hold the exit up for minutes. Their
+/// requests have been carried out by then; only replies not yet read are
+/// lost, as in a network failure.
+const SHUTDOWN_CLOSE_AFTER: Duration = Duration::from_secs(60);
 /// How often an idle accept loop checks for shutdown.
 const ACCEPT_POLL_MS: libc::c_int = 50;
 /// A reply write that makes no progress for this long (the client does not
@@ -234,14 +241,16 @@ impl SocketReader {
 impl Read for SocketReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if let Some(deadline) = self.deadline {
+            // (checked on buffered input too: options sent at once and
+            // answered slowly must not outlast the deadline)
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "negotiation not finished in time",
+                ));
+            }
             if self.buffered.buffer().is_empty() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "negotiation not finished in time",
-                    ));
-                }
                 self.socket().set_recv_timeout(Some(left))?;
             }
         }
@@ -386,10 +395,12 @@ impl ShutdownHandle {
     /// a client sends after it is read and dropped), then the `serve_*`
     /// calls return. Connections still negotiating get
     /// `NBD_REP_ERR_SHUTDOWN` for the options they send in the next second,
-    /// then are closed (their reading side is shut down). A connection
-    /// still open 5 s later has its reading side shut down too. A client that does not read
-    /// its replies is given 10 s per reply before its connection is
-    /// dropped. Idempotent and permanent.
+    /// then are shut down both ways. A connection still open 5 s later has
+    /// its reading side shut down too. A client that does not read its
+    /// replies is given 10 s per reply that makes no progress before its
+    /// connection is dropped, and any connection still open 60 s after the
+    /// shutdown began is shut down both ways (its requests are carried out;
+    /// replies not yet sent are lost). Idempotent and permanent.
     pub fn shutdown(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         for r in self.shared.registry().values() {
@@ -538,24 +549,31 @@ impl Server {
         // In-flight requests finish and connections stop reading by
         // themselves; one whose client stalls in the middle of a request
         // header has its reading side shut down after a while.
-        let negotiations_end_at = Instant::now() + SHUTDOWN_NEGOTIATION_GRACE;
-        let forced_at = Instant::now() + SHUTDOWN_STOP_READING_AFTER;
+        let stopped_at = Instant::now();
         let mut forced = false;
+        let mut closed = false;
         while self.shared.stopping.load(Ordering::SeqCst)
             && threads.iter().any(|t| !t.is_finished())
         {
-            if !forced && Instant::now() >= negotiations_end_at {
+            let since = stopped_at.elapsed();
+            if !closed && since >= SHUTDOWN_NEGOTIATION_GRACE {
                 for r in self.shared.registry().values() {
                     if !r.transmitting.load(Ordering::SeqCst) {
-                        let _ = r.socket.shutdown_socket(Shutdown::Read);
+                        let _ = r.socket.shutdown_socket(Shutdown::Both);
                     }
                 }
             }
-            if !forced && Instant::now() >= forced_at {
+            if !forced && since >= SHUTDOWN_STOP_READING_AFTER {
                 for r in self.shared.registry().values() {
                     let _ = r.socket.shutdown_socket(Shutdown::Read);
                 }
                 forced = true;
+            }
+            if !closed && since >= SHUTDOWN_CLOSE_AFTER {
+                for r in self.shared.registry().values() {
+                    let _ = r.socket.shutdown_socket(Shutdown::Both);
+                }
+                closed = true;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -615,7 +633,7 @@ struct Registered {
 /// it with a reset that destroys replies not yet delivered); one still
 /// negotiating answers options `NBD_REP_ERR_SHUTDOWN` until
 /// [`SHUTDOWN_NEGOTIATION_GRACE`] has passed, when the accept loop shuts
-/// its reading side.
+/// it down both ways.
 fn stop_socket(socket: &dyn Socket) {
     let _ = socket.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
 }
@@ -693,6 +711,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         &mut buffered,
         shared.provider.as_ref(),
         &shared.stopping,
+        &transmitting,
     )
     .and_then(|o| {
         reader.deadline = None;
@@ -700,7 +719,8 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         Ok(o)
     });
     // (a shutdown from now on leaves reading to the transmission phase;
-    // one just before made negotiate refuse the options that followed)
+    // one just before made negotiate refuse the options that followed.
+    // negotiate marks the connection before its final reply goes out.)
     transmitting.store(true, Ordering::SeqCst);
     drop(buffered);
     let hangup_half = Arc::new(hangup_half);

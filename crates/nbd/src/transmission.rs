@@ -614,7 +614,9 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
             while !reader.wait_input(STOP_POLL_INTERVAL) {
                 if self.res.stopping.load(Ordering::SeqCst) {
                     writer.set_awaiting_client(false);
-                    return Next::Stop;
+                    // from the top, where a request that arrived since the
+                    // last poll is answered NBD_ESHUTDOWN, not dropped
+                    return self.next(reader);
                 }
                 waited += STOP_POLL_INTERVAL;
                 if waited >= IDLE_BUFFER_FREE_AFTER && !self.idle.load(Ordering::SeqCst) {

@@ -873,3 +873,49 @@ fn one_connection_cannot_take_the_whole_inflight_budget() {
     drop(a);
     h.stop();
 }
+
+#[test]
+fn a_negotiating_client_that_does_not_read_cannot_hold_up_shutdown() {
+    // Options sent in bulk by a client that never reads the answers: the
+    // server's reply blocks on a full socket. A shutdown must still end
+    // the connection within its negotiation grace, not after a send
+    // timeout.
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.greet(proto::FLAG_C_FIXED_NEWSTYLE);
+    let mut writer = c.s.try_clone().unwrap();
+    let flood = std::thread::spawn(move || {
+        let mut header = proto::IHAVEOPT.to_be_bytes().to_vec();
+        header.extend_from_slice(&OPT_LIST.to_be_bytes());
+        header.extend_from_slice(&0u32.to_be_bytes());
+        let batch: Vec<u8> = header.repeat(4096);
+        // until the server stops reading, or closes
+        for _ in 0..2048 {
+            if writer.write_all(&batch).is_err() {
+                break;
+            }
+        }
+    });
+    wait_until("the server's replies to fill the socket", || {
+        let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let port = c.s.local_addr().unwrap().port();
+        // the client's receive queue (rx_queue), in hex, on its own socket
+        tcp.lines().skip(1).any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local = u16::from_str_radix(f[1].rsplit(':').next().unwrap(), 16).unwrap();
+            let rx = u64::from_str_radix(f[4].split(':').nth(1).unwrap(), 16).unwrap();
+            local == port && rx > 16 << 10
+        })
+    });
+    // (until both sockets' buffers are full and the server's send blocks)
+    std::thread::sleep(Duration::from_millis(1500));
+    let started = Instant::now();
+    h.stop();
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+    drop(c);
+    flood.join().unwrap();
+}
