@@ -133,17 +133,24 @@ impl SkippedBuffer {
         }
         if self.used_bytes() + RECORD_BYTES <= self.capacity_bytes {
             if self.records.len() == self.records.capacity() {
-                // grown by hand, never past the capacity (doubling would
-                // take up to twice the configured bytes)
-                let max = self.capacity_bytes / RECORD_BYTES;
+                // grown by hand, never past what the capacity leaves the
+                // records beside the coarser ones (doubling would take up
+                // to twice the configured bytes)
                 let len = self.records.len();
+                let others = self.used_bytes() - len * RECORD_BYTES;
+                let max = (self.capacity_bytes - others) / RECORD_BYTES;
                 self.records.reserve_exact(len.max(16).min(max - len));
             }
             self.records.push_back((vol, lba));
             return;
         }
-        // full: fold the block records into regions (half the budget), and
-        // past that, regions into whole volumes
+        self.fold();
+        self.regions.insert(region);
+        self.fold_regions_if_over_half();
+    }
+
+    /// Folds the block records into regions (a full buffer degrades).
+    fn fold(&mut self) {
         self.degradations += 1;
         self.last_region = None;
         let mut last = None;
@@ -155,7 +162,10 @@ impl SkippedBuffer {
                 last = Some(r);
             }
         }
-        self.regions.insert(region);
+    }
+
+    /// Past half the capacity, folds the regions into whole volumes.
+    fn fold_regions_if_over_half(&mut self) {
         if self.regions.len() * REGION_BYTES > self.capacity_bytes / 2 {
             for (v, _) in std::mem::take(&mut self.regions) {
                 self.volumes.entry(v).or_insert(0);
@@ -309,15 +319,57 @@ impl SkippedBuffer {
             + (self.volumes.len() + self.rescan_from.len()) * REGION_BYTES) as u64
     }
 
-    /// Sets the capacity (at open, from configuration).
+    /// Sets the capacity (at open, from configuration, over a buffer
+    /// loaded from the store): the records' memory is cut to what they
+    /// hold, and a buffer over the new capacity degrades as a full one
+    /// does, so nothing is forgotten.
     pub fn set_capacity(&mut self, capacity_bytes: usize) {
         self.capacity_bytes = capacity_bytes.max(RECORD_BYTES * 16);
+        self.records.shrink_to_fit();
+        if self.used_bytes() > self.capacity_bytes {
+            self.fold();
+            self.fold_regions_if_over_half();
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn records_beside_regions_stay_within_the_capacity() {
+        let cap = 600 << 10;
+        let mut b = SkippedBuffer::new(cap);
+        // fills with records of volume 1, folds them into 150 regions, then
+        // takes records of volume 2 beside those
+        for lba in 0..2 * (cap / RECORD_BYTES) as u64 {
+            b.record(
+                VolumeId(1 + (lba >= (cap / RECORD_BYTES) as u64) as u32),
+                lba,
+            );
+            assert!(b.memory_bytes() <= cap as u64, "{} bytes", b.memory_bytes());
+        }
+        assert!(b.stats().degradations >= 1);
+    }
+
+    #[test]
+    fn a_loaded_buffer_over_a_smaller_capacity_degrades_and_keeps_its_blocks() {
+        let mut b = SkippedBuffer::new(600 << 10);
+        for lba in 0..20_000u64 {
+            b.record(VolumeId(1), lba * 3);
+        }
+        b.set_capacity(64 << 10);
+        assert!(b.memory_bytes() <= 64 << 10, "{} bytes", b.memory_bytes());
+        // every recorded block is still covered
+        let regions: std::collections::HashSet<u64> = b.regions.iter().map(|r| r.1).collect();
+        for lba in (0..20_000u64).map(|l| l * 3) {
+            assert!(
+                b.volumes.contains_key(&VolumeId(1)) || regions.contains(&(lba / REGION_BLOCKS)),
+                "LBA {lba} forgotten"
+            );
+        }
+    }
 
     #[test]
     fn block_records_never_take_more_than_the_capacity() {
