@@ -612,8 +612,17 @@ impl PagedArray {
     pub fn truncate(&mut self, len_bytes: u64) {
         let keep = len_bytes.div_ceil(PAYLOAD_SIZE as u64);
         if self.len_pages > keep {
-            for page in keep..self.len_pages {
-                self.drop_page(page);
+            // only the chunks in memory hold pages to drop: a cut of a huge
+            // thin array costs what it has in memory, not its length
+            let first_chunk = keep as usize / CHUNK_PAGES;
+            for c in first_chunk..self.chunks.len() {
+                if self.chunks[c].is_some() {
+                    let start = keep.max((c * CHUNK_PAGES) as u64);
+                    let end = self.len_pages.min(((c + 1) * CHUNK_PAGES) as u64);
+                    for page in start..end {
+                        self.drop_page(page);
+                    }
+                }
             }
             self.len_pages = keep;
             let chunks = (keep as usize).div_ceil(CHUNK_PAGES);
