@@ -216,15 +216,15 @@ impl Engine {
                 skipped, volumes, ..
             } = &mut *m;
             let per_page = crate::paged::U64_PER_PAGE;
-            let mapped = |v: VolumeId, start: u64, end: u64| {
-                volumes.get(&v).is_some_and(|vol| {
+            let first_mapped = |v: VolumeId, start: u64, end: u64| {
+                volumes.get(&v).and_then(|vol| {
                     vol.map
                         .next_present_page(start / per_page, (end - 1) / per_page + 1)
-                        .is_some()
+                        .map(|page| (page * per_page).max(start))
                 })
             };
             (
-                skipped.take(max_blocks, |v| sizes.get(&v).copied(), mapped),
+                skipped.take(max_blocks, |v| sizes.get(&v).copied(), first_mapped),
                 sizes,
             )
         };

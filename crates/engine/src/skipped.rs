@@ -231,16 +231,18 @@ impl SkippedBuffer {
     /// Takes up to about `max` block addresses to process, oldest first;
     /// regions and volumes are expanded into their LBAs (`size_blocks`
     /// gives a volume's size; unknown volumes are dropped), except ranges
-    /// of LBAs for which `mapped(volume, start, end)` says none is mapped
-    /// (a whole thin volume is mostly unmapped). Passes over at most
-    /// [`EMPTY_REGIONS_PER_TAKE`] such regions per call, so a call costs
-    /// little whatever the volume's size (it may then return nothing while
-    /// work remains).
+    /// of LBAs with none mapped: `first_mapped(volume, start, end)` gives
+    /// the first LBA in `start..end` that may be mapped, `None` if none is
+    /// (a whole thin volume is mostly unmapped: its scan jumps to the next
+    /// region that may hold a mapped LBA). Passes over at most
+    /// [`EMPTY_REGIONS_PER_TAKE`] empty regions or volume ends per call, so
+    /// a call costs little whatever the volume's size (it may then return
+    /// nothing while work remains).
     pub fn take(
         &mut self,
         max: usize,
         size_blocks: impl Fn(VolumeId) -> Option<u64>,
-        mapped: impl Fn(VolumeId, u64, u64) -> bool,
+        first_mapped: impl Fn(VolumeId, u64, u64) -> Option<u64>,
     ) -> Vec<(VolumeId, u64)> {
         self.last_region = None;
         let mut out = Vec::with_capacity(max.min(4096));
@@ -254,7 +256,7 @@ impl SkippedBuffer {
                 let Some(size) = size_blocks(v) else { continue };
                 let start = region * REGION_BLOCKS;
                 let end = (start + REGION_BLOCKS).min(size);
-                if start < end && mapped(v, start, end) {
+                if start < end && first_mapped(v, start, end).is_some() {
                     out.extend((start..end).map(|l| (v, l)));
                 } else {
                     empty_regions += 1;
@@ -289,13 +291,20 @@ impl SkippedBuffer {
                 }
                 continue;
             }
-            let end = (start + REGION_BLOCKS).min(size);
-            if mapped(v, start, end) {
-                out.extend((start..end).map(|l| (v, l)));
-            } else {
-                empty_regions += 1;
+            match first_mapped(v, start, size) {
+                Some(lba) => {
+                    let region = lba.max(start) / REGION_BLOCKS;
+                    let start = region * REGION_BLOCKS;
+                    let end = (start + REGION_BLOCKS).min(size);
+                    out.extend((start..end).map(|l| (v, l)));
+                    self.volumes.insert(v, region + 1);
+                }
+                None => {
+                    // nothing mapped to the end: there next time
+                    empty_regions += 1;
+                    self.volumes.insert(v, size.div_ceil(REGION_BLOCKS));
+                }
             }
-            self.volumes.insert(v, next + 1);
         }
         out
     }
@@ -395,7 +404,7 @@ mod tests {
         // a region at a time, and after each a write to block 5 of v (a
         // file system's journal, say)
         for _ in 0..250 {
-            let got = b.take(REGION_BLOCKS as usize, size, |_, _, _| true);
+            let got = b.take(REGION_BLOCKS as usize, size, |_, s, _| Some(s));
             seen.extend(got.into_iter().map(|(vol, l)| (vol, l / REGION_BLOCKS)));
             b.record(v, 5);
         }
@@ -408,9 +417,28 @@ mod tests {
         }
         // once the writes stop, the buffer empties
         for _ in 0..10 {
-            b.take(1 << 20, size, |_, _, _| true);
+            b.take(1 << 20, size, |_, s, _| Some(s));
         }
         assert!(b.is_empty(), "{:?}", b.stats());
+    }
+
+    #[test]
+    fn a_whole_thin_volume_is_scanned_by_what_it_maps() {
+        // 2^36 LBAs (256 TiB), two mapped far apart: found in one take
+        let mut b = SkippedBuffer::new(RECORD_BYTES * 16);
+        let v = VolumeId(1);
+        b.record_volume(v);
+        let mapped = [1u64 << 34, (1 << 35) + 7];
+        let first_mapped =
+            |_, start: u64, end: u64| mapped.iter().copied().find(|l| (start..end).contains(l));
+        let got = b.take(4 * REGION_BLOCKS as usize, |_| Some(1 << 36), first_mapped);
+        for lba in mapped {
+            assert!(got.contains(&(v, lba)), "LBA {lba} not taken");
+        }
+        assert_eq!(got.len(), 2 * REGION_BLOCKS as usize);
+        let rest = b.take(4 * REGION_BLOCKS as usize, |_| Some(1 << 36), first_mapped);
+        assert!(rest.is_empty());
+        assert!(b.is_empty());
     }
 
     #[test]
@@ -422,7 +450,7 @@ mod tests {
         let first = b.take(
             3 * REGION_BLOCKS as usize,
             |_| Some(100 * REGION_BLOCKS),
-            |_, _, _| true,
+            |_, s, _| Some(s),
         );
         assert_eq!(first.len(), 3 * REGION_BLOCKS as usize);
         // ...when blocks in them are written again
@@ -430,7 +458,7 @@ mod tests {
         b.record_range(v, REGION_BLOCKS + 1, REGION_BLOCKS + 2);
         let mut seen = BTreeSet::new();
         loop {
-            let got = b.take(1000, |_| Some(100 * REGION_BLOCKS), |_, _, _| true);
+            let got = b.take(1000, |_| Some(100 * REGION_BLOCKS), |_, s, _| Some(s));
             if got.is_empty() {
                 break;
             }
@@ -451,7 +479,7 @@ mod tests {
         assert!(b.stats().used_bytes <= b.stats().capacity_bytes + REGION_BYTES as u64);
         let mut seen = BTreeSet::new();
         loop {
-            let got = b.take(1000, |_| Some(10_000), |_, _, _| true);
+            let got = b.take(1000, |_| Some(10_000), |_, s, _| Some(s));
             if got.is_empty() {
                 break;
             }
@@ -477,7 +505,7 @@ mod tests {
                 want.insert(lba);
             }
             // a region is taken (and forgotten), then written again
-            let got = b.take(300, |_| Some(100_000), |_, _, _| true);
+            let got = b.take(300, |_| Some(100_000), |_, s, _| Some(s));
             for (_, l) in &got {
                 want.remove(l);
             }
@@ -486,7 +514,7 @@ mod tests {
         }
         let mut seen = BTreeSet::new();
         loop {
-            let got = b.take(1000, |_| Some(100_000), |_, _, _| true);
+            let got = b.take(1000, |_| Some(100_000), |_, s, _| Some(s));
             if got.is_empty() {
                 break;
             }
