@@ -730,6 +730,28 @@ impl Engine {
             meta.skipped
                 .record_range(id, page * lbas_per_page, (page + 1) * lbas_per_page);
         }
+        // volumes that take the engine's T and ran under T > 1 had their
+        // writes left out of the skipped buffer: under T = 1 they are
+        // examined whole (where mapped)
+        meta.default_sequence_threshold_blocks = config.sequence_threshold_blocks;
+        let (was_t, now_t) = (
+            state.default_sequence_threshold_blocks.max(1),
+            config.sequence_threshold_blocks.max(1),
+        );
+        if was_t != now_t {
+            meta.state_dirty = true;
+            if now_t == 1 {
+                let inheriting: Vec<VolumeId> = meta
+                    .volumes
+                    .iter()
+                    .filter(|(_, v)| v.record.sequence_threshold_blocks.is_none())
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in inheriting {
+                    meta.skipped.record_volume(id);
+                }
+            }
+        }
         let data =
             FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
         let data_blocks = data
@@ -860,6 +882,7 @@ impl Engine {
         let index = FingerprintIndex::new(config.index, Box::new(MemoryGroupStore::default()));
         let meta = Meta {
             next_volume_id: 1,
+            default_sequence_threshold_blocks: config.sequence_threshold_blocks,
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             ..Meta::empty(index)
         };

@@ -89,6 +89,9 @@ pub struct Meta {
     pub data_sync_failure: Option<String>,
     /// Id the next created volume gets.
     pub next_volume_id: u32,
+    /// The engine's sequence threshold T in effect for volumes without
+    /// their own ([`crate::store::State::default_sequence_threshold_blocks`]).
+    pub default_sequence_threshold_blocks: u32,
     /// u32 reference count per PBA; paged from `refcounts` under
     /// [`Meta::map_cache`].
     pub refcounts: CachedArray,
@@ -464,6 +467,7 @@ impl Meta {
         StateView {
             next_volume_id: self.next_volume_id,
             volumes: self.volumes.values().map(|v| &v.record).collect(),
+            default_sequence_threshold_blocks: self.default_sequence_threshold_blocks,
         }
     }
 
@@ -829,6 +833,12 @@ pub struct JournalModel {
 struct StateView<'a> {
     next_volume_id: u32,
     volumes: Vec<&'a VolumeRecord>,
+    #[serde(skip_serializing_if = "threshold_is_one")]
+    default_sequence_threshold_blocks: u32,
+}
+
+fn threshold_is_one(t: &u32) -> bool {
+    *t <= 1
 }
 
 /// [`crate::store::CounterState`] borrowed from [`Meta`].

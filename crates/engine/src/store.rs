@@ -122,12 +122,19 @@ pub struct PersistentCounters {
 }
 
 /// The content of `state.json`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct State {
     /// Id the next created volume gets.
     pub next_volume_id: u32,
     /// Every volume.
     pub volumes: Vec<VolumeRecord>,
+    /// The engine's sequence threshold T (blocks) in effect for volumes
+    /// without their own, as of the last open that wrote the state (absent:
+    /// 1). A start with T = 1 after one with T > 1 queues those volumes for
+    /// a whole out-of-line pass, since their writes under T > 1 were not
+    /// recorded for it.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub default_sequence_threshold_blocks: u32,
     /// Persistent counters of a format-1 store (format 2 keeps them in
     /// `counters.json`, [`CounterState`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -138,8 +145,28 @@ pub struct State {
     pub journal_seq: u64,
 }
 
+impl Default for State {
+    fn default() -> Self {
+        State {
+            next_volume_id: 0,
+            volumes: Vec::new(),
+            default_sequence_threshold_blocks: 1,
+            counters: None,
+            journal_seq: 0,
+        }
+    }
+}
+
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n <= 1
 }
 
 /// The content of `counters.json`, replaced by every journal transaction.

@@ -549,3 +549,37 @@ fn growing_a_reopened_volume_keeps_the_mappings_paged_out() {
         drop(e);
     }
 }
+
+#[test]
+fn a_start_with_threshold_one_after_one_above_queues_the_volumes_that_took_it() {
+    // Under T = 4, duplicate runs shorter than 4 blocks are stored as new
+    // and not recorded for the out-of-line pass; a later start with T = 1
+    // must not leave them out of it.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let with_t = |t| EngineConfig {
+        sequence_threshold_blocks: t,
+        ..EngineConfig::default()
+    };
+    {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, with_t(4)).unwrap();
+        let inherits = e.create_volume("inherits", 1 << 20).unwrap();
+        let own = e.create_volume("own", 1 << 20).unwrap();
+        e.set_sequence_threshold("own", Some(4)).unwrap();
+        for v in [inherits, own] {
+            e.write(v, 0, &[5; 4096], false).unwrap();
+            e.write(v, 8 * 4096, &[5; 4096], false).unwrap();
+        }
+        assert!(e.stats().sequence_filtered_blocks >= 2);
+        e.close().unwrap();
+    }
+    // a start with the same T queues nothing
+    {
+        let e = Engine::open(&path, with_t(4)).unwrap();
+        assert_eq!(e.stats().skipped.volumes, 0);
+        e.close().unwrap();
+    }
+    let e = Engine::open(&path, with_t(1)).unwrap();
+    // the volume with its own T = 4 keeps it; the other is queued whole
+    assert_eq!(e.stats().skipped.volumes, 1);
+}
