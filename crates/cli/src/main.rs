@@ -267,7 +267,12 @@ fn with_store(
         _ => String::new(),
     };
     with_bar(&label, |progress| {
-        match Engine::open(store, EngineConfig::default()) {
+        // (run as the server last ran: its sequence threshold)
+        let config = EngineConfig {
+            sequence_threshold_from_store: true,
+            ..EngineConfig::default()
+        };
+        match Engine::open(store, config) {
             Ok(e) => {
                 let v = local(&e, progress)?;
                 // what the command changed is durable once committed; a

@@ -138,6 +138,11 @@ pub struct EngineConfig {
     /// duplicates with contiguous PBAs; see [`crate::sequence`]. A volume
     /// may override it. Default 1 (off).
     pub sequence_threshold_blocks: u32,
+    /// [`Engine::open`] takes T from the store (the one it last ran
+    /// with) instead of `sequence_threshold_blocks`: for commands that
+    /// open a store between runs of the server (volume and offline
+    /// commands) without changing how it runs. Default false.
+    pub sequence_threshold_from_store: bool,
     /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per block)
     /// kept in memory; the rest is paged from its file on demand (see
     /// [`crate::reverse`]). 0 keeps all of it. Default 16 MiB (about
@@ -172,6 +177,7 @@ impl Default for EngineConfig {
             index: crate::index::IndexConfig::default(),
             skipped_buffer_bytes: 512 << 10,
             sequence_threshold_blocks: 1,
+            sequence_threshold_from_store: false,
             prehash_bytes: 0,
             sampling: false,
             reverse_index_cache_bytes: 16 << 20,
@@ -448,7 +454,7 @@ impl Engine {
     /// Errors: [`EngineError::NoStore`], [`EngineError::NotAStore`],
     /// [`EngineError::Locked`] (another process has it open),
     /// [`EngineError::Corrupt`] (a metadata file fails its checksum).
-    pub fn open(path: &Path, config: EngineConfig) -> Result<Engine> {
+    pub fn open(path: &Path, mut config: EngineConfig) -> Result<Engine> {
         let (mut dir, sb) = StoreDir::open(path)?;
         dir.set_observer(config.observer.clone());
         let jfile = dir.open_file("journal", true)?;
@@ -733,6 +739,9 @@ impl Engine {
         // volumes that take the engine's T and ran under T > 1 had their
         // writes left out of the skipped buffer: under T = 1 they are
         // examined whole (where mapped)
+        if config.sequence_threshold_from_store {
+            config.sequence_threshold_blocks = state.default_sequence_threshold_blocks;
+        }
         meta.default_sequence_threshold_blocks = config.sequence_threshold_blocks;
         let (was_t, now_t) = (
             state.default_sequence_threshold_blocks.max(1),

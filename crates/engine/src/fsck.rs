@@ -171,13 +171,14 @@ pub fn fsck(path: &Path, opts: FsckOptions) -> Result<FsckReport> {
 
 /// [`fsck`] with the memory bounds of `config` (index budget, metadata
 /// caches), which also bound the check's own sorts: fsck's memory does not
-/// grow with the store. `allow_damaged_metadata` is set whatever `config`
-/// says.
+/// grow with the store. `allow_damaged_metadata` and
+/// `sequence_threshold_from_store` are set whatever `config` says.
 ///
 /// Errors: as [`fsck`].
 pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result<FsckReport> {
     let config = EngineConfig {
         allow_damaged_metadata: true,
+        sequence_threshold_from_store: true,
         ..config
     };
     let engine = Engine::open(path, config)?;

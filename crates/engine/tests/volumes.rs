@@ -573,13 +573,25 @@ fn a_start_with_threshold_one_after_one_above_queues_the_volumes_that_took_it() 
         assert!(e.stats().sequence_filtered_blocks >= 2);
         e.close().unwrap();
     }
-    // a start with the same T queues nothing
+    // a start with the same T queues nothing, nor does an open between
+    // runs that takes T from the store
     {
         let e = Engine::open(&path, with_t(4)).unwrap();
         assert_eq!(e.stats().skipped.volumes, 0);
         e.close().unwrap();
     }
+    {
+        let config = EngineConfig {
+            sequence_threshold_from_store: true,
+            ..EngineConfig::default()
+        };
+        let e = Engine::open(&path, config).unwrap();
+        assert_eq!(e.stats().skipped.volumes, 0);
+        e.create_volume("later", 1 << 20).unwrap();
+        e.close().unwrap();
+    }
     let e = Engine::open(&path, with_t(1)).unwrap();
-    // the volume with its own T = 4 keeps it; the other is queued whole
-    assert_eq!(e.stats().skipped.volumes, 1);
+    // the volume with its own T = 4 keeps it; the two that took the
+    // store's (one created by the open between runs) are queued whole
+    assert_eq!(e.stats().skipped.volumes, 2);
 }
