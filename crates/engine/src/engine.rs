@@ -643,6 +643,7 @@ impl Engine {
             {
                 rec.creation_marked = true;
                 meta.state_dirty = true;
+                meta.change_count += 1;
             }
             let mut mine = Vec::new();
             let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine, &mut |_, _| {})?;
@@ -736,30 +737,35 @@ impl Engine {
             meta.skipped
                 .record_range(id, page * lbas_per_page, (page + 1) * lbas_per_page);
         }
-        // volumes that take the engine's T and ran under T > 1 had their
+        // Volumes that take the engine's T and ran under T > 1 had their
         // writes left out of the skipped buffer: under T = 1 they are
-        // examined whole (where mapped)
+        // examined whole (where mapped). The store goes on recording the
+        // old T until a checkpoint has saved that queue (see
+        // `checkpoint_locked`): a crash before then queues them again here.
         if config.sequence_threshold_from_store {
             config.sequence_threshold_blocks = state.default_sequence_threshold_blocks;
         }
-        meta.default_sequence_threshold_blocks = config.sequence_threshold_blocks;
         let (was_t, now_t) = (
             state.default_sequence_threshold_blocks.max(1),
             config.sequence_threshold_blocks.max(1),
         );
-        if was_t != now_t {
-            meta.state_dirty = true;
-            if now_t == 1 {
-                let inheriting: Vec<VolumeId> = meta
-                    .volumes
-                    .iter()
-                    .filter(|(_, v)| v.record.sequence_threshold_blocks.is_none())
-                    .map(|(id, _)| *id)
-                    .collect();
-                for id in inheriting {
-                    meta.skipped.record_volume(id);
-                }
+        meta.default_sequence_threshold_blocks = was_t;
+        if was_t != now_t && now_t == 1 {
+            let inheriting: Vec<VolumeId> = meta
+                .volumes
+                .iter()
+                .filter(|(_, v)| v.record.sequence_threshold_blocks.is_none())
+                .map(|(id, _)| *id)
+                .collect();
+            for id in inheriting {
+                // (one queued by an earlier start that did not get to
+                // record the new T keeps its progress)
+                meta.skipped.queue_volume_unless_queued(id);
             }
+        } else if was_t != now_t {
+            meta.default_sequence_threshold_blocks = now_t;
+            meta.state_dirty = true;
+            meta.change_count += 1;
         }
         let data =
             FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
@@ -801,14 +807,18 @@ impl Engine {
                 return Err(EngineError::Corrupt {
                     file: dir.path(MetaFile::Refcounts),
                     detail: format!(
-                        "the reference counts add up to {references} but the volume maps                          map {mapped} LBAs; the store is not served. Run `dedupd --store {}                          fsck --repair` to rebuild them from the volume maps",
+                        "the reference counts add up to {references} but the volume maps \
+                         map {mapped} LBAs; the store is not served. Run `dedupd --store {} \
+                         fsck --repair` to rebuild them from the volume maps",
                         path.display()
                     ),
                 });
             }
             if references > mapped {
                 damage_notes.push(format!(
-                    "the reference counts add up to {references} but the volume maps map                      {mapped} LBAs: blocks are held that no LBA maps (`dedupd --store {}                      fsck --repair` reclaims them)",
+                    "the reference counts add up to {references} but the volume maps map \
+                     {mapped} LBAs: blocks are held that no LBA maps (`dedupd --store {} \
+                     fsck --repair` reclaims them)",
                     path.display()
                 ));
             }
@@ -1323,10 +1333,10 @@ impl Engine {
     /// Saves a copy of the skipped buffer taken now to
     /// `<store>/skipped.json`, durably (write, fsync, rename, fsync of the
     /// directory); see [`crate::skipped`] for what this guarantees. Best
-    /// effort: a failure is counted, and a full pass finds the same
-    /// duplicates.
-    fn save_skipped(&self) {
-        let Some(dir) = &self.dir else { return };
+    /// effort: a failure is counted (and false returned), and a full pass
+    /// finds the same duplicates.
+    fn save_skipped(&self) -> bool {
+        let Some(dir) = &self.dir else { return true };
         let (mut snapshot, merges) = {
             let m = lock(&self.meta);
             let merges: Vec<(u64, u64)> = m.pending_merges.iter().map(|(a, b)| (*a, *b)).collect();
@@ -1354,6 +1364,7 @@ impl Engine {
         if result.is_err() {
             lock(&self.meta).counters.skipped_save_errors += 1;
         }
+        result.is_ok()
     }
 
     /// Conditions found when the store was opened that an operator should
@@ -2469,12 +2480,19 @@ impl Engine {
         // every change being put in place was taken from the metadata
         // before now (commits hold `c`), so this copy of the skipped buffer
         // covers all of them; later changes stay in the journal
-        self.save_skipped();
+        let saved = self.save_skipped();
         dir.apply(c.checkpoint.finished_ops())?;
         // every page of those commits is in place: the paged arrays may
         // drop them from memory, and the maps of volumes created since the
         // last checkpoint now have files to page from
         let mut m = lock(&self.meta);
+        // the queue of a lowered T is saved: the next commit records it
+        let t = self.config.sequence_threshold_blocks.max(1);
+        if saved && m.default_sequence_threshold_blocks != t {
+            m.default_sequence_threshold_blocks = t;
+            m.state_dirty = true;
+            m.change_count += 1;
+        }
         m.unpin_through(c.checkpoint.generation);
         let group = m.map_cache.clone();
         for (id, v) in &m.volumes {
@@ -2510,7 +2528,17 @@ impl Engine {
     /// journal empty; called at shutdown.
     pub fn close(&self) -> Result<()> {
         self.flush()?;
-        self.checkpoint()
+        self.checkpoint()?;
+        // a checkpoint may leave a change to commit (a lowered sequence
+        // threshold, recorded once the queue it made is saved)
+        // (one lock at a time: commits take the commit lock first)
+        let durable = lock(&self.commit).durable_changes;
+        let changes = lock(&self.meta).change_count;
+        if changes > durable {
+            self.flush()?;
+            self.checkpoint()?;
+        }
+        Ok(())
     }
 
     /// Writes every committed change in place and empties the journal.

@@ -111,6 +111,7 @@ fn flipped_reference_count_page_stops_the_store_and_fsck_rebuilds_it() {
         Err(EngineError::Corrupt { file, detail }) => {
             assert!(file.ends_with("refcounts"));
             assert!(detail.contains("fsck --repair"), "{detail}");
+            assert!(!detail.contains("  "), "{detail}");
         }
         other => panic!("opened a damaged store: {:?}", other.err()),
     }
@@ -1056,6 +1057,7 @@ fn reference_counts_zeroed_in_place_are_refused_and_repaired() {
         Err(EngineError::Corrupt { file, detail }) => {
             assert!(file.ends_with("refcounts"), "{file:?}");
             assert!(detail.contains("fsck --repair"), "{detail}");
+            assert!(!detail.contains("  "), "{detail}");
         }
         other => panic!("{:?}", other.err()),
     }

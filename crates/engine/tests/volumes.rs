@@ -590,8 +590,26 @@ fn a_start_with_threshold_one_after_one_above_queues_the_volumes_that_took_it() 
         e.create_volume("later", 1 << 20).unwrap();
         e.close().unwrap();
     }
-    let e = Engine::open(&path, with_t(1)).unwrap();
     // the volume with its own T = 4 keeps it; the two that took the
     // store's (one created by the open between runs) are queued whole
+    let e = Engine::open(&path, with_t(1)).unwrap();
+    assert_eq!(e.stats().skipped.volumes, 2);
+    // a crash before a checkpoint saved that queue: queued again
+    let inherits = e.volume("inherits").unwrap().0;
+    e.write(inherits, 16 * 4096, &[6; 4096], false).unwrap();
+    e.flush().unwrap();
+    e.drop_without_closing();
+    let e = Engine::open(&path, with_t(1)).unwrap();
+    assert_eq!(e.stats().skipped.volumes, 2);
+    // saved at the close, and T = 1 recorded: a later start under T = 1
+    // finds the queue saved, not made again
+    e.close().unwrap();
+    drop(e);
+    let state = std::fs::read_to_string(path.join("state.json")).unwrap();
+    assert!(
+        !state.contains("default_sequence_threshold_blocks"),
+        "{state}"
+    );
+    let e = Engine::open(&path, with_t(1)).unwrap();
     assert_eq!(e.stats().skipped.volumes, 2);
 }
