@@ -833,12 +833,8 @@ pub struct JournalModel {
 struct StateView<'a> {
     next_volume_id: u32,
     volumes: Vec<&'a VolumeRecord>,
-    #[serde(skip_serializing_if = "threshold_is_one")]
+    #[serde(skip_serializing_if = "crate::store::is_one")]
     default_sequence_threshold_blocks: u32,
-}
-
-fn threshold_is_one(t: &u32) -> bool {
-    *t <= 1
 }
 
 /// [`crate::store::CounterState`] borrowed from [`Meta`].

@@ -165,7 +165,8 @@ fn one() -> u32 {
     1
 }
 
-fn is_one(n: &u32) -> bool {
+/// True for a sequence threshold of 1 (or 0): off, left out of the state.
+pub(crate) fn is_one(n: &u32) -> bool {
     *n <= 1
 }
 
