@@ -223,7 +223,9 @@ pub struct VolumeDeleted {
 }
 
 /// Metadata pages that failed their checksum when the store was opened,
-/// or a metadata file that is missing although the store needs it.
+/// a metadata file that is missing although the store needs it, or (seen
+/// only by a check, `fsck`: it stops any other open) a `counters.json`
+/// that is missing or fails its checksum.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Damage {
     /// The damaged file.
@@ -245,6 +247,8 @@ impl Damage {
     pub fn describe(&self) -> String {
         if self.missing {
             format!("{} is missing", self.file.display())
+        } else if self.pages.is_empty() && self.truncated.is_none() {
+            format!("{} fails its checksum", self.file.display())
         } else if let Some((have, want)) = self.truncated {
             format!(
                 "{} ends at page {have} of the {want} its volume needs (truncated)",
@@ -474,21 +478,52 @@ impl Engine {
         // format 2 keeps the counters apart; format 1 in the state (a
         // counters.json beside it is left from an upgrade that did not
         // finish)
+        let mut counters_damage = None;
         let counter_state = if sb.format_version < 2 {
             CounterState {
                 counters: state.counters.clone().unwrap_or_default(),
                 journal_seq: state.journal_seq,
             }
         } else {
-            let path = dir.path(MetaFile::Counters);
+            let cpath = dir.path(MetaFile::Counters);
             let bytes = dir.blob_bytes(MetaFile::Counters, &chain_ops)?;
-            if bytes.is_empty() {
-                return Err(EngineError::Corrupt {
-                    file: path,
+            let decoded = if bytes.is_empty() {
+                Err(EngineError::Corrupt {
+                    file: cpath.clone(),
                     detail: "missing or empty".into(),
-                });
+                })
+            } else {
+                decode_checked::<CounterState>(&bytes, &cpath)
+            };
+            match decoded {
+                Ok(c) => c,
+                // statistics and a sequence number: a check goes on from
+                // zero after the journal's chain (whose stale tail the first
+                // commit cuts off), and its repair writes them anew
+                Err(EngineError::Corrupt { .. }) if config.allow_damaged_metadata => {
+                    counters_damage = Some(Damage {
+                        file: cpath,
+                        pages: Vec::new(),
+                        missing: bytes.is_empty(),
+                        truncated: None,
+                    });
+                    CounterState {
+                        counters: Default::default(),
+                        journal_seq: last_seq,
+                    }
+                }
+                Err(EngineError::Corrupt { file, detail }) => {
+                    return Err(EngineError::Corrupt {
+                        file,
+                        detail: format!(
+                            "{detail}; the store is not served. Run `dedupd --store {} fsck \
+                             --repair` to write it anew (its counters restart at zero)",
+                            path.display()
+                        ),
+                    })
+                }
+                Err(e) => return Err(e),
             }
-            decode_checked::<CounterState>(&bytes, &path)?
         };
         let next_seq = counter_state.journal_seq.max(last_seq) + 1;
         // the on-disk fingerprint store is derived data, rebuilt at every open
@@ -508,7 +543,7 @@ impl Engine {
         let reverse_cache =
             CacheGroup::new(config.reverse_index_cache_bytes, OnLoadError::ReadAsZeros);
         let map_cache = CacheGroup::new(config.map_cache_bytes, OnLoadError::Fault);
-        let mut damage: Vec<Damage> = Vec::new();
+        let mut damage: Vec<Damage> = counters_damage.into_iter().collect();
         let mut damage_notes: Vec<String> = Vec::new();
         let mut ops_by_file: HashMap<MetaFile, Vec<&Op>> = HashMap::new();
         for op in &chain_ops {

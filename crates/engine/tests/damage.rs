@@ -372,10 +372,39 @@ fn flipped_state_counters_and_superblock_are_refused_with_names() {
     std::fs::remove_file(path3.join("counters.json")).unwrap();
     match Engine::open(&path3, EngineConfig::default()) {
         Err(EngineError::Corrupt { file, detail }) => {
-            assert!(file.ends_with("counters.json") && detail.contains("missing"))
+            assert!(file.ends_with("counters.json") && detail.contains("missing"));
+            assert!(
+                detail.contains("fsck --repair") && !detail.contains("  "),
+                "{detail}"
+            );
         }
         other => panic!("{:?}", other.err()),
     }
+    // statistics and the journal's sequence: a repair writes them anew
+    let check = fsck(&path3, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "{:?}", check.problems);
+    assert!(check.problems.iter().any(|p| p.contains("counters.json")));
+    let fixed = fsck(
+        &path3,
+        FsckOptions {
+            repair: true,
+            rehash: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1);
+    assert_eq!(fsck(&path3, FsckOptions::default()).unwrap().exit_code(), 0);
+    let e = Engine::open(&path3, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().blocks_written, 0);
+    let (a, _) = e.volume("a").unwrap();
+    let mut back = vec![0u8; 4096];
+    e.read(a, 599 * 4096, &mut back).unwrap();
+    assert_eq!(back, pattern(599));
+    e.write(a, 0, &[3; 4096], false).unwrap();
+    e.flush().unwrap();
+    e.drop_without_closing();
+    let e = Engine::open(&path3, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().blocks_written, 1);
     let path2 = build(&d.path().join("2"));
     flip(&path2.join("superblock"), 20);
     let err = Engine::open(&path2, EngineConfig::default())
