@@ -793,9 +793,10 @@ impl Engine {
                 .map(|(id, _)| *id)
                 .collect();
             for id in inheriting {
-                // (one queued by an earlier start that did not get to
-                // record the new T keeps its progress)
-                meta.skipped.queue_volume_unless_queued(id);
+                // (from the start: a queue loaded from the store may have
+                // been saved by a run under T > 1, whose writes behind its
+                // position were not recorded)
+                meta.skipped.record_volume(id);
             }
         } else if was_t != now_t {
             meta.default_sequence_threshold_blocks = now_t;
@@ -2570,8 +2571,9 @@ impl Engine {
         let durable = lock(&self.commit).durable_changes;
         let changes = lock(&self.meta).change_count;
         if changes > durable {
-            self.flush()?;
-            self.checkpoint()?;
+            // (best effort: every client change is durable already, and a
+            // start that finds the old T recorded queues the volumes again)
+            let _ = self.flush().and_then(|()| self.checkpoint());
         }
         Ok(())
     }

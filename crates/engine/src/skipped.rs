@@ -214,14 +214,6 @@ impl SkippedBuffer {
         self.rescan_from.remove(&vol);
     }
 
-    /// [`SkippedBuffer::record_volume`], unless `vol` is pending whole
-    /// already (its scan keeps its place).
-    pub fn queue_volume_unless_queued(&mut self, vol: VolumeId) {
-        if !self.volumes.contains_key(&vol) {
-            self.record_volume(vol);
-        }
-    }
-
     /// Forgets everything about `vol` (deleted).
     pub fn forget(&mut self, vol: VolumeId) {
         self.last_region = None;
