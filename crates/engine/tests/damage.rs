@@ -28,6 +28,18 @@ fn build(dir: &Path) -> PathBuf {
     path
 }
 
+/// `fsck --repair` of the store at `path`.
+fn fsck_repair(path: &Path) -> dedupd_engine::fsck::FsckReport {
+    fsck(
+        path,
+        FsckOptions {
+            repair: true,
+            rehash: false,
+        },
+    )
+    .unwrap()
+}
+
 /// The map file of the volume created first (volume `a` of [`build`]).
 fn first_map_file(store: &Path) -> PathBuf {
     std::fs::read_dir(store.join("maps"))
@@ -60,14 +72,7 @@ fn assert_intact(path: &Path, volumes: &[(&str, u64)]) {
 fn repair(path: &Path) -> i32 {
     let check = fsck(path, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4, "damage not found: {check:?}");
-    let fixed = fsck(
-        path,
-        FsckOptions {
-            repair: true,
-            rehash: false,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_repair(path);
     let code = fixed.exit_code();
     assert_eq!(
         fsck(
@@ -336,14 +341,7 @@ fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
     }
     let check = fsck(&path, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4);
-    let fixed = fsck(
-        &path,
-        FsckOptions {
-            repair: true,
-            rehash: false,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_repair(&path);
     assert_eq!(fixed.exit_code(), 1);
     assert!(!fixed.data_lost.is_empty());
     assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
@@ -384,14 +382,7 @@ fn flipped_state_counters_and_superblock_are_refused_with_names() {
     let check = fsck(&path3, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4, "{:?}", check.problems);
     assert!(check.problems.iter().any(|p| p.contains("counters.json")));
-    let fixed = fsck(
-        &path3,
-        FsckOptions {
-            repair: true,
-            rehash: false,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_repair(&path3);
     assert_eq!(fixed.exit_code(), 1);
     assert_eq!(fsck(&path3, FsckOptions::default()).unwrap().exit_code(), 0);
     let e = Engine::open(&path3, EngineConfig::default()).unwrap();
@@ -1092,14 +1083,7 @@ fn reference_counts_zeroed_in_place_are_refused_and_repaired() {
     }
     let check = fsck(&path, FsckOptions::default()).unwrap();
     assert_ne!(check.exit_code(), 0);
-    let fixed = fsck(
-        &path,
-        FsckOptions {
-            repair: true,
-            rehash: false,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_repair(&path);
     assert_eq!(fixed.exit_code(), 1);
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     assert!(e.notes().is_empty(), "{:?}", e.notes());
