@@ -53,10 +53,12 @@ fn load_skipped(
     dir: &StoreDir,
 ) -> std::result::Result<Option<crate::skipped::SkippedBuffer>, String> {
     let path = dir.root().join(SKIPPED_FILE);
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+    // (a pass over the whole store is queued when it cannot be read: at
+    // most a few records per KiB of --skipped-buffer are in it)
+    let bytes = match crate::store::read_small(&path, 1 << 30) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
     };
     decode_checked(&bytes, &path)
         .map(Some)
@@ -461,7 +463,33 @@ impl Engine {
     pub fn open(path: &Path, mut config: EngineConfig) -> Result<Engine> {
         let (mut dir, sb) = StoreDir::open(path)?;
         dir.set_observer(config.observer.clone());
-        let jfile = dir.open_file("journal", true)?;
+        // the journal holds the commits since the last checkpoint: without
+        // it they are lost, and what they freed may have been reused
+        let journal_path = dir.root().join("journal");
+        let journal_missing = !journal_path.exists();
+        if journal_missing && !config.allow_damaged_metadata {
+            return Err(EngineError::Corrupt {
+                file: journal_path,
+                detail: format!(
+                    "missing: the commits since the last checkpoint are lost with it; the \
+                     store is not served. Run `dedupd --store {} fsck --repair --rehash` to \
+                     check the store without them and create the journal anew",
+                    path.display()
+                ),
+            });
+        }
+        let jfile = if journal_missing {
+            // (a check creates nothing: an unlinked file stands in until a
+            // repair creates the journal)
+            dir.scratch_file().ok_or_else(|| {
+                EngineError::io(
+                    "creating a stand-in for the missing journal",
+                    std::io::Error::other("cannot create a file in the store"),
+                )
+            })?
+        } else {
+            dir.open_file("journal", false)?
+        };
         let chain =
             journal::read_chain(&jfile).map_err(|e| EngineError::io("reading the journal", e))?;
         let last_seq = chain.last().map_or(0, |t| t.seq);
@@ -543,7 +571,42 @@ impl Engine {
         let reverse_cache =
             CacheGroup::new(config.reverse_index_cache_bytes, OnLoadError::ReadAsZeros);
         let map_cache = CacheGroup::new(config.map_cache_bytes, OnLoadError::Fault);
-        let mut damage: Vec<Damage> = counters_damage.into_iter().collect();
+        // a transaction that fails its checksum with an intact later one
+        // behind it was damaged after its commit (only the last one written
+        // can be torn): replaying the chain before it would lose the
+        // commits from it on, and serve blocks they freed and reused
+        let mut journal_damage = journal_missing.then(|| Damage {
+            file: journal_path.clone(),
+            pages: Vec::new(),
+            missing: true,
+            truncated: None,
+        });
+        if counters_damage.is_none() && !journal_missing {
+            let later = journal::later_transaction(&jfile, chain_bytes, next_seq)
+                .map_err(|e| EngineError::io("reading the journal", e))?;
+            if let Some(at) = later {
+                if !config.allow_damaged_metadata {
+                    return Err(EngineError::Corrupt {
+                        file: journal_path,
+                        detail: format!(
+                            "the transaction at byte {chain_bytes} fails its checksum but an \
+                             intact later one (at byte {at}) follows it: it was damaged after \
+                             its commit, and the commits from it on cannot be replayed; the \
+                             store is not served. Run `dedupd --store {} fsck --repair \
+                             --rehash` to rebuild the store without them",
+                            path.display()
+                        ),
+                    });
+                }
+                journal_damage = Some(Damage {
+                    file: journal_path.clone(),
+                    pages: vec![chain_bytes / crate::paged::PAGE_SIZE as u64],
+                    missing: false,
+                    truncated: None,
+                });
+            }
+        }
+        let mut damage: Vec<Damage> = counters_damage.into_iter().chain(journal_damage).collect();
         let mut damage_notes: Vec<String> = Vec::new();
         let mut ops_by_file: HashMap<MetaFile, Vec<&Op>> = HashMap::new();
         for op in &chain_ops {
@@ -803,12 +866,13 @@ impl Engine {
             meta.state_dirty = true;
             meta.change_count += 1;
         }
-        let data =
-            FileBackend::new(dir.open_file("data", true)?).with_observer(config.observer.clone());
-        let data_blocks = data
-            .len_bytes()
-            .map_err(|e| EngineError::io("reading the data file size", e))?
-            .div_ceil(BLOCK_SIZE_U64);
+        let data_path = dir.root().join("data");
+        let data_blocks = match std::fs::metadata(&data_path) {
+            Ok(m) => Some(m.len().div_ceil(BLOCK_SIZE_U64)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(EngineError::io("reading the data file size", e)),
+        };
+        let (data_missing, data_blocks) = (data_blocks.is_none(), data_blocks.unwrap_or(0));
         let references = match meta.rebuild_derived(data_blocks, IndexPairs::Collected(index_pairs))
         {
             Ok(references) => references,
@@ -837,7 +901,38 @@ impl Engine {
         // no page checksum sees) would put blocks still mapped on the free
         // list, and the next writes would overwrite them: refused. More
         // (map entries lost the same way) only leak blocks: a warning.
-        if damage.is_empty() && !config.allow_damaged_metadata {
+        // (a check of the store could not tell a data file gone, on a file
+        // system not mounted say, from every block lost: it stops too)
+        if data_missing && meta.high_water_blocks > 0 {
+            return Err(EngineError::Corrupt {
+                file: data_path,
+                detail: format!(
+                    "missing, while {} blocks are referenced; the store is not served, \
+                     and fsck does not run without it: put the data file back",
+                    meta.stored_blocks
+                ),
+            });
+        }
+        // (damaged maps, served read-only, only lower the mapped count: the
+        // checks below hold with them)
+        if !config.allow_damaged_metadata {
+            // a committed reference is to data synced before the commit,
+            // so it lies inside the data file: one past its end means the
+            // file was cut short, and the free space below the reference
+            // could not be told from the blocks lost
+            if meta.high_water_blocks > data_blocks {
+                return Err(EngineError::Corrupt {
+                    file: dir.root().join("data"),
+                    detail: format!(
+                        "PBA {} is referenced but the data file holds {data_blocks} blocks \
+                         (cut short?); the store is not served. Run `dedupd --store {} fsck` \
+                         to list the LBAs that lost their data, and `fsck --repair` to unmap \
+                         them",
+                        meta.high_water_blocks - 1,
+                        path.display()
+                    ),
+                });
+            }
             let mapped = meta.mapped_blocks;
             if references < mapped {
                 return Err(EngineError::Corrupt {
@@ -850,7 +945,7 @@ impl Engine {
                     ),
                 });
             }
-            if references > mapped {
+            if references > mapped && damage.is_empty() {
                 damage_notes.push(format!(
                     "the reference counts add up to {references} but the volume maps map \
                      {mapped} LBAs: blocks are held that no LBA maps (`dedupd --store {} \
@@ -859,6 +954,13 @@ impl Engine {
                 ));
             }
         }
+        if data_missing {
+            // nothing referenced: an empty data file, its entry made durable
+            dir.open_file("data", true)?;
+            crate::store::sync_dir(dir.root())?;
+        }
+        let data =
+            FileBackend::new(dir.open_file("data", false)?).with_observer(config.observer.clone());
         // the scans above leave each array's last pages in memory
         meta.refcounts.trim();
         meta.fingerprints.trim();
@@ -879,6 +981,26 @@ impl Engine {
         c.format_upgrade =
             (sb.format_version < crate::store::FORMAT_VERSION).then_some((sb, counter_state));
         Ok(engine)
+    }
+
+    /// Creates the journal file of a store opened without one (a repair:
+    /// the open used an unlinked stand-in) and commits through it from
+    /// now on; its directory entry is made durable first.
+    ///
+    /// Errors: [`EngineError::Io`] creating it or syncing the directory.
+    pub(crate) fn create_missing_journal(&self) -> Result<()> {
+        let Some(dir) = self.dir.as_ref() else {
+            return Ok(());
+        };
+        let file = dir.open_file("journal", true)?;
+        crate::store::sync_dir(dir.root())?;
+        let mut c = lock(&self.commit);
+        let next_seq = c.journal.as_ref().map_or(1, |j| j.next_seq());
+        let journal = Journal::new(file, 0, next_seq)
+            .map_err(|e| EngineError::io("reading the journal's length", e))?
+            .with_observer(dir.observer());
+        c.journal = Some(journal);
+        Ok(())
     }
 
     /// The parts every constructor shares; no store directory, no damage.
@@ -1335,7 +1457,7 @@ impl Engine {
                 )));
             }
         }
-        {
+        let (id, old_record, queued) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             m.sequences.forget(id);
@@ -1343,11 +1465,13 @@ impl Engine {
             let v = m.volumes.get_mut(&id).expect("looked up above");
             // (a volume that took the engine's T may have run under a
             // server with another: this engine's tells nothing of it)
-            let inherited = v.record.sequence_threshold_blocks.is_none();
-            let was = v.record.sequence_threshold_blocks.unwrap_or(default_t);
+            let old_record = v.record.sequence_threshold_blocks;
+            let inherited = old_record.is_none();
+            let was = old_record.unwrap_or(default_t);
             v.record.sequence_threshold_blocks = threshold_blocks;
             let lowered_to_one = threshold_blocks.unwrap_or(default_t) <= 1;
-            if lowered_to_one && (was > 1 || inherited && threshold_blocks.is_some()) {
+            let queued = lowered_to_one && (was > 1 || inherited && threshold_blocks.is_some());
+            if queued {
                 // its writes under T > 1 were not recorded for the
                 // background pass: it examines the volume whole (where
                 // mapped) instead
@@ -1355,6 +1479,21 @@ impl Engine {
             }
             m.state_dirty = true;
             m.change_count += 1;
+            (id, old_record, queued)
+        };
+        // the queue is saved before the new T is committed: a crash between
+        // the two would leave T lowered with nothing queued, and the copies
+        // stored apart under the old T would never be examined (a queue
+        // saved under the old T is harmless: its pass skips them again)
+        if queued && !self.save_skipped() {
+            let mut m = lock(&self.meta);
+            if let Some(v) = m.volumes.get_mut(&id) {
+                v.record.sequence_threshold_blocks = old_record;
+            }
+            return Err(EngineError::io(
+                format!("saving {SKIPPED_FILE} before lowering the sequence threshold of {name}"),
+                std::io::Error::other("the write failed; the threshold is unchanged"),
+            ));
         }
         self.flush()
     }
@@ -1376,7 +1515,12 @@ impl Engine {
         let (mut snapshot, merges) = {
             let m = lock(&self.meta);
             let merges: Vec<(u64, u64)> = m.pending_merges.iter().map(|(a, b)| (*a, *b)).collect();
-            (m.skipped.clone(), merges)
+            let mut snapshot = m.skipped.clone();
+            // (records a running pass took and has not examined yet)
+            for &(vol, lba) in &m.skipped_in_flight {
+                snapshot.record(vol, lba);
+            }
+            (snapshot, merges)
         };
         let nothing_pending = snapshot.is_empty() && merges.is_empty();
         snapshot.set_saved_merges(merges);

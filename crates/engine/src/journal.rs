@@ -367,6 +367,11 @@ pub fn read_chain(file: &File) -> io::Result<Vec<Txn>> {
                 break;
             }
         }
+        // (a long one is checked before it is read whole: a length in a
+        // damaged header costs no memory)
+        if total > SCAN_BYTES as u64 && !verifies_at(file, off, total)? {
+            break;
+        }
         let mut buf = vec![0u8; total as usize];
         file.read_exact_at(&mut buf, off)?;
         match decode_txn(&buf) {
@@ -378,6 +383,81 @@ pub fn read_chain(file: &File) -> io::Result<Vec<Txn>> {
         }
     }
     Ok(out)
+}
+
+/// Bytes read at a time when a long transaction is checked before it is
+/// read whole, or the journal is searched for a later transaction.
+const SCAN_BYTES: usize = 1 << 20;
+
+/// True if the `total` bytes at `off` of `file` end with the CRC32C of the
+/// bytes before (a transaction's checksum), read a window at a time.
+fn verifies_at(file: &File, off: u64, total: u64) -> io::Result<bool> {
+    if total < HEADER_BYTES as u64 + 4 {
+        return Ok(false);
+    }
+    let covered = total - 4;
+    let mut buf = vec![0u8; (covered as usize).min(SCAN_BYTES)];
+    let mut crc = 0u32;
+    let mut pos = 0u64;
+    while pos < covered {
+        let n = ((covered - pos) as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..n], off + pos)?;
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        pos += n as u64;
+    }
+    let mut stored = [0u8; 4];
+    file.read_exact_at(&mut stored, off + covered)?;
+    Ok(u32::from_le_bytes(stored) == crc)
+}
+
+/// Looks past byte `from_bytes` of the journal (where [`read_chain`]
+/// stopped) for a transaction that passes its checksum and has a sequence
+/// number of at least `min_seq` (one past the last transaction known
+/// committed); returns its byte offset. Transactions are written one at a
+/// time, each made durable before the next is begun, so a crash tears only
+/// the last one written: a later intact transaction proves that the one
+/// at `from_bytes` was damaged after it was acknowledged, and that the
+/// commits from it on would be lost by replaying the chain alone.
+/// Transactions of older chains (before a checkpoint restarted the
+/// journal) have lower sequence numbers and do not count. Holes are
+/// skipped (`SEEK_DATA`).
+///
+/// Errors: reading the file.
+pub fn later_transaction(file: &File, from_bytes: u64, min_seq: u64) -> io::Result<Option<u64>> {
+    let len = file.metadata()?.len();
+    let magic = TXN_MAGIC.to_le_bytes();
+    let mut buf = vec![0u8; SCAN_BYTES];
+    let page = crate::paged::PAGE_SIZE as u64;
+    for (first, last) in crate::fileio::data_pages(file, len)? {
+        let end = (last * page).min(len);
+        let mut pos = (first * page).max(from_bytes + 1);
+        while pos + HEADER_BYTES as u64 <= end {
+            let n = ((end - pos) as usize).min(buf.len());
+            file.read_exact_at(&mut buf[..n], pos)?;
+            for i in 0..n.saturating_sub(7) {
+                if buf[i] != magic[0] || buf[i..i + 8] != magic {
+                    continue;
+                }
+                let at = pos + i as u64;
+                if at + HEADER_BYTES as u64 > len {
+                    continue;
+                }
+                let mut header = [0u8; HEADER_BYTES];
+                file.read_exact_at(&mut header, at)?;
+                if let Ok((seq, total)) = header_len(&header) {
+                    if seq >= min_seq && total <= len - at && verifies_at(file, at, total)? {
+                        return Ok(Some(at));
+                    }
+                }
+            }
+            // (windows overlap by 7 bytes: a magic across two is found)
+            if pos + (n as u64) >= end {
+                break;
+            }
+            pos += n as u64 - 7;
+        }
+    }
+    Ok(None)
 }
 
 /// The journal file being appended to.

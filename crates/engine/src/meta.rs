@@ -139,6 +139,10 @@ pub struct Meta {
     /// Released blocks taken by the commit under way (0 when none is):
     /// free once it succeeds, pending again if it fails.
     pub frees_in_flight: usize,
+    /// Skipped-buffer records (volume, LBA) the running out-of-line pass
+    /// took and has not examined yet (at most one pass's worth): saved with
+    /// the buffer, so a checkpoint during the pass keeps them.
+    pub skipped_in_flight: Vec<(VolumeId, u64)>,
     /// First PBA never allocated.
     pub high_water_blocks: u64,
     /// LBAs mapped, over all volumes.
@@ -190,40 +194,48 @@ impl Meta {
     /// of every PBA's reference count, which equals `mapped_blocks` in a
     /// consistent store.
     ///
+    /// The high-water mark becomes one past the highest referenced PBA:
+    /// the data file's blocks above it hold nothing referenced and are
+    /// written again as the store grows, so a data file longer than its
+    /// content (a crash after writes not yet committed, or a damaged
+    /// length) costs no memory. The free set holds the unreferenced PBAs
+    /// below the high-water mark that lie inside the data file; a
+    /// referenced PBA past the data file's end (damage: the high-water mark
+    /// then exceeds `data_blocks`) leaves the PBAs between them out of it.
+    /// Reference-count pages that are holes are skipped without a look.
+    ///
     /// Errors: writing the on-disk fingerprint store, reading the scratch
     /// file.
     pub fn rebuild_derived(&mut self, data_blocks: u64, pairs: IndexPairs) -> std::io::Result<u64> {
         let rc_blocks = self.refcounts.logical_len() / 4;
-        let mut top = 0;
-        let mut references = 0u64;
-        self.stored_blocks = 0;
         let (mut sorter, scan) = match pairs {
             IndexPairs::Collected(sorter) => (sorter, false),
             IndexPairs::Scan(scratch) => (self.index_sorter(rc_blocks, scratch), true),
         };
-        for p in 0..rc_blocks {
-            let rc = self.refcounts.get_u32(p);
-            if rc > 0 {
-                references += u64::from(rc);
-                top = p + 1;
-                self.stored_blocks += 1;
-                if scan {
-                    let fp = self.fingerprint_of(Pba(p));
-                    // blocks not fingerprinted yet are not indexed
-                    // (out-of-line dedup hashes them)
-                    if fp != crate::engine::UNHASHED {
-                        sorter.push(crate::index::key_of(&fp), p);
-                    }
+        let mut top = 0;
+        let mut references = 0u64;
+        let mut stored_blocks = 0;
+        let mut free = crate::freespace::FreeSpace::default();
+        self.refcounts.for_each_nonzero_u32(0..rc_blocks, |p, rc| {
+            references += rc;
+            stored_blocks += 1;
+            free.extend(top..p.min(data_blocks).max(top));
+            top = p + 1;
+            if scan {
+                let fp = self.fingerprints.get(p);
+                // blocks not fingerprinted yet are not indexed
+                // (out-of-line dedup hashes them)
+                if fp != crate::engine::UNHASHED {
+                    sorter.push(crate::index::key_of(&fp), p);
                 }
             }
-        }
+        });
         let mut state = self.index.begin_rebuild();
         sorter.for_each_sorted(|pairs| self.index.rebuild_sorted(pairs, &mut state))?;
         self.index.finish_rebuild()?;
-        self.high_water_blocks = top.max(data_blocks);
-        self.free = (0..self.high_water_blocks)
-            .filter(|&p| self.refcounts.get_u32(p) == 0)
-            .collect();
+        self.stored_blocks = stored_blocks;
+        self.high_water_blocks = top;
+        self.free = free;
         self.mapped_blocks = 0;
         for v in self.volumes.values() {
             self.mapped_blocks += v.map.count_nonzero_u64(0..v.size_blocks());

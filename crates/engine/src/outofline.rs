@@ -223,10 +223,11 @@ impl Engine {
                         .map(|page| (page * per_page).max(start))
                 })
             };
-            (
-                skipped.take(max_blocks, |v| sizes.get(&v).copied(), first_mapped),
-                sizes,
-            )
+            let items = skipped.take(max_blocks, |v| sizes.get(&v).copied(), first_mapped);
+            // (until examined, they are saved with the buffer by any
+            // checkpoint that runs meanwhile)
+            m.skipped_in_flight.clone_from(&items);
+            (items, sizes)
         };
         for (k, chunk) in items.chunks(PASS_CHUNK).enumerate() {
             // (a commit between chunks when the pass's changes pass the
@@ -256,6 +257,7 @@ impl Engine {
                 // dedup --offline` (retrying it at every pass would stall
                 // the buffer behind it)
                 let mut m = lock(&self.meta);
+                m.skipped_in_flight.clear();
                 for &(vol, lba) in &items[rest..] {
                     if sizes.contains_key(&vol) {
                         m.skipped.record(vol, lba);
@@ -269,6 +271,7 @@ impl Engine {
             r.merges_applied = self.apply_pending_merges(should_yield)?;
         }
         let mut m = lock(&self.meta);
+        m.skipped_in_flight.clear();
         m.collect_displaced();
         r.work_remaining = !m.skipped.is_empty() || !m.pending_merges.is_empty();
         Ok(r)
@@ -286,12 +289,16 @@ impl Engine {
         let mut m = lock(&self.meta);
         m.collect_displaced();
         let mut result = Ok(());
+        let mut examined = chunk.len();
         for (i, &(vol, lba)) in chunk.iter().enumerate() {
             if let Err(e) = self.examine(&mut m, vol, lba, sizes, r) {
                 result = Err((i, e));
+                examined = i;
                 break;
             }
         }
+        let examined = examined.min(m.skipped_in_flight.len());
+        m.skipped_in_flight.drain(..examined);
         m.collect_displaced();
         self.note_change(&m);
         result
@@ -1293,6 +1300,52 @@ mod tests {
         assert!(m.shareable(p) && m.shareable_by(p, 3));
         assert!(!m.shareable_by(p, 4));
         m.refcounts.set_u32(p, 1);
+    }
+
+    #[test]
+    fn records_a_pass_took_are_saved_by_a_checkpoint_before_it_examines_them() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s");
+        let e = Engine::create(&path, HashAlgorithm::Sha256, inline_off()).unwrap();
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        for i in 0..8u8 {
+            e.write(v, u64::from(i) * 4096, &[i + 1; BLOCK_SIZE], false)
+                .unwrap();
+        }
+        assert_eq!(e.stats().skipped.records, 8);
+        // a pass takes the records; another thread's checkpoint runs
+        // before it examines them; then the process dies
+        {
+            let mut m = lock(&e.meta);
+            let items = m.skipped.take(64, |_| Some(256), |_, s, _| Some(s));
+            assert_eq!(items.len(), 8);
+            m.skipped_in_flight = items;
+        }
+        e.checkpoint().unwrap();
+        e.drop_without_closing();
+        let e = Engine::open(&path, inline_off()).unwrap();
+        assert_eq!(e.stats().skipped.records, 8, "the records taken were lost");
+    }
+
+    #[test]
+    fn a_lowered_threshold_is_queued_durably_before_it_is_committed() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s");
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.set_sequence_threshold("v", Some(4)).unwrap();
+        e.write(v, 0, &[8u8; BLOCK_SIZE], true).unwrap();
+        e.set_sequence_threshold("v", Some(1)).unwrap();
+        // a crash right after the commit of the new threshold
+        e.drop_without_closing();
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let t = e
+            .volumes()
+            .iter()
+            .find(|i| i.name == "v")
+            .map(|i| i.sequence_threshold_blocks);
+        assert_eq!(t, Some(Some(1)));
+        assert_eq!(e.stats().skipped.volumes, 1, "the volume was not queued");
     }
 
     #[test]

@@ -441,21 +441,37 @@ impl CachedArray {
     /// Calls `f(index, value)` for each non-zero `u64` entry in `range`,
     /// a page at a time (the array is borrowed meanwhile: `f` must not
     /// touch it).
-    pub fn for_each_nonzero_u64(&self, range: std::ops::Range<u64>, mut f: impl FnMut(u64, u64)) {
-        const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
-        let end = range.end.min(self.page_count() * PER_PAGE);
+    pub fn for_each_nonzero_u64(&self, range: std::ops::Range<u64>, f: impl FnMut(u64, u64)) {
+        self.for_each_nonzero::<8>(range, f)
+    }
+
+    /// Calls `f(index, value)` for each non-zero `u32` entry (1016 per
+    /// page) in `range`, in order, a page at a time; holes are skipped
+    /// without a look, so the cost follows the pages present, not the
+    /// array's length.
+    pub fn for_each_nonzero_u32(&self, range: std::ops::Range<u64>, f: impl FnMut(u64, u64)) {
+        self.for_each_nonzero::<4>(range, f)
+    }
+
+    fn for_each_nonzero<const W: usize>(
+        &self,
+        range: std::ops::Range<u64>,
+        mut f: impl FnMut(u64, u64),
+    ) {
+        let per_page = (crate::paged::PAYLOAD_SIZE / W) as u64;
+        let end = range.end.min(self.page_count() * per_page);
         let mut start = range.start;
         while start < end {
-            let Some(page) = self.next_present_page(start / PER_PAGE, end.div_ceil(PER_PAGE))
+            let Some(page) = self.next_present_page(start / per_page, end.div_ceil(per_page))
             else {
                 return;
             };
-            start = start.max(page * PER_PAGE);
-            let upto = ((page + 1) * PER_PAGE).min(end);
+            start = start.max(page * per_page);
+            let upto = ((page + 1) * per_page).min(end);
             let found = {
                 let mut i = self.inner.borrow_mut();
                 i.load(page);
-                i.array.nonzero_u64(start..upto)
+                i.array.nonzero_le::<W>(start..upto)
             };
             for (idx, v) in found {
                 f(idx, v);

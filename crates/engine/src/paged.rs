@@ -462,13 +462,22 @@ impl PagedArray {
     /// in order; pages not allocated are skipped whole, so a sparse array
     /// costs in proportion to what is set, not to its length.
     pub fn nonzero_u64(&self, range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
-        const PER_PAGE: u64 = U64_PER_PAGE;
+        self.nonzero_le::<8>(range)
+    }
+
+    /// The non-zero little-endian entries `W` bytes wide with index in
+    /// `range`, as (index, value), in order.
+    pub(crate) fn nonzero_le<const W: usize>(
+        &self,
+        range: std::ops::Range<u64>,
+    ) -> Vec<(u64, u64)> {
+        let per_page = (PAYLOAD_SIZE / W) as u64;
         let mut out = Vec::new();
         if range.start >= range.end || self.page_count() == 0 {
             return out;
         }
-        let first_page = range.start / PER_PAGE;
-        let last_page = ((range.end - 1) / PER_PAGE).min(self.page_count() - 1);
+        let first_page = range.start / per_page;
+        let last_page = ((range.end - 1) / per_page).min(self.page_count() - 1);
         let mut page = first_page;
         while page <= last_page {
             if self
@@ -481,11 +490,13 @@ impl PagedArray {
                 continue;
             }
             if let Some(p) = self.page(page) {
-                let lo = (page * PER_PAGE).max(range.start);
-                let hi = ((page + 1) * PER_PAGE).min(range.end);
+                let lo = (page * per_page).max(range.start);
+                let hi = ((page + 1) * per_page).min(range.end);
                 for i in lo..hi {
-                    let at = ((i - page * PER_PAGE) * 8) as usize;
-                    let v = u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+                    let at = ((i - page * per_page) as usize) * W;
+                    let mut le = [0u8; 8];
+                    le[..W].copy_from_slice(&p[at..at + W]);
+                    let v = u64::from_le_bytes(le);
                     if v != 0 {
                         out.push((i, v));
                     }

@@ -273,7 +273,10 @@ impl StoreDir {
         ] {
             write_durable(&root.join(name), &bytes)?;
         }
-        // the superblock last: a store without one is not a store
+        // the superblock last, once the other files' entries are durable: a
+        // store without one is not a store, and one with it has them all
+        sync_dir(&root.join("maps"))?;
+        sync_dir(root)?;
         write_durable(&root.join("superblock"), &encode_checked(&sb))?;
         sync_dir(root)?;
         // and the store's own entry in its parent directory
@@ -297,20 +300,29 @@ impl StoreDir {
             return Err(EngineError::NoStore(root.to_path_buf()));
         }
         let sb_path = root.join("superblock");
-        let bytes = match fs::read(&sb_path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+        let bytes = match read_small(&sb_path, SUPERBLOCK_MAX_BYTES) {
+            Ok(Some(b)) => b,
+            Ok(None) => {
                 return Err(EngineError::NotAStore {
                     path: root.to_path_buf(),
                     detail: "no superblock file".into(),
                 })
             }
-            Err(e) => return Err(EngineError::io(format!("reading {}", sb_path.display()), e)),
+            Err(EngineError::Corrupt { detail, .. }) => {
+                return Err(EngineError::NotAStore {
+                    path: root.to_path_buf(),
+                    detail: format!("superblock unreadable ({detail})"),
+                })
+            }
+            Err(e) => return Err(e),
         };
         let sb: Superblock = decode_checked(&bytes, &sb_path).map_err(|e| match e {
             EngineError::Corrupt { detail, .. } => EngineError::NotAStore {
                 path: root.to_path_buf(),
-                detail: format!("superblock unreadable ({detail}); if this is a damaged store, run `dedupd fsck`"),
+                detail: format!(
+                    "superblock unreadable ({detail}); it records the format version and \
+                     fingerprint algorithm, which fsck cannot rebuild: restore it from a copy"
+                ),
             },
             other => other,
         })?;
@@ -370,6 +382,11 @@ impl StoreDir {
         sync_dir(&self.root)
     }
 
+    /// The observer set by [`StoreDir::set_observer`].
+    pub fn observer(&self) -> crate::observe::Observer {
+        self.observer.clone()
+    }
+
     /// Reports every change [`StoreDir::apply`] makes to `observer`.
     pub fn set_observer(&mut self, observer: crate::observe::Observer) {
         self.observer = observer;
@@ -427,11 +444,7 @@ impl StoreDir {
         ops: impl IntoIterator<Item = &'o Op>,
     ) -> Result<Vec<u8>> {
         let p = self.path(file);
-        let mut bytes = match fs::read(&p) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(EngineError::io(format!("reading {}", p.display()), e)),
-        };
+        let mut bytes = read_small(&p, STATE_MAX_BYTES)?.unwrap_or_default();
         for op in ops.into_iter().filter(|op| op.file() == file) {
             match op {
                 // replaced whole, never patched: a patch's offset counts
@@ -665,6 +678,43 @@ fn write_durable(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Syncs a directory so created, renamed and removed entries are durable.
+/// Largest `superblock` read (it holds a few dozen bytes of JSON).
+pub const SUPERBLOCK_MAX_BYTES: u64 = 1 << 20;
+/// Largest `state.json` or `counters.json` read (the volume table: about
+/// 200 bytes per volume).
+pub const STATE_MAX_BYTES: u64 = 256 << 20;
+
+/// The bytes of the small metadata file at `path`, `None` if it does not
+/// exist. A file longer than `max_bytes` (a damaged length: a long hole,
+/// say) is refused instead of read into memory.
+///
+/// Errors: [`EngineError::Io`] reading it; [`EngineError::Corrupt`] naming
+/// it if it is longer than `max_bytes`.
+pub fn read_small(path: &Path, max_bytes: u64) -> Result<Option<Vec<u8>>> {
+    let io_err = |e| EngineError::io(format!("reading {}", path.display()), e);
+    let f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err(e)),
+    };
+    let len = f.metadata().map_err(io_err)?.len();
+    if len > max_bytes {
+        return Err(EngineError::Corrupt {
+            file: path.to_path_buf(),
+            detail: format!("{len} bytes long, more than the {max_bytes} it can hold"),
+        });
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    io::Read::read_to_end(&mut io::Read::take(f, max_bytes + 1), &mut bytes).map_err(io_err)?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(EngineError::Corrupt {
+            file: path.to_path_buf(),
+            detail: format!("more than the {max_bytes} bytes it can hold"),
+        });
+    }
+    Ok(Some(bytes))
+}
+
 pub fn sync_dir(path: &Path) -> Result<()> {
     File::open(path)
         .and_then(|d| d.sync_all())
