@@ -65,16 +65,20 @@ pub struct ServerConfig {
     /// request waits for room before its buffer is allocated; a single
     /// request larger than the whole budget runs alone. One connection may
     /// hold at most half of it (a larger request alone), so a client that
-    /// stops reading its replies cannot stall the others. Default 64 MiB.
+    /// stops reading its replies leaves room for the others' requests of
+    /// up to half the budget; requests wait in arrival order, so one
+    /// larger than that room waits (until the stalled replies' send times
+    /// out) and holds up those behind it. Default 64 MiB.
     pub inflight_budget_bytes: usize,
     /// Connections open at once (handshake or transmission), over all
     /// listeners; one more is accepted and closed at once, and counted in
     /// [`ServerStats::connections_refused`]. Each open connection holds a
     /// read buffer of [`READ_BUFFER_BYTES`]. Default 128.
     pub max_connections: usize,
-    /// A WRITE's payload must arrive within this time of its header (it
-    /// holds its share of the in-flight budget meanwhile), or the
-    /// connection is dropped. Default 60 s.
+    /// A WRITE's payload must arrive within this time of its header, plus
+    /// 1 s per MiB of payload (a 32 MiB one over a slow link), or the
+    /// connection is dropped (it holds its share of the in-flight budget
+    /// meanwhile). Default 60 s.
     pub payload_timeout: Duration,
     /// Negotiation must end (in transmission, or the client's abort)
     /// within this time of the connection's accept, or the connection is
@@ -236,6 +240,13 @@ impl SocketReader {
     fn socket(&self) -> &dyn Socket {
         self.buffered.get_ref().as_ref()
     }
+
+    /// When a payload of `len` bytes starting now must have arrived: the
+    /// payload timeout plus 1 s per MiB (a client sending at 1 MiB/s or
+    /// more is never cut off).
+    fn payload_deadline(&self, len: u64) -> Instant {
+        Instant::now() + self.payload_timeout + Duration::from_secs(len >> 20)
+    }
 }
 
 impl Read for SocketReader {
@@ -285,13 +296,13 @@ impl RequestSource for SocketReader {
         if self.buffered.buffer().len() >= buf.len() {
             return self.buffered.read_exact(buf);
         }
-        self.read_by(buf, Instant::now() + self.payload_timeout)
+        self.read_by(buf, self.payload_deadline(buf.len() as u64))
     }
 
     /// Reads and drops a refused WRITE's payload within the same payload
     /// timeout, counted for the whole payload.
     fn skip_payload(&mut self, mut len: u64) -> io::Result<()> {
-        let deadline = Instant::now() + self.payload_timeout;
+        let deadline = self.payload_deadline(len);
         let mut scratch = vec![0u8; SKIP_CHUNK_BYTES.min(len as usize)];
         while len > 0 {
             let n = scratch

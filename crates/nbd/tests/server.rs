@@ -619,6 +619,27 @@ fn stalled_write_payload_releases_the_budget() {
 }
 
 #[test]
+fn a_large_payload_may_take_longer_than_the_payload_timeout() {
+    // 2 MiB sent at about 1.3 MiB/s: 1.5 s, past the 0.7 s timeout but
+    // within its 1 s per MiB of payload
+    let h = Harness::start(ServerConfig {
+        payload_timeout: Duration::from_millis(700),
+        ..ServerConfig::default()
+    });
+    let mut c = h.tcp();
+    c.connect_go("disk");
+    let payload: Vec<u8> = (0..2u32 << 20).map(|i| (i % 251) as u8).collect();
+    c.send_request(0, CMD_WRITE, 7, 0, payload.len() as u32, &[]);
+    for piece in payload.chunks(512 << 10) {
+        std::thread::sleep(Duration::from_millis(375));
+        c.s.write_all(piece).unwrap();
+    }
+    assert_eq!(c.reply(), (0, 7));
+    assert!(c.read(0, 2 << 20).unwrap() == payload);
+    h.stop();
+}
+
+#[test]
 fn a_refused_write_whose_payload_stalls_ends_its_connection() {
     // A WRITE past the end is refused, but its payload must still be read
     // to keep the stream in step; one that never comes may not hold the
