@@ -460,8 +460,19 @@ impl Engine {
     /// Errors: [`EngineError::NoStore`], [`EngineError::NotAStore`],
     /// [`EngineError::Locked`] (another process has it open),
     /// [`EngineError::Corrupt`] (a metadata file fails its checksum).
-    pub fn open(path: &Path, mut config: EngineConfig) -> Result<Engine> {
-        let (mut dir, sb) = StoreDir::open(path)?;
+    pub fn open(path: &Path, config: EngineConfig) -> Result<Engine> {
+        let (dir, sb) = StoreDir::open(path)?;
+        Engine::open_dir(path, dir, sb, config)
+    }
+
+    /// [`Engine::open`] of a store directory already opened and locked,
+    /// with superblock `sb` (fsck passes one it rebuilt).
+    pub(crate) fn open_dir(
+        path: &Path,
+        mut dir: StoreDir,
+        sb: crate::store::Superblock,
+        mut config: EngineConfig,
+    ) -> Result<Engine> {
         dir.set_observer(config.observer.clone());
         // the journal holds the commits since the last checkpoint: without
         // it they are lost, and what they freed may have been reused

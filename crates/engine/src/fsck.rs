@@ -212,7 +212,31 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
         sequence_threshold_from_store: true,
         ..config
     };
-    let engine = Engine::open(path, config)?;
+    let (dir, sb) = crate::store::StoreDir::open_for_repair(path)?;
+    let (engine, rebuilt) = match sb {
+        Ok(sb) => (Engine::open_dir(path, dir, sb, config)?, None),
+        Err(why) => {
+            // a superblock rebuilt from the rest of the store: the format
+            // from the state's shape, the fingerprint algorithm from stored
+            // blocks and their fingerprints, the index's prefix bits as a
+            // new store's (its on-disk groups are rebuilt at every open)
+            let sb = provisional_superblock(&dir)?;
+            let mut engine = Engine::open_dir(path, dir, sb.clone(), config)?;
+            let found = match engine.infer_hash() {
+                Ok(found) => found,
+                Err(e) => {
+                    engine.drop_without_closing();
+                    return Err(e);
+                }
+            };
+            engine.hash = found.unwrap_or_default();
+            let sb = crate::store::Superblock {
+                hash: engine.hash,
+                ..sb
+            };
+            (engine, Some((sb, why, found.is_some())))
+        }
+    };
     let mut report = match engine.check_and_repair(opts) {
         Ok(r) => r,
         Err(e) => {
@@ -221,6 +245,32 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
             return Err(e);
         }
     };
+    if let Some((sb, why, found)) = rebuilt {
+        report.problems.insert(
+            0,
+            format!(
+                "superblock: {why}; rebuilt from the store: format {}, fingerprints {}{}",
+                sb.format_version,
+                sb.hash.name(),
+                if found {
+                    ""
+                } else {
+                    " (no fingerprinted block to tell the algorithm by: the default assumed)"
+                }
+            ),
+        );
+        if opts.repair {
+            let written = engine
+                .dir
+                .as_ref()
+                .map_or(Ok(()), |d| d.replace_superblock(&sb));
+            if let Err(e) = written {
+                engine.drop_without_closing();
+                return Err(e);
+            }
+            report.repaired = true;
+        }
+    }
     report.close_lists();
     if report.repaired {
         // (the repair is committed: its report, with the data it lost, is
@@ -235,7 +285,78 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
     Ok(report)
 }
 
+/// A superblock for a store whose own is lost: the format version from
+/// the shape of `state.json` (format 1 keeps the counters in it), SHA-256
+/// until [`Engine::infer_hash`] says otherwise, a new store's prefix bits.
+///
+/// Errors: `state.json` cannot be read or fails its checksum.
+fn provisional_superblock(dir: &crate::store::StoreDir) -> Result<crate::store::Superblock> {
+    let path = dir.path(crate::journal::MetaFile::State);
+    let bytes = dir.blob_bytes(crate::journal::MetaFile::State, &[])?;
+    let state: crate::store::State = crate::store::decode_checked(&bytes, &path)?;
+    Ok(crate::store::Superblock {
+        magic: crate::store::SUPERBLOCK_MAGIC.into(),
+        format_version: if state.counters.is_some() { 1 } else { 2 },
+        block_size: BLOCK_SIZE as u32,
+        hash: crate::fingerprint::HashAlgorithm::default(),
+        index_prefix_bits: crate::index::IndexConfig::default().prefix_bits,
+    })
+}
+
+/// Fingerprinted blocks [`Engine::infer_hash`] reads at most.
+const HASH_SAMPLE_BLOCKS: u32 = 64;
+
 impl Engine {
+    /// The fingerprint algorithm the store's blocks were fingerprinted
+    /// with, told by hashing up to 64 referenced blocks both ways and
+    /// comparing with their stored fingerprints; `None` if no referenced
+    /// block has a fingerprint.
+    ///
+    /// Errors: [`crate::error::EngineError::Corrupt`] naming the superblock
+    /// if fingerprinted blocks exist but none matches either way.
+    fn infer_hash(&self) -> Result<Option<crate::fingerprint::HashAlgorithm>> {
+        use crate::fingerprint::HashAlgorithm;
+        let mut m = lock(&self.meta);
+        let rc_len = m.refcounts.logical_len() / 4;
+        let (mut tried, mut sha256, mut blake3) = (0u32, 0u32, 0u32);
+        let mut block = vec![0u8; BLOCK_SIZE];
+        let _ = for_each_referenced(&mut m, 0..rc_len, |m, p| {
+            let stored = m.fingerprint_of(Pba(p));
+            if stored == crate::engine::UNHASHED {
+                return Ok(());
+            }
+            tried += 1;
+            if self.backend.read_blocks(Pba(p), &mut block).is_ok() {
+                if HashAlgorithm::Sha256.fingerprint(&block) == stored {
+                    sha256 += 1;
+                } else if HashAlgorithm::Blake3.fingerprint(&block) == stored {
+                    blake3 += 1;
+                }
+            }
+            if tried >= HASH_SAMPLE_BLOCKS {
+                return Err(());
+            }
+            Ok(())
+        });
+        match (sha256, blake3) {
+            (0, 0) if tried == 0 => Ok(None),
+            (0, 0) => Err(crate::error::EngineError::Corrupt {
+                file: self
+                    .dir
+                    .as_ref()
+                    .map(|d| d.root().join("superblock"))
+                    .unwrap_or_default(),
+                detail: format!(
+                    "lost, and none of {tried} stored blocks matches its fingerprint under \
+                     SHA-256 or BLAKE3: the fingerprint algorithm cannot be told; restore the \
+                     superblock from a copy"
+                ),
+            }),
+            (s, b) if s >= b => Ok(Some(HashAlgorithm::Sha256)),
+            _ => Ok(Some(HashAlgorithm::Blake3)),
+        }
+    }
+
     fn check_and_repair(&self, opts: FsckOptions) -> Result<FsckReport> {
         let mut r = FsckReport::default();
         let data_blocks = self

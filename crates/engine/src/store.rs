@@ -36,7 +36,8 @@ pub const FORMAT_VERSION: u32 = 2;
 /// commit ([`StoreDir::upgrade_format`]), before that commit journals a
 /// `counters.json` a format-1 reader would not know.
 pub const OLDEST_FORMAT_VERSION: u32 = 1;
-const SUPERBLOCK_MAGIC: &str = "dedupd-store";
+/// The superblock's `magic`.
+pub const SUPERBLOCK_MAGIC: &str = "dedupd-store";
 
 /// The superblock: fixed properties of a store, written once at creation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -290,6 +291,52 @@ impl StoreDir {
 
     /// Opens and locks the existing store at `root`, checking its superblock.
     pub fn open(root: &Path) -> Result<(StoreDir, Superblock)> {
+        Self::check_dir(root)?;
+        let sb = match read_superblock(root) {
+            Ok(sb) => sb,
+            Err(SuperblockError::Unreadable(detail)) => {
+                return Err(EngineError::NotAStore {
+                    path: root.to_path_buf(),
+                    detail: if detail == NO_SUPERBLOCK {
+                        detail.into()
+                    } else {
+                        format!(
+                            "superblock unreadable ({detail}); `dedupd --store {} fsck --repair` \
+                             rebuilds it from the rest of the store",
+                            root.display()
+                        )
+                    },
+                })
+            }
+            Err(SuperblockError::Other(e)) => return Err(e),
+        };
+        Ok((Self::lock_dir(root)?, sb))
+    }
+
+    /// Opens and locks the store at `root` for fsck: as [`StoreDir::open`],
+    /// but a superblock that is missing or fails its checksum is returned
+    /// as `Err(what is wrong)` instead of refusing the store, if the
+    /// directory holds a store's `state.json` (a superblock of another
+    /// format version or block size is refused as by `open`).
+    ///
+    /// Errors: as [`StoreDir::open`].
+    pub fn open_for_repair(
+        root: &Path,
+    ) -> Result<(StoreDir, std::result::Result<Superblock, String>)> {
+        Self::check_dir(root)?;
+        let sb = match read_superblock(root) {
+            Ok(sb) => Ok(sb),
+            Err(SuperblockError::Unreadable(detail))
+                if root.join(MetaFile::State.relative_path()).is_file() =>
+            {
+                Err(detail)
+            }
+            Err(_) => return Self::open(root).map(|(dir, sb)| (dir, Ok(sb))),
+        };
+        Ok((Self::lock_dir(root)?, sb))
+    }
+
+    fn check_dir(root: &Path) -> Result<()> {
         if !root.is_dir() {
             if root.exists() {
                 return Err(EngineError::NotAStore {
@@ -299,60 +346,27 @@ impl StoreDir {
             }
             return Err(EngineError::NoStore(root.to_path_buf()));
         }
-        let sb_path = root.join("superblock");
-        let bytes = match read_small(&sb_path, SUPERBLOCK_MAX_BYTES) {
-            Ok(Some(b)) => b,
-            Ok(None) => {
-                return Err(EngineError::NotAStore {
-                    path: root.to_path_buf(),
-                    detail: "no superblock file".into(),
-                })
-            }
-            Err(EngineError::Corrupt { detail, .. }) => {
-                return Err(EngineError::NotAStore {
-                    path: root.to_path_buf(),
-                    detail: format!("superblock unreadable ({detail})"),
-                })
-            }
-            Err(e) => return Err(e),
-        };
-        let sb: Superblock = decode_checked(&bytes, &sb_path).map_err(|e| match e {
-            EngineError::Corrupt { detail, .. } => EngineError::NotAStore {
-                path: root.to_path_buf(),
-                detail: format!(
-                    "superblock unreadable ({detail}); it records the format version and \
-                     fingerprint algorithm, which fsck cannot rebuild: restore it from a copy"
-                ),
-            },
-            other => other,
-        })?;
-        if sb.magic != SUPERBLOCK_MAGIC {
-            return Err(EngineError::NotAStore {
-                path: root.to_path_buf(),
-                detail: "wrong superblock magic".into(),
-            });
-        }
-        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&sb.format_version) {
-            return Err(EngineError::NotAStore {
-                path: root.to_path_buf(),
-                detail: format!(
-                    "format version {} (this build reads {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION})",
-                    sb.format_version
-                ),
-            });
-        }
-        if sb.block_size as usize != BLOCK_SIZE {
-            return Err(EngineError::NotAStore {
-                path: root.to_path_buf(),
-                detail: format!("block size {}", sb.block_size),
-            });
-        }
-        let dir = StoreDir {
+        Ok(())
+    }
+
+    fn lock_dir(root: &Path) -> Result<StoreDir> {
+        Ok(StoreDir {
             root: root.to_path_buf(),
             _lock: lock(root)?,
             observer: crate::observe::Observer::default(),
-        };
-        Ok((dir, sb))
+        })
+    }
+
+    /// Writes `sb` as the store's superblock (through a new file renamed
+    /// over the old one, each step synced): a repair's rebuilt superblock.
+    ///
+    /// Errors: [`EngineError::Io`] naming the file.
+    pub fn replace_superblock(&self, sb: &Superblock) -> Result<()> {
+        let new = self.root.join("superblock.new");
+        write_durable(&new, &encode_checked(sb))?;
+        fs::rename(&new, self.root.join("superblock"))
+            .map_err(|e| EngineError::io(format!("renaming {}", new.display()), e))?;
+        sync_dir(&self.root)
     }
 
     /// Marks a format-1 store as of [`FORMAT_VERSION`]: writes `counters`
@@ -678,6 +692,54 @@ fn write_durable(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Syncs a directory so created, renamed and removed entries are durable.
+const NO_SUPERBLOCK: &str = "no superblock file";
+
+/// Why a superblock could not be used.
+enum SuperblockError {
+    /// Missing, too long, or failing its checksum or decoding: damage a
+    /// repair may undo.
+    Unreadable(String),
+    /// Readable but not of a store this build serves (magic, version,
+    /// block size), or an I/O error.
+    Other(EngineError),
+}
+
+/// Reads and checks `<root>/superblock`.
+fn read_superblock(root: &Path) -> std::result::Result<Superblock, SuperblockError> {
+    let sb_path = root.join("superblock");
+    let bytes = match read_small(&sb_path, SUPERBLOCK_MAX_BYTES) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Err(SuperblockError::Unreadable(NO_SUPERBLOCK.into())),
+        Err(EngineError::Corrupt { detail, .. }) => {
+            return Err(SuperblockError::Unreadable(detail))
+        }
+        Err(e) => return Err(SuperblockError::Other(e)),
+    };
+    let sb: Superblock = decode_checked(&bytes, &sb_path).map_err(|e| match e {
+        EngineError::Corrupt { detail, .. } => SuperblockError::Unreadable(detail),
+        other => SuperblockError::Other(other),
+    })?;
+    let not_a_store = |detail: String| {
+        SuperblockError::Other(EngineError::NotAStore {
+            path: root.to_path_buf(),
+            detail,
+        })
+    };
+    if sb.magic != SUPERBLOCK_MAGIC {
+        return Err(not_a_store("wrong superblock magic".into()));
+    }
+    if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&sb.format_version) {
+        return Err(not_a_store(format!(
+            "format version {} (this build reads {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION})",
+            sb.format_version
+        )));
+    }
+    if sb.block_size as usize != BLOCK_SIZE {
+        return Err(not_a_store(format!("block size {}", sb.block_size)));
+    }
+    Ok(sb)
+}
+
 /// Largest `superblock` read (it holds a few dozen bytes of JSON).
 pub const SUPERBLOCK_MAX_BYTES: u64 = 1 << 20;
 /// Largest `state.json` or `counters.json` read (the volume table: about

@@ -405,6 +405,64 @@ fn flipped_state_counters_and_superblock_are_refused_with_names() {
     assert!(err.contains("fsck") && err.contains("superblock"), "{err}");
 }
 
+/// A superblock lost or damaged: fsck rebuilds it from the rest of the
+/// store (the fingerprint algorithm told from the stored blocks), and the
+/// store serves as before, dedup against its old blocks included.
+#[test]
+fn fsck_rebuilds_a_lost_superblock() {
+    for (hash, lose) in [
+        (HashAlgorithm::Sha256, "flip"),
+        (HashAlgorithm::Blake3, "flip"),
+        (HashAlgorithm::Blake3, "remove"),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("store");
+        let e = Engine::create(&path, hash, EngineConfig::default()).unwrap();
+        let a = e.create_volume("a", 8 << 20).unwrap();
+        let data: Vec<u8> = (0..300).flat_map(pattern).collect();
+        e.write(a, 0, &data, false).unwrap();
+        e.close().unwrap();
+        drop(e);
+        let original = std::fs::read(path.join("superblock")).unwrap();
+        if lose == "flip" {
+            flip(&path.join("superblock"), 20);
+        } else {
+            std::fs::remove_file(path.join("superblock")).unwrap();
+        }
+        assert!(Engine::open(&path, EngineConfig::default()).is_err());
+        let check = fsck(&path, FsckOptions::default()).unwrap();
+        assert_eq!(check.exit_code(), 4, "{check:?}");
+        assert!(check.problems[0].contains(hash.name()), "{check:?}");
+        let fixed = fsck_repair(&path);
+        assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
+        assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
+        let rebuilt = std::fs::read(path.join("superblock")).unwrap();
+        assert!(
+            rebuilt == original,
+            "{hash:?}/{lose}: the superblock differs"
+        );
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let (a, _) = e.volume("a").unwrap();
+        let stored = e.stats().physical_blocks_stored;
+        e.write(a, 400 * 4096, &pattern(7), true).unwrap();
+        assert_eq!(
+            e.stats().physical_blocks_stored,
+            stored,
+            "{hash:?}: no dedup"
+        );
+        let mut buf = vec![0u8; 4096];
+        e.read(a, 299 * 4096, &mut buf).unwrap();
+        assert!(buf == pattern(299));
+    }
+    // not a store: a directory without a state stays refused
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("superblock"), b"junk").unwrap();
+    assert!(matches!(
+        fsck(d.path(), FsckOptions::default()),
+        Err(EngineError::NotAStore { .. })
+    ));
+}
+
 /// A crash image (`<dir>/crash`) of a [`build`] store with one more
 /// commit still in its journal: pattern 1 at block 300 of volume `b`.
 fn crash_image_with_a_commit(dir: &Path) -> PathBuf {
