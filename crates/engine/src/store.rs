@@ -298,7 +298,7 @@ impl StoreDir {
                 return Err(EngineError::NotAStore {
                     path: root.to_path_buf(),
                     detail: if detail == NO_SUPERBLOCK {
-                        detail.into()
+                        detail
                     } else {
                         format!(
                             "superblock unreadable ({detail}); `dedupd --store {} fsck --repair` \
