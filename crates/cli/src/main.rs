@@ -52,6 +52,11 @@ enum Command {
         /// Fingerprint algorithm: sha256 or blake3 (fixed for the store's life).
         #[arg(long, default_value = "sha256")]
         hash: HashAlgorithm,
+        /// Prefix bits P of the fingerprint index (8-24): 2^P groups; 14
+        /// keeps groups within 2 pages up to ~32 GiB of unique data (add 1
+        /// per doubling). Fixed for the store's life.
+        #[arg(long, default_value_t = 14, value_parser = clap::value_parser!(u32).range(8..=24))]
+        index_prefix_bits: u32,
     },
     /// Manage volumes (each volume is one NBD export).
     #[command(subcommand)]
@@ -209,8 +214,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .unwrap_or(Command::Serve(serve::ServeArgs::default()))
     {
         Command::Serve(args) => serve::run(&store, args),
-        Command::Init { hash } => {
-            let e = Engine::create(&store, hash, EngineConfig::default())?;
+        Command::Init {
+            hash,
+            index_prefix_bits,
+        } => {
+            let mut config = EngineConfig::default();
+            config.index.prefix_bits = index_prefix_bits;
+            let e = Engine::create(&store, hash, config)?;
             e.close()?;
             println!(
                 "created store {} (fingerprints: {})",

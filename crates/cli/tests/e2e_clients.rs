@@ -227,6 +227,20 @@ fn bad_store_paths_get_clear_errors() {
         "dedupd wrote into a foreign directory"
     );
 
+    // init sets the index's prefix bits of the store it creates
+    let p18 = tmp.path().join("p18-store");
+    assert!(dedupd(&p18, &["init", "--index-prefix-bits", "18"])
+        .status
+        .success());
+    let sb = std::fs::read_to_string(p18.join("superblock")).unwrap();
+    assert!(sb.contains("\"index_prefix_bits\": 18"), "{sb}");
+    assert!(!dedupd(
+        &tmp.path().join("p30"),
+        &["init", "--index-prefix-bits", "30"]
+    )
+    .status
+    .success());
+
     // an I/O error names the file and the system's reason, once
     let odd = tmp.path().join("odd-store");
     assert!(dedupd(&odd, &["init"]).status.success());
