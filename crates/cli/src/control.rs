@@ -58,6 +58,14 @@ pub fn socket_path(store: &Path) -> PathBuf {
 /// sends a line (progress, or that it is working) at least every
 /// [`KEEPALIVE_EVERY`].
 const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
+/// Longest wait for the reply to a request that only reads (`Stats`,
+/// `VolumeList`): the server answers those at once unless the engine is
+/// stuck (a commit waiting on a disk that does not answer), which its
+/// "working" lines would otherwise hide for ever.
+#[cfg(not(test))]
+const READ_REPLY_DEADLINE: Duration = Duration::from_secs(120);
+#[cfg(test)]
+const READ_REPLY_DEADLINE: Duration = Duration::from_millis(700);
 /// Least time between two progress lines.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
@@ -65,8 +73,9 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 /// (blocks done, of all) to `progress` while the server works; the
 /// reply's result or its error.
 ///
-/// Errors: no server listening, no line for [`REPLY_TIMEOUT`], a malformed
-/// line, or the server's error.
+/// Errors: no server listening, no line for [`REPLY_TIMEOUT`], no reply
+/// to a request that only reads within [`READ_REPLY_DEADLINE`], a
+/// malformed line, or the server's error.
 pub fn call(
     store: &Path,
     req: &Request,
@@ -96,6 +105,8 @@ pub fn call(
         }
     };
     s.set_read_timeout(Some(REPLY_TIMEOUT))?;
+    let deadline = matches!(req, Request::Stats | Request::VolumeList)
+        .then(|| std::time::Instant::now() + READ_REPLY_DEADLINE);
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
     s.write_all(line.as_bytes())?;
@@ -113,6 +124,13 @@ pub fn call(
         }
         if v.get("ok").is_none() {
             // {"working":true}: the server is still at it
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                bail!(
+                    "the server has not answered in {} s though it says it is working: its \
+                     engine may be stuck (a commit waiting on a disk that does not answer)",
+                    READ_REPLY_DEADLINE.as_secs()
+                );
+            }
             continue;
         }
         return if v["ok"].as_bool() == Some(true) {
@@ -364,6 +382,11 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(1000));
                     Ok(Value::Null)
                 }
+                Request::VolumeList => {
+                    // stuck (only reads: the client gives up)
+                    std::thread::sleep(Duration::from_millis(3000));
+                    Ok(Value::Null)
+                }
                 _ => bail!("no such thing"),
             })
         });
@@ -411,6 +434,17 @@ mod tests {
         // and the client takes the reply after them
         let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
         assert_eq!(r, Value::Null);
+        stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_request_that_only_reads_gives_up_on_a_stuck_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let stop = start(dir.path(), Arc::new(AtomicU64::new(0)));
+        let started = std::time::Instant::now();
+        let e = call(dir.path(), &Request::VolumeList, &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("stuck"), "{e}");
+        assert!(started.elapsed() < Duration::from_millis(2500));
         stop.store(true, Ordering::Relaxed);
     }
 
