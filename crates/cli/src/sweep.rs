@@ -60,6 +60,9 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             anyhow::bail!("--traces {}: {e}", t.display());
         }
     }
+    // (the same trace twice would mix its rows)
+    dedupd_sim::sweep::check_distinct_traces(&args.traces)
+        .map_err(|e| anyhow::anyhow!("--traces: {e}"))?;
     // no result or figure may land on a trace
     for out in dedupd_sim::sweep::output_paths(&args.out, &args.traces) {
         if args.out.is_dir() {

@@ -70,15 +70,17 @@ pub struct GenArgs {
     #[arg(long, default_value_t = 50.0)]
     dup_percent: f64,
     /// Consecutive duplicates of a request repeat consecutive earlier
-    /// writes (copies of earlier runs), for good and weak locality.
+    /// writes (copies of earlier runs), for good and weak locality (not
+    /// for fio or uniform streams).
     #[arg(long)]
     copy_runs: bool,
-    /// For --kind locality: good or weak.
-    #[arg(long, default_value = "good")]
-    locality: String,
-    /// Mean reuse distance of good-locality streams, in written blocks.
-    #[arg(long, default_value_t = 64.0)]
-    mean_reuse: f64,
+    /// For --kind locality: good or weak [default: good].
+    #[arg(long)]
+    locality: Option<String>,
+    /// Mean reuse distance of good-locality streams, in written blocks
+    /// [default: 64].
+    #[arg(long)]
+    mean_reuse: Option<f64>,
     /// For --kind mix: streams as KIND:SHARE,… with KIND good, weak or
     /// uniform (e.g. good:3,weak:1).
     #[arg(long, conflicts_with = "workload")]
@@ -157,8 +159,8 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
                 s.mean_reuse_distance_blocks
             );
             println!(
-                "streams                 {} sources ({} pids, {} processes)",
-                s.sources, s.pids, s.processes
+                "streams                 {} sources ({} pids, {} processes, {} devices)",
+                s.sources, s.pids, s.processes, s.devices
             );
             match (s.lba_min_sectors, s.lba_end_sectors) {
                 (Some(a), Some(b)) => println!("LBA range (sectors)     {a}..{b}"),
@@ -176,19 +178,39 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
     }
 }
 
+/// Mean reuse distance of good-locality streams when `--mean-reuse` is not
+/// given, in written blocks.
+const DEFAULT_MEAN_REUSE_BLOCKS: f64 = 64.0;
+
 fn gen(g: GenArgs) -> anyhow::Result<()> {
     let size =
         |flag: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{flag} {s:?}: {e}"));
-    let streams: Vec<StreamSpec> = match g.kind.as_str() {
+    let kind = g.kind.as_str();
+    if !["fio", "locality", "mix"].contains(&kind) {
+        bail!("unknown generator kind {kind:?} (fio, locality, mix)");
+    }
+    // an option the kind does not use is refused, not ignored
+    let only_for = |flag: &str, given: bool, for_kind: &str| {
+        if given && kind != for_kind {
+            bail!("{flag} does not apply to --kind {kind} (only to --kind {for_kind})");
+        }
+        Ok(())
+    };
+    only_for("--locality", g.locality.is_some(), "locality")?;
+    only_for("--workload", g.workload.is_some(), "mix")?;
+    only_for("--streams", g.streams.is_some(), "mix")?;
+    let mean_reuse = g.mean_reuse.unwrap_or(DEFAULT_MEAN_REUSE_BLOCKS);
+    let streams: Vec<StreamSpec> = match kind {
         "fio" => vec![StreamSpec {
             locality: Locality::Uniform,
             share: 1,
             name: "fio".into(),
         }],
         "locality" => {
-            let locality = match g.locality.as_str() {
+            let name = g.locality.as_deref().unwrap_or("good");
+            let locality = match name {
                 "good" => Locality::Good {
-                    mean_reuse_blocks: g.mean_reuse,
+                    mean_reuse_blocks: mean_reuse,
                 },
                 "weak" => Locality::Weak,
                 l => bail!("unknown locality {l:?} (good, weak)"),
@@ -196,16 +218,28 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
             vec![StreamSpec {
                 locality,
                 share: 1,
-                name: g.locality.clone(),
+                name: name.into(),
             }]
         }
-        "mix" => match (&g.workload, &g.streams) {
-            (Some(w), _) => workload(w, g.mean_reuse)?,
-            (None, Some(s)) => parse_streams(s, g.mean_reuse)?,
-            (None, None) => workload("B", g.mean_reuse)?,
+        _ => match (&g.workload, &g.streams) {
+            (Some(w), _) => workload(w, mean_reuse)?,
+            (None, Some(s)) => parse_streams(s, mean_reuse)?,
+            (None, None) => workload("B", mean_reuse)?,
         },
-        k => bail!("unknown generator kind {k:?} (fio, locality, mix)"),
     };
+    // the kind as given, to name it in the errors below
+    let what = match (kind, &g.locality, &g.streams) {
+        ("locality", Some(l), _) => format!("--kind locality --locality {l}"),
+        ("mix", _, Some(s)) if g.workload.is_none() => format!("--kind mix --streams {s}"),
+        _ => format!("--kind {kind}"),
+    };
+    let any = |f: fn(&Locality) -> bool| streams.iter().any(|s| f(&s.locality));
+    if g.mean_reuse.is_some() && !any(|l| matches!(l, Locality::Good { .. })) {
+        bail!("--mean-reuse does not apply to {what} (only to good-locality streams)");
+    }
+    if g.copy_runs && !any(|l| *l != Locality::Uniform) {
+        bail!("--copy-runs does not apply to {what} (only to good- and weak-locality streams)");
+    }
     let sequential = match g.rw.as_str() {
         "random" | "rand" => false,
         "seq" | "sequential" => true,

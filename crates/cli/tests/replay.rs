@@ -283,6 +283,7 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
     let before = std::fs::read(&copy).unwrap();
     std::fs::copy(&trace, tmp.path().join("results.csv")).unwrap();
     let c = copy.to_str().unwrap();
+    let twice = format!("{c},{c}");
     let not_a_dir = keep.to_str().unwrap();
     assert_refused(
         tmp.path(),
@@ -303,6 +304,11 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
             (
                 vec!["sweep", "--traces", c, "--jobs", "0", "--out", "o"],
                 "--jobs",
+            ),
+            // the same trace twice would mix its rows
+            (
+                vec!["sweep", "--traces", &twice, "--out", "o"],
+                "given more than once",
             ),
             // a trace where the sweep would write its results
             (
@@ -351,4 +357,99 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn trace_gen_refuses_options_its_kind_does_not_use() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gen = |extra: &[&'static str]| {
+        let mut v = vec!["trace", "gen", "--size", "64K", "-o", "g.ddt"];
+        v.extend_from_slice(extra);
+        v
+    };
+    assert_refused(
+        tmp.path(),
+        &[
+            (
+                gen(&["--kind", "fio", "--workload", "C"]),
+                "--workload does not apply to --kind fio",
+            ),
+            (
+                gen(&["--kind", "fio", "--locality", "weak"]),
+                "--locality does not apply to --kind fio",
+            ),
+            (
+                gen(&["--kind", "mix", "--locality", "weak"]),
+                "--locality does not apply to --kind mix",
+            ),
+            (
+                gen(&["--kind", "locality", "--streams", "good:1"]),
+                "--streams does not apply to --kind locality",
+            ),
+            (
+                gen(&["--kind", "fio", "--mean-reuse", "10"]),
+                "--mean-reuse does not apply to --kind fio",
+            ),
+            (
+                gen(&[
+                    "--kind",
+                    "locality",
+                    "--locality",
+                    "weak",
+                    "--mean-reuse",
+                    "10",
+                ]),
+                "--mean-reuse does not apply to --kind locality --locality weak",
+            ),
+            (
+                gen(&[
+                    "--kind",
+                    "mix",
+                    "--streams",
+                    "uniform:1,weak:1",
+                    "--mean-reuse",
+                    "10",
+                ]),
+                "--mean-reuse does not apply to --kind mix",
+            ),
+            (
+                gen(&["--kind", "fio", "--copy-runs"]),
+                "--copy-runs does not apply to --kind fio",
+            ),
+            (
+                gen(&["--kind", "mix", "--streams", "uniform:2", "--copy-runs"]),
+                "--copy-runs does not apply to --kind mix",
+            ),
+        ],
+    );
+    assert!(!tmp.path().join("g.ddt").exists());
+    // the same options where they apply
+    for extra in [
+        &["--kind", "locality", "--locality", "weak", "--copy-runs"][..],
+        &["--kind", "locality", "--mean-reuse", "10"],
+        &[
+            "--kind",
+            "mix",
+            "--workload",
+            "C",
+            "--mean-reuse",
+            "10",
+            "--copy-runs",
+        ],
+        &[
+            "--kind",
+            "mix",
+            "--streams",
+            "good:1,uniform:1",
+            "--mean-reuse",
+            "10",
+        ],
+    ] {
+        let out = dedupd()
+            .current_dir(tmp.path())
+            .args(gen(extra))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{extra:?}: {out:?}");
+    }
 }

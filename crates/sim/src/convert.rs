@@ -16,7 +16,7 @@ use crate::request::Request;
 pub struct ConvertSummary {
     /// Requests written.
     pub requests: u64,
-    /// Sources (pid, process) written.
+    /// Sources (pid, process, device) written.
     pub sources: u64,
     /// Malformed lines skipped (with `skip_bad`).
     pub bad_records_skipped: u64,

@@ -234,6 +234,7 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
         w.define_source(&Source {
             pid: 1000 + i as u32,
             process: s.name.clone(),
+            device: 0,
         })
         .map_err(io_err(name))?;
     }

@@ -1,14 +1,15 @@
-//! The native binary trace format (version 1); specification in
-//! `docs/trace-format.md`.
+//! The native binary trace format (version 2; version 1 is read too);
+//! specification in `docs/trace-format.md`.
 //!
 //! Layout: a 16-byte header (`DDTRACE\0`, u16 version, u16 flags, u32
 //! reserved, little-endian), then chunks of `u32 length, u32 CRC-32C,
 //! payload` (payload ≤ 1 MiB, holding whole records), then an end chunk
 //! (`length = 0`) followed by the u64 record count and its u32 CRC-32C.
 //! Records are a tag byte and LEB128 varints: sources (`0x01 id pid
-//! name_len name`) and requests (`0x02` read, `0x03` write, `0x04` trim:
-//! `zigzag(Δts_ns) source lba_sectors sectors n_blocks` then per block
-//! `0x00` zero or `0x01` + 16-byte digest).
+//! name_len name`, or with a device number other than 0 `0x05 id pid
+//! device name_len name`, version 2 only) and requests (`0x02` read,
+//! `0x03` write, `0x04` trim: `zigzag(Δts_ns) source lba_sectors sectors
+//! n_blocks` then per block `0x00` zero or `0x01` + 16-byte digest).
 
 use std::io::{self, BufRead, Read, Write};
 
@@ -20,8 +21,11 @@ const END_MARKER_BYTES: u64 = 4 + 8 + 4;
 
 /// First 8 bytes of every native trace.
 pub const MAGIC: [u8; 8] = *b"DDTRACE\0";
-/// Format version written and accepted.
-pub const VERSION: u16 = 1;
+/// Format version written. Readers accept it and [`VERSION_1`].
+pub const VERSION: u16 = 2;
+/// The first format version, still read: no device numbers (no record
+/// tag `0x05`).
+pub const VERSION_1: u16 = 1;
 /// Bytes of the file header.
 pub const HEADER_BYTES: usize = 16;
 /// Largest chunk payload in bytes.
@@ -35,6 +39,7 @@ const TAG_SOURCE: u8 = 0x01;
 const TAG_READ: u8 = 0x02;
 const TAG_WRITE: u8 = 0x03;
 const TAG_TRIM: u8 = 0x04;
+const TAG_SOURCE_DEVICE: u8 = 0x05;
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
@@ -81,14 +86,23 @@ impl<W: Write> NativeWriter<W> {
     }
 
     /// Defines the next source; returns its id (0, 1, 2, … in call order).
+    /// A source with device 0 is a `0x01` record, any other a `0x05`
+    /// record carrying the device.
     ///
     /// Errors: writing to the output fails.
     pub fn define_source(&mut self, s: &Source) -> io::Result<u32> {
         let id = self.sources;
-        self.make_room(1 + 3 * MAX_VARINT_BYTES + s.process.len())?;
-        self.chunk.push(TAG_SOURCE);
+        self.make_room(1 + 4 * MAX_VARINT_BYTES + s.process.len())?;
+        self.chunk.push(if s.device == 0 {
+            TAG_SOURCE
+        } else {
+            TAG_SOURCE_DEVICE
+        });
         put_varint(&mut self.chunk, id as u64);
         put_varint(&mut self.chunk, s.pid as u64);
+        if s.device != 0 {
+            put_varint(&mut self.chunk, s.device);
+        }
         put_varint(&mut self.chunk, s.process.len() as u64);
         self.chunk.extend_from_slice(s.process.as_bytes());
         self.sources += 1;
@@ -202,6 +216,8 @@ pub struct NativeReader {
     records: u64,
     last_ts: u64,
     done: bool,
+    /// The file's format version ([`VERSION`] or [`VERSION_1`]).
+    version: u16,
     /// Sources defined so far; a request's `source` indexes it.
     pub sources: Vec<Source>,
 }
@@ -231,7 +247,8 @@ fn read_exact_or_eof(r: &mut dyn Read, buf: &mut [u8]) -> io::Result<bool> {
 impl NativeReader {
     /// Reads and checks the header.
     ///
-    /// Errors: not a native trace, or an unsupported version.
+    /// Errors: not a native trace, or a version other than [`VERSION`]
+    /// and [`VERSION_1`].
     pub fn new(mut input: Box<dyn BufRead>) -> Result<Self, NativeError> {
         let mut h = [0u8; HEADER_BYTES];
         match read_exact_or_eof(&mut input, &mut h) {
@@ -243,13 +260,13 @@ impl NativeReader {
             return Err((0, "not a native trace (bad magic)".into()));
         }
         let v = u16::from_le_bytes([h[8], h[9]]);
-        if v != VERSION {
+        if v != VERSION && v != VERSION_1 {
             return Err((
                 8,
-                format!("unsupported version {v} (this build reads {VERSION})"),
+                format!("unsupported version {v} (this build reads {VERSION_1} and {VERSION})"),
             ));
         }
-        // (version 1 defines no flags and reserves the rest as zero)
+        // (versions 1 and 2 define no flags and reserve the rest as zero)
         if h[10..16] != [0; 6] {
             return Err((10, "flags or reserved bytes not zero".into()));
         }
@@ -262,8 +279,14 @@ impl NativeReader {
             records: 0,
             last_ts: 0,
             done: false,
+            version: v,
             sources: Vec::new(),
         })
+    }
+
+    /// The file's format version (from its header).
+    pub fn version(&self) -> u16 {
+        self.version
     }
 
     /// Number of records (sources and requests) read so far.
@@ -402,13 +425,23 @@ impl NativeReader {
             let tag = self.byte()?;
             self.records += 1;
             let op = match tag {
-                TAG_SOURCE => {
+                TAG_SOURCE | TAG_SOURCE_DEVICE => {
+                    if tag == TAG_SOURCE_DEVICE && self.version == VERSION_1 {
+                        return Err(self.err(format!(
+                            "record tag {tag:#04x} (source with device) in a version {VERSION_1} file"
+                        )));
+                    }
                     let id = self.varint()?;
                     if id != self.sources.len() as u64 {
                         return Err(self.err(format!("source id {id} out of order")));
                     }
                     let pid =
                         u32::try_from(self.varint()?).map_err(|_| self.err("pid over 32 bits"))?;
+                    let device = if tag == TAG_SOURCE_DEVICE {
+                        self.varint()?
+                    } else {
+                        0
+                    };
                     let len = self.varint()? as usize;
                     let end = self.pos.checked_add(len).filter(|&e| e <= self.chunk.len());
                     let Some(end) = end else {
@@ -418,7 +451,11 @@ impl NativeReader {
                         .map_err(|_| self.err("source name is not UTF-8"))?
                         .to_string();
                     self.pos = end;
-                    self.sources.push(Source { pid, process });
+                    self.sources.push(Source {
+                        pid,
+                        process,
+                        device,
+                    });
                     continue;
                 }
                 TAG_READ => Op::Read,

@@ -3,8 +3,9 @@
 //! `assets/DejaVuSans-LICENSE.txt`).
 //!
 //! - [`Figure::Duplicates`]: duplicates found (percent of the exact
-//!   dedup's) against index memory, one line per policy, `exact` as the
-//!   100 % reference;
+//!   dedup's) against index memory, one line per policy; plain `exact` (no
+//!   filters) as the 100 % reference, and each other unbounded policy
+//!   (`exact+prehash`, `exact+t4`, …) as a level line at its own percent;
 //! - [`Figure::EvictionIo`]: on-disk fingerprint-group reads + writes done
 //!   by evictions against index memory (log scale), one line per policy.
 
@@ -15,6 +16,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use crate::error::{Result, TraceError};
+use crate::replay::{Filters, PolicySpec};
 use crate::sweep::SweepRow;
 
 static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
@@ -66,6 +68,14 @@ pub fn draw(rows: &[SweepRow], trace: &str, what: Figure, path: &Path) -> Result
     }
 }
 
+/// True for the plain `exact` policy: unbounded, without filters (the
+/// reference every other policy is measured against).
+fn is_plain_exact(policy: &str) -> bool {
+    policy
+        .parse::<PolicySpec>()
+        .is_ok_and(|s| s.eviction.is_none() && s.filters == Filters::default())
+}
+
 fn chart<DB: DrawingBackend>(
     root: DrawingArea<DB, plotters::coord::Shift>,
     rows: &[SweepRow],
@@ -107,7 +117,7 @@ where
     };
     let exact_pct = mine
         .iter()
-        .find(|r| r.index_memory_bytes.is_none())
+        .find(|r| r.index_memory_bytes.is_none() && is_plain_exact(&r.policy))
         .map(|r| r.exact_duplicate_blocks as f64 * 100.0 / r.blocks_written.max(1) as f64);
     let caption = match what {
         Figure::Duplicates => format!("{trace}: duplicates found vs index memory"),
@@ -130,6 +140,16 @@ where
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(80);
+    // the level of each unbounded policy: plain exact is the reference
+    // (100 %, the exact dedup itself); the others found what they found
+    let level = |p: &str| -> Option<f64> {
+        if is_plain_exact(p) {
+            return Some(100.0);
+        }
+        mine.iter()
+            .find(|r| r.policy == p && r.index_memory_bytes.is_none())
+            .map(|r| r.of_exact_percent)
+    };
     let series: Vec<(&str, Vec<(f64, f64)>)> = policies
         .iter()
         .map(|p| {
@@ -149,17 +169,19 @@ where
             let c = COLORS[i % COLORS.len()];
             let w = (2 + 2 * (n - 1 - i) as u32).min(9);
             if pts.is_empty() {
-                if what == Figure::Duplicates {
-                    // exact: the 100 % reference line
+                if let (Figure::Duplicates, Some(y)) = (what, level(p)) {
+                    // an unbounded policy: a level line
                     chart
                         .draw_series(LineSeries::new(
-                            [(xr.start, 100.0), (xr.end, 100.0)],
+                            [(xr.start, y), (xr.end, y)],
                             c.stroke_width(2),
                         ))
                         .map_err(&err)?
                         .label(match exact_pct {
-                            Some(e) => format!("{p} ({e:.1} % of blocks written)"),
-                            None => p.to_string(),
+                            Some(e) if is_plain_exact(p) => {
+                                format!("{p} ({e:.1} % of blocks written)")
+                            }
+                            _ => p.to_string(),
                         })
                         .legend(move |(x, y)| {
                             PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
@@ -186,6 +208,7 @@ where
             let ymax = series
                 .iter()
                 .flat_map(|(_, p)| p.iter().map(|q| q.1))
+                .chain(policies.iter().filter_map(|p| level(p)))
                 .fold(100.0f64, f64::max);
             let mut chart = b
                 .build_cartesian_2d(xr.clone(), 0.0..ymax * 1.05)
@@ -252,4 +275,102 @@ where
     }
     root.present().map_err(&err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `(colour, points)` of every `tag` element (`polyline`: its
+    /// stroke and points; `circle`: its fill and centre) of an SVG, in order.
+    fn shapes(svg: &str, tag: &str) -> Vec<(String, Vec<(f64, f64)>)> {
+        let attr = |el: &str, name: &str| -> Option<String> {
+            let at = el.find(&format!(" {name}=\""))? + name.len() + 3;
+            Some(el[at..at + el[at..].find('"')?].to_string())
+        };
+        svg.split(&format!("<{tag} "))
+            .skip(1)
+            .map(|el| {
+                let el = format!(" {}", &el[..el.find('>').unwrap_or(el.len())]);
+                let el = el.as_str();
+                let points = match tag {
+                    "circle" => vec![(
+                        attr(el, "cx").unwrap().parse().unwrap(),
+                        attr(el, "cy").unwrap().parse().unwrap(),
+                    )],
+                    _ => attr(el, "points")
+                        .unwrap()
+                        .split_whitespace()
+                        .map(|p| {
+                            let (x, y) = p.split_once(',').unwrap();
+                            (x.parse().unwrap(), y.parse().unwrap())
+                        })
+                        .collect(),
+                };
+                let colour = match tag {
+                    "circle" => attr(el, "fill").unwrap(),
+                    _ => attr(el, "stroke").unwrap(),
+                };
+                (colour, points)
+            })
+            .collect()
+    }
+
+    fn hex(c: RGBColor) -> String {
+        format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
+    }
+
+    /// The height of the longest polyline in colour `c` (a horizontal
+    /// line: all its points at one height).
+    fn level(lines: &[(String, Vec<(f64, f64)>)], c: RGBColor) -> f64 {
+        let (_, pts) = lines
+            .iter()
+            .filter(|(colour, _)| *colour == hex(c))
+            .max_by(|a, b| {
+                let w = |p: &[(f64, f64)]| p.last().unwrap().0 - p[0].0;
+                w(&a.1).total_cmp(&w(&b.1))
+            })
+            .unwrap();
+        assert!(pts.iter().all(|p| p.1 == pts[0].1), "{pts:?}");
+        pts[0].1
+    }
+
+    #[test]
+    fn only_plain_exact_is_the_reference_line() {
+        let row = |policy: &str, budget: Option<u64>, found: f64| SweepRow {
+            trace: "t".into(),
+            policy: policy.into(),
+            index_memory_bytes: budget,
+            of_exact_percent: found,
+            blocks_written: 100,
+            exact_duplicate_blocks: 40,
+            ..SweepRow::default()
+        };
+        // series colours follow the policies' order of appearance
+        let rows = [
+            row("exact+prehash", None, 50.0),
+            row("exact", None, 100.0),
+            row("g-lru", Some(1 << 20), 50.0),
+            row("g-lru", Some(2 << 20), 100.0),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.svg");
+        draw(&rows, "t", Figure::Duplicates, &path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let lines = shapes(&svg, "polyline");
+        let dots: Vec<f64> = shapes(&svg, "circle")
+            .into_iter()
+            .filter(|(c, _)| *c == hex(COLORS[2]))
+            .map(|(_, p)| p[0].1)
+            .collect();
+        assert_eq!(dots.len(), 2, "{svg}");
+        // g-lru's points at 50 % and 100 % (the lower one further down)
+        let (at_50, at_100) = (dots[0].max(dots[1]), dots[0].min(dots[1]));
+        assert!(at_50 > at_100);
+        assert!((level(&lines, COLORS[1]) - at_100).abs() <= 1.0, "exact");
+        assert!(
+            (level(&lines, COLORS[0]) - at_50).abs() <= 1.0,
+            "exact+prehash"
+        );
+    }
 }

@@ -5,6 +5,10 @@
 //! Each stream — a trace file, or with [`StreamBy::Process`] /
 //! [`StreamBy::Pid`] one process of one file — writes to its own volume of
 //! a simulated engine ([`Engine::simulated`]: metadata in memory, no data).
+//! A file whose requests name several devices (FIU traces record the
+//! major and minor numbers) has separate streams per device: the same LBA
+//! on two devices is two blocks. Stream labels name the device
+//! (`name@major,minor`) for every device but the first of a file.
 //! Several files are interleaved by time stamp (a k-way merge; ties go to
 //! the file named first). Writes go through
 //! [`Engine::write_fingerprinted`], so the inline dedup measured is the
@@ -37,7 +41,7 @@ use dedupd_engine::{
 use crate::digest_set::{digest_hash, DigestSet};
 use crate::error::{Result, TraceError};
 use crate::reader::{Format, TraceReader};
-use crate::request::{Digest, Op, Request, SECTOR_SIZE};
+use crate::request::{device_label, Digest, Op, Request, SECTOR_SIZE};
 
 /// Size of each stream's volume: 1 PiB, the engine's maximum.
 pub const VOLUME_BYTES: u64 = 1 << 50;
@@ -170,12 +174,12 @@ pub fn default_index_memory_bytes() -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StreamBy {
-    /// One stream per trace file.
+    /// One stream per trace file (and device).
     #[default]
     File,
-    /// One stream per process name within a file.
+    /// One stream per process name within a file (and device).
     Process,
-    /// One stream per process id within a file.
+    /// One stream per process id within a file (and device).
     Pid,
 }
 
@@ -344,7 +348,8 @@ pub struct Progress {
 /// Figures of one stream.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct StreamReport {
-    /// `file`, `file:process` or `file:pid`.
+    /// `file`, `file:process` or `file:pid`, followed by
+    /// `@major,minor` for a device other than the first of its file.
     pub name: String,
     /// Name of its volume in the engine.
     pub volume: String,
@@ -506,11 +511,13 @@ fn volume_name(index: usize, label: &str) -> String {
     s
 }
 
+/// What identifies a stream: the input file's index, the device (each
+/// device of a file is a disk of its own), and the pid or process name.
 #[derive(PartialEq, Eq, Hash)]
 enum StreamKey {
-    File(usize),
-    Pid(usize, u32),
-    Process(usize, String),
+    File(usize, u64),
+    Pid(usize, u64, u32),
+    Process(usize, u64, String),
 }
 
 struct Input {
@@ -521,6 +528,9 @@ struct Input {
     live: bool,
     /// Stream index per source id of this reader.
     stream_of: Vec<Option<usize>>,
+    /// Device of the file's first stream: its streams are labelled without
+    /// a device, those of other devices with `@major,minor`.
+    first_device: Option<u64>,
 }
 
 /// A request read ahead of its turn, with its blocks' fingerprints and
@@ -680,6 +690,7 @@ pub fn replay(
             head,
             live,
             stream_of: Vec::new(),
+            first_device: None,
         });
     }
     let mut streams: Vec<Stream> = Vec::new();
@@ -734,17 +745,22 @@ pub fn replay(
             Some(s) => s,
             None => {
                 let source = &inp.reader.sources()[src];
-                let (key, label) = match cfg.stream_by {
-                    StreamBy::File => (StreamKey::File(i), inp.reader.name().to_string()),
+                let device = source.device;
+                let (key, mut label) = match cfg.stream_by {
+                    StreamBy::File => (StreamKey::File(i, device), inp.reader.name().to_string()),
                     StreamBy::Pid => (
-                        StreamKey::Pid(i, source.pid),
+                        StreamKey::Pid(i, device, source.pid),
                         format!("{}:{}", inp.reader.name(), source.pid),
                     ),
                     StreamBy::Process => (
-                        StreamKey::Process(i, source.process.clone()),
+                        StreamKey::Process(i, device, source.process.clone()),
                         format!("{}:{}", inp.reader.name(), source.process),
                     ),
                 };
+                if *inp.first_device.get_or_insert(device) != device {
+                    label.push('@');
+                    label.push_str(&device_label(device));
+                }
                 let s = match keys.get(&key) {
                     Some(&s) => s,
                     None => {

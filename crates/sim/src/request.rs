@@ -50,13 +50,30 @@ impl Op {
     }
 }
 
-/// Who issued requests: a process id and name as the trace records them.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// Who issued requests, and to which disk: a process id and name and a
+/// device number as the trace records them. Requests of different devices
+/// address different disks: the same LBA on two devices is two blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Source {
     /// Process id (0 when the trace has none).
     pub pid: u32,
     /// Process name (empty when the trace has none).
     pub process: String,
+    /// Device number, `major << 32 | minor` ([`device_number`]); 0 when
+    /// the trace has none (MobileAppTraces, generated traces).
+    pub device: u64,
+}
+
+/// The device number of a major and minor device number:
+/// `major << 32 | minor`.
+pub fn device_number(major: u32, minor: u32) -> u64 {
+    (major as u64) << 32 | minor as u64
+}
+
+/// The device number `device` as `major,minor` (as blktrace prints it),
+/// the inverse of [`device_number`].
+pub fn device_label(device: u64) -> String {
+    format!("{},{}", device >> 32, device & 0xffff_ffff)
 }
 
 /// One request of a trace. Readers fill a caller-owned `Request` in place

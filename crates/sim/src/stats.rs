@@ -40,12 +40,15 @@ pub struct TraceStats {
     /// duplicate, the number of blocks written since the previous write of
     /// the same digest (HPDedup §II-B, Fig. 1). 0 without duplicates.
     pub mean_reuse_distance_blocks: f64,
-    /// Distinct (pid, process) sources.
+    /// Distinct (pid, process, device) sources.
     pub sources: u64,
     /// Distinct process ids.
     pub pids: u64,
     /// Distinct process names.
     pub processes: u64,
+    /// Distinct devices (disks; a trace without device numbers has one,
+    /// device 0; 0 for a trace without sources).
+    pub devices: u64,
     /// Lowest sector addressed (None for an empty trace).
     pub lba_min_sectors: Option<u64>,
     /// One past the highest sector addressed.
@@ -139,6 +142,11 @@ pub fn trace_stats_counting(
     s.processes = src
         .iter()
         .map(|x| x.process.as_str())
+        .collect::<std::collections::HashSet<_>>()
+        .len() as u64;
+    s.devices = src
+        .iter()
+        .map(|x| x.device)
         .collect::<std::collections::HashSet<_>>()
         .len() as u64;
     Ok(s)

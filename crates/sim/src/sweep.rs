@@ -3,8 +3,13 @@
 //! threads), with results as CSV and JSON and one figure per trace
 //! ([`crate::plot`]).
 //!
-//! `exact` takes no budget: it runs once per trace and is drawn as the
-//! reference line.
+//! Unbounded policies (`exact`, with or without filters) take no budget:
+//! each runs once per trace. Plain `exact` is the figures' 100 % reference
+//! line; `exact` with filters is drawn as a level line of its own.
+//!
+//! A trace may be named once only (the same file twice would mix its
+//! rows); traces whose names make the same figure file name get figures
+//! of their own (`-2`, `-3`, … after the name).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -131,16 +136,37 @@ pub fn trace_names(traces: &[PathBuf]) -> Vec<String> {
         .collect()
 }
 
+/// Checks that no file is among `traces` twice, comparing canonical paths
+/// (so `t.fiu` and `./t.fiu` are the same; a path that cannot be resolved
+/// is compared as given).
+///
+/// Errors: [`TraceError::Config`] naming the first trace given twice.
+pub fn check_distinct_traces(traces: &[PathBuf]) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for t in traces {
+        let key = std::fs::canonicalize(t).unwrap_or_else(|_| t.clone());
+        if !seen.insert(key) {
+            return Err(TraceError::Config(format!(
+                "trace {} is given more than once (each trace is swept once)",
+                t.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Runs the grid on `cfg.jobs` threads, calling `done(row, finished,
 /// total)` as points finish. Rows come back in grid order (trace, policy,
 /// budget).
 ///
-/// Errors: a policy that does not parse (before anything runs), or the
-/// first replay that fails.
+/// Errors: a trace given twice ([`check_distinct_traces`]) or a policy
+/// that does not parse (both before anything runs), or the first replay
+/// that fails.
 pub fn run_sweep(
     cfg: &SweepConfig,
     done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
 ) -> Result<Vec<SweepRow>> {
+    check_distinct_traces(&cfg.traces)?;
     let names = trace_names(&cfg.traces);
     let mut points: Vec<(&PathBuf, &str, String, Option<u64>)> = Vec::new();
     for (t, name) in cfg.traces.iter().zip(&names) {
@@ -241,8 +267,9 @@ pub fn to_csv(rows: &[SweepRow]) -> String {
 }
 
 /// Writes `results.csv`, `results.json` and, per trace, the figures
-/// `<trace>-duplicates.{png,svg}` and `<trace>-eviction-io.{png,svg}` into
-/// `dir` (created if needed). Returns the files written.
+/// `<stem>-duplicates.{png,svg}` and `<stem>-eviction-io.{png,svg}` into
+/// `dir` (created if needed), the stem as [`figure_stems`] makes it from
+/// the traces in order of their first row. Returns the files written.
 ///
 /// Errors: I/O, or a drawing failure.
 pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
@@ -263,7 +290,8 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
             traces.push(&r.trace);
         }
     }
-    for t in traces {
+    let stems = figure_stems(&traces);
+    for (t, stem) in traces.into_iter().zip(&stems) {
         // (a figure plots the bounded policies against their budget; a
         // trace swept with `exact` alone has none to draw)
         if !rows
@@ -272,7 +300,7 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         {
             continue;
         }
-        for (path, what) in figure_paths(dir, t) {
+        for (path, what) in figure_paths(dir, stem) {
             crate::output::write_via_temporary(&path, |tmp| crate::plot::draw(rows, t, what, tmp))?;
             files.push(path);
         }
@@ -280,13 +308,34 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// The figures of trace `name` in `dir`: duplicates and eviction I/O, each
-/// as PNG and SVG.
-fn figure_paths(dir: &Path, name: &str) -> Vec<(PathBuf, crate::plot::Figure)> {
-    let stem = name.replace(
-        |c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)),
-        "_",
-    );
+/// The file-name stems of the figures of traces `names` (distinct names,
+/// in sweep order): each name with characters other than `[A-Za-z0-9._-]`
+/// replaced by `_`, then, where that stem is taken already by an earlier
+/// trace, `-2`, `-3`, … appended (the first free one), so no two traces
+/// share a figure file.
+pub fn figure_stems<S: AsRef<str>>(names: &[S]) -> Vec<String> {
+    let mut taken = std::collections::HashSet::new();
+    names
+        .iter()
+        .map(|name| {
+            let base = name.as_ref().replace(
+                |c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)),
+                "_",
+            );
+            let mut stem = base.clone();
+            let mut n = 1;
+            while !taken.insert(stem.clone()) {
+                n += 1;
+                stem = format!("{base}-{n}");
+            }
+            stem
+        })
+        .collect()
+}
+
+/// The figures of stem `stem` ([`figure_stems`]) in `dir`: duplicates and
+/// eviction I/O, each as PNG and SVG.
+fn figure_paths(dir: &Path, stem: &str) -> Vec<(PathBuf, crate::plot::Figure)> {
     let mut out = Vec::new();
     for (kind, what) in [
         ("duplicates", crate::plot::Figure::Duplicates),
@@ -304,8 +353,8 @@ fn figure_paths(dir: &Path, name: &str) -> Vec<(PathBuf, crate::plot::Figure)> {
 /// that none of them is an input.
 pub fn output_paths(dir: &Path, traces: &[PathBuf]) -> Vec<PathBuf> {
     let mut out = vec![dir.join("results.csv"), dir.join("results.json")];
-    for name in trace_names(traces) {
-        out.extend(figure_paths(dir, &name).into_iter().map(|(p, _)| p));
+    for stem in figure_stems(&trace_names(traces)) {
+        out.extend(figure_paths(dir, &stem).into_iter().map(|(p, _)| p));
     }
     out
 }
@@ -355,5 +404,60 @@ mod tests {
             "{names:?}"
         );
         assert_eq!(names.len(), 6, "{names:?}");
+    }
+    #[test]
+    fn a_trace_given_twice_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.fiu");
+        std::fs::write(&t, format!("1 1 p 0 8 W 6 0 {:032x}\n", 1)).unwrap();
+        // the same file twice, once through another spelling of its path
+        let again = dir.path().join(".").join("t.fiu");
+        for traces in [vec![t.clone(), t.clone()], vec![t.clone(), again]] {
+            let cfg = SweepConfig {
+                traces,
+                policies: vec!["exact".into()],
+                budgets: vec![],
+                jobs: 1,
+                base: ReplayConfig::default(),
+            };
+            let e = run_sweep(&cfg, &|_, _, _| {}).unwrap_err();
+            assert!(matches!(e, TraceError::Config(_)), "{e:?}");
+            assert!(e.to_string().contains("more than once"), "{e}");
+        }
+    }
+
+    #[test]
+    fn traces_whose_sanitized_names_collide_get_figures_of_their_own() {
+        let traces = [
+            PathBuf::from("x/a b.fiu"),
+            PathBuf::from("y/a_b.fiu"),
+            PathBuf::from("z/a?b.fiu"),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let paths = output_paths(dir.path(), &traces);
+        let distinct: std::collections::HashSet<&PathBuf> = paths.iter().collect();
+        assert_eq!(distinct.len(), paths.len(), "{paths:?}");
+        let mut rows = Vec::new();
+        for name in trace_names(&traces) {
+            for (policy, budget, found) in [("exact", None, 100.0), ("g-lru", Some(1 << 20), 50.0)]
+            {
+                rows.push(SweepRow {
+                    trace: name.clone(),
+                    policy: policy.into(),
+                    index_memory_bytes: budget,
+                    of_exact_percent: found,
+                    ..SweepRow::default()
+                });
+            }
+        }
+        let files = write_outputs(&rows, dir.path()).unwrap();
+        // the tables, and four figures per trace, none over another
+        assert_eq!(files.len(), 2 + 4 * traces.len(), "{files:?}");
+        let on_disk = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(on_disk, files.len());
+        assert_eq!(
+            paths.iter().collect::<std::collections::HashSet<_>>(),
+            files.iter().collect::<std::collections::HashSet<_>>()
+        );
     }
 }

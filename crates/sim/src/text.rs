@@ -3,6 +3,8 @@
 //!
 //! **FIU IODedup** (SNIA IOTTA; whitespace-separated):
 //! `ts_ns pid process lba_sectors size_sectors R|W major minor digests`.
+//! The major and minor device numbers name the disk: each (pid, process,
+//! device) is a source of its own, its device `major << 32 | minor`.
 //! `digests` concatenates 32-hex MD5 digests with no separator: one per
 //! 4 KiB page (most traces) or one per 512-byte sector (the *homes*
 //! traces). The layout is detected per line from the digest count `n` and
@@ -14,17 +16,23 @@
 //! of 512 zero bytes is a zero block; otherwise its digest is the first 16
 //! bytes of SHA-256 over the 8 digests in sector order (a sector the
 //! request does not cover contributes 16 zero bytes). A process name with
-//! spaces is accepted: the fields are taken from both ends.
+//! spaces is accepted: the fields are taken from both ends. A process name
+//! that is not valid UTF-8 (Linux cuts names at 15 bytes, which may split
+//! a multi-byte character) is read with U+FFFD in place of the bad bytes,
+//! in both formats.
 //!
 //! **MobileAppTraces** (XMU smartphone traces; tab-separated):
 //! `time_s R|W lba_sectors size_sectors pid process md5-md5-…`, one MD5 per
-//! 4 KiB page joined by `-`; time in (fractional) seconds.
+//! 4 KiB page joined by `-`; time in (fractional) seconds. No device
+//! numbers: every source has device 0.
 
 use std::collections::HashMap;
 
 use sha2::{Digest as _, Sha256};
 
-use crate::request::{Digest, Op, Request, Source, MD5_ZERO_4K, MD5_ZERO_512, SECTORS_PER_BLOCK};
+use crate::request::{
+    device_number, Digest, Op, Request, Source, MD5_ZERO_4K, MD5_ZERO_512, SECTORS_PER_BLOCK,
+};
 
 /// Which text format a line is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,8 +52,8 @@ pub enum Layout {
     PerSector,
 }
 
-/// The (pid, process) → id table of a text trace, looked up without
-/// allocating when the source was seen before.
+/// The (pid, process, device) → id table of a text trace, looked up
+/// without allocating when the source was seen before.
 #[derive(Debug, Default)]
 pub struct SourceTable {
     /// Sources in order of first appearance; a request's `source` indexes it.
@@ -55,11 +63,12 @@ pub struct SourceTable {
 }
 
 impl SourceTable {
-    /// The id of (pid, process), adding it if new.
-    pub fn id(&mut self, pid: u32, process: &str) -> u32 {
+    /// The id of (pid, process, device), adding it if new. `device` as
+    /// [`Source::device`] (0: none).
+    pub fn id(&mut self, pid: u32, process: &str, device: u64) -> u32 {
+        let same = |s: &Source| s.pid == pid && s.device == device && s.process == process;
         if let Some(l) = self.last {
-            let s = &self.sources[l as usize];
-            if s.pid == pid && s.process == process {
+            if same(&self.sources[l as usize]) {
                 return l;
             }
         }
@@ -67,7 +76,7 @@ impl SourceTable {
         let found = ids
             .iter()
             .copied()
-            .find(|&i| self.sources[i as usize].process == process);
+            .find(|&i| same(&self.sources[i as usize]));
         let id = match found {
             Some(i) => i,
             None => {
@@ -75,6 +84,7 @@ impl SourceTable {
                 self.sources.push(Source {
                     pid,
                     process: process.to_string(),
+                    device,
                 });
                 ids.push(i);
                 i
@@ -227,16 +237,21 @@ pub fn parse_fiu(
     let lba = parse_u64(f[n - 6]).ok_or("bad lba")?;
     let size = parse_u64(f[n - 5]).ok_or("bad size")?;
     let op = parse_op(f[n - 4]).ok_or("operation is not R or W")?;
-    parse_u64(f[n - 3]).ok_or("bad major device number")?;
-    parse_u64(f[n - 2]).ok_or("bad minor device number")?;
+    let major = parse_u64(f[n - 3])
+        .and_then(|d| u32::try_from(d).ok())
+        .ok_or("bad major device number")?;
+    let minor = parse_u64(f[n - 2])
+        .and_then(|d| u32::try_from(d).ok())
+        .ok_or("bad minor device number")?;
     let hex = f[n - 1];
+    // (comm is cut at 15 bytes, which can split a multi-byte character)
     let process = if n == 9 {
-        std::str::from_utf8(f[2]).map_err(|_| "process name is not UTF-8")?
+        String::from_utf8_lossy(f[2])
     } else {
         // re-slice the original line from the first to the last name field
         let start = f[2].as_ptr() as usize - line.as_ptr() as usize;
         let end = f[n - 7].as_ptr() as usize - line.as_ptr() as usize + f[n - 7].len();
-        std::str::from_utf8(&line[start..end]).map_err(|_| "process name is not UTF-8")?
+        String::from_utf8_lossy(&line[start..end])
     };
     Request::check_sectors(lba, size)?;
     if !hex.len().is_multiple_of(32) {
@@ -280,7 +295,7 @@ pub fn parse_fiu(
     if !ambiguous {
         *sticky = layout;
     }
-    req.source = sources.id(pid, process);
+    req.source = sources.id(pid, &process, device_number(major, minor));
     Ok(())
 }
 
@@ -312,7 +327,8 @@ pub fn parse_mobile(
     let pid = parse_u64(f[4])
         .and_then(|p| u32::try_from(p).ok())
         .ok_or("bad pid")?;
-    let process = std::str::from_utf8(f[5]).map_err(|_| "process name is not UTF-8")?;
+    // (comm is cut at 15 bytes, which can split a multi-byte character)
+    let process = String::from_utf8_lossy(f[5]);
     Request::check_sectors(lba, size)?;
     req.ts_ns = ts;
     req.op = Some(op);
@@ -336,6 +352,6 @@ pub fn parse_mobile(
         ));
     }
     // (only a line found good adds its source)
-    req.source = sources.id(pid, process);
+    req.source = sources.id(pid, &process, 0);
     Ok(())
 }

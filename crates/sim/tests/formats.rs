@@ -115,11 +115,24 @@ fn real_fiu_samples_replay_with_independently_computed_counts() {
             (req, blocks, dups)
         );
     }
-    // both at once: two streams, interleaved; totals add up
+    // both at once: a stream per (file, device), interleaved; totals add up
     let a = dir.join("homes-sample.1.blkparse");
     let b = dir.join("mail-01-sample.blkparse");
+    let devices = |p: &Path| {
+        let text = std::fs::read_to_string(p).unwrap();
+        let set: HashSet<(String, String)> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f[6].to_string(), f[7].to_string())
+            })
+            .collect();
+        set.len()
+    };
+    let streams = devices(&a) + devices(&b);
     let r = run(&[a, b], &ReplayConfig::default());
-    assert_eq!(r.streams.len(), 2);
+    assert_eq!(r.streams.len(), streams);
     assert_eq!(r.requests, 2000);
 }
 
@@ -693,4 +706,75 @@ fn convert_and_gen_replace_their_output_only_when_complete() {
         names.iter().all(|n| !n.starts_with(".dedupd-output")),
         "{names:?}"
     );
+}
+
+#[test]
+fn fiu_devices_of_one_file_are_separate_volumes() {
+    // device 6,16 writes the LBA 6,0 wrote; then 6,0 writes its first
+    // block's content again elsewhere: a duplicate of a block still mapped
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "1 10 p 0 8 W 6 0 {a}\n\
+         2 10 p 0 8 W 6 16 {b}\n\
+         3 10 p 8 8 W 6 0 {a}\n",
+        a = h(1),
+        b = h(2),
+    );
+    let p = write(dir.path(), "two-disks.blkparse", &text);
+    let name = p.display().to_string();
+    for (by, labels) in [
+        (StreamBy::File, [name.clone(), format!("{name}@6,16")]),
+        (
+            StreamBy::Pid,
+            [format!("{name}:10"), format!("{name}:10@6,16")],
+        ),
+        (
+            StreamBy::Process,
+            [format!("{name}:p"), format!("{name}:p@6,16")],
+        ),
+    ] {
+        let cfg = ReplayConfig {
+            stream_by: by,
+            ..ReplayConfig::default()
+        };
+        let r = run(std::slice::from_ref(&p), &cfg);
+        assert_eq!(r.exact_duplicate_blocks, 1, "{by:?}");
+        assert_eq!(r.duplicate_blocks_inline, 1, "{by:?}");
+        assert_eq!(r.mapped_blocks, 3, "{by:?}");
+        let names: Vec<&str> = r.streams.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, labels, "{by:?}");
+    }
+    // the device survives a conversion to the native format
+    let native = dir.path().join("two-disks.ddt");
+    convert(&p, None, false, &native).unwrap();
+    let r = run(&[native], &ReplayConfig::default());
+    assert_eq!((r.duplicate_blocks_inline, r.mapped_blocks), (1, 3));
+    assert_eq!(r.streams.len(), 2);
+    let s = trace_stats(&p, None, false).unwrap();
+    assert_eq!((s.sources, s.devices), (2, 2));
+}
+
+#[test]
+fn a_process_name_cut_inside_a_character_is_read_lossily() {
+    // comm is cut at 15 bytes, which can split a multi-byte character:
+    // "k€" with the euro sign's last byte missing
+    let dir = tempfile::tempdir().unwrap();
+    let name = b"k\xe2\x82";
+    let want = String::from_utf8_lossy(name).into_owned();
+    let mut fiu = b"1 7 ".to_vec();
+    fiu.extend(name);
+    fiu.extend(format!(" 0 8 W 8 0 {}\n", h(1)).as_bytes());
+    let mut mobile = b"0.5\tW\t0\t8\t7\t".to_vec();
+    mobile.extend(name);
+    mobile.extend(format!("\t{}\n", h(1)).as_bytes());
+    for (file, bytes) in [("t.blkparse", fiu), ("t.mobile", mobile)] {
+        let p = dir.path().join(file);
+        std::fs::write(&p, bytes).unwrap();
+        let mut r = TraceReader::open(&p, None, false, Arc::new(AtomicU64::new(0))).unwrap();
+        let mut q = Request::default();
+        assert!(r.next_into(&mut q).unwrap(), "{file}");
+        assert_eq!(r.sources().len(), 1, "{file}");
+        assert_eq!(r.sources()[0].process, want, "{file}");
+        assert_eq!(r.sources()[0].pid, 7, "{file}");
+    }
 }
