@@ -65,6 +65,9 @@ const GROUP_PAGE: usize = 4096;
 /// Largest scratch buffer, in pages, the index keeps between group reads
 /// and writes (a larger one, for a skewed group, is freed after use).
 const PAGE_BUF_KEPT_PAGES: usize = 4;
+/// Bytes of memory per free run of the on-disk store (a B-tree entry of
+/// two `u32` and its share of the nodes).
+const FREE_RUN_BYTES: u64 = 24;
 const GROUP_HEADER: usize = 32;
 const GROUP_MAGIC: u32 = u32::from_le_bytes(*b"DDFG");
 const NONE: u32 = u32::MAX;
@@ -234,12 +237,15 @@ impl GroupStore for FileGroupStore {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let mut done = 0;
         while done < buf.len() {
-            match self.0.read_at(&mut buf[done..], offset + done as u64)? {
-                0 => {
+            match self.0.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => {
                     buf[done..].fill(0);
                     break;
                 }
-                n => done += n,
+                Ok(n) => done += n,
+                // (a signal: read again, as write_all_at does)
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
         }
         Ok(())
@@ -651,7 +657,12 @@ impl FingerprintIndex {
     }
 
     /// Bytes counted against the budget: groups (entries, ARC ghosts,
-    /// per-entry stamps), the group table, and the replacement records.
+    /// per-entry stamps), the group table, the replacement records and the
+    /// on-disk store's free runs (about 24 bytes each: one per hole a
+    /// moved group left). Not counted: the I/O buffer of group reads and
+    /// writes (at most 4 pages kept between them), and while a group is
+    /// merged or read, its pages and entries (a few KiB for groups within
+    /// the default prefix bits' size).
     pub fn memory_bytes(&self) -> u64 {
         self.mem_bytes
             + (self.groups.capacity() * std::mem::size_of::<Group>()) as u64
@@ -659,6 +670,7 @@ impl FingerprintIndex {
             + self.queues.iter().map(|q| q.capacity() as u64).sum::<u64>() * REC_BYTES
             + self.heap.capacity() as u64 * REC_BYTES
             + self.displaced.capacity() as u64 * 16
+            + self.free_runs.len() as u64 * FREE_RUN_BYTES
     }
 
     /// Fingerprints held in memory and on disk (on-disk count may include
@@ -1425,7 +1437,17 @@ impl FingerprintIndex {
             scratch(&mut buf, len),
             leaf.disk_page as u64 * GROUP_PAGE as u64,
         );
-        let entries = read.map(|()| decode_group(&buf[..len], prefix).unwrap_or_default());
+        // a group that fails its check is an error, not an empty group: a
+        // merge would otherwise write the new entries over it and lose
+        // the rest (they come back when the next start rebuilds the store)
+        let entries = read.and_then(|()| {
+            decode_group(&buf[..len], prefix).ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("on-disk fingerprint group {prefix:#x} fails its check"),
+                )
+            })
+        });
         self.keep_page_buf(buf);
         entries
     }
@@ -2028,6 +2050,51 @@ mod tests {
         fn write_at(&mut self, _data: &[u8], _offset: u64) -> io::Result<()> {
             Err(io::Error::from_raw_os_error(libc::ENOSPC))
         }
+    }
+
+    /// Groups in memory the test can damage behind the index's back.
+    struct SharedGroupStore(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl GroupStore for SharedGroupStore {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            MemoryGroupStore(self.0.lock().unwrap().clone()).read_at(buf, offset)
+        }
+        fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
+            let mut bytes = self.0.lock().unwrap();
+            let mut m = MemoryGroupStore(std::mem::take(&mut *bytes));
+            let r = m.write_at(data, offset);
+            *bytes = m.0;
+            r
+        }
+    }
+
+    #[test]
+    fn a_damaged_disk_group_is_an_error_not_an_empty_group() {
+        let bytes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut idx = FingerprintIndex::new(
+            IndexConfig {
+                memory_budget_bytes: 16 << 10,
+                policy: EvictionPolicy::GroupLru,
+                lookup: LookupMode::Disk,
+                prefix_bits: 8,
+            },
+            Box::new(SharedGroupStore(bytes.clone())),
+        );
+        for i in 0..4_000u64 {
+            put(&mut idx, i);
+        }
+        let on_disk = (0..4_000u64)
+            .filter(|&i| idx.lookup(&fp(i), &|_, _| true).unwrap().is_some())
+            .count();
+        assert_eq!(on_disk, 4_000, "the disk mode lost entries");
+        // one byte of every group's header page flipped
+        for b in bytes.lock().unwrap().iter_mut().step_by(GROUP_PAGE) {
+            *b ^= 0x40;
+        }
+        let errors = (0..4_000u64)
+            .filter(|&i| idx.lookup(&fp(i), &|_, _| true).is_err())
+            .count();
+        assert!(errors > 0, "damaged groups read as empty");
     }
 
     #[test]
