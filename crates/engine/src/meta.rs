@@ -740,6 +740,7 @@ impl Meta {
             + self.free.memory_bytes()
             + self.pending_free.capacity() as u64 * 8
             + self.skipped.memory_bytes()
+            + self.skipped_in_flight.capacity() as u64 * 16
             + self.pending_merges.len() as u64 * 48
     }
 
