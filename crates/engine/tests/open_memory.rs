@@ -42,6 +42,17 @@ static ALLOCATOR: Counting = Counting;
 /// The tests measure the one process-wide heap: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Blocks written as fingerprints only: the store's data file gets the
+/// length (sparse) their data would have given it.
+fn give_data_file_its_length(store: &std::path::Path, blocks: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(store.join("data"))
+        .unwrap()
+        .set_len(blocks * 4096)
+        .unwrap();
+}
+
 fn fingerprint(k: u64) -> Fingerprint {
     let mut b = [0u8; 32];
     let mut x = k.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5555;
@@ -85,14 +96,7 @@ fn opening_a_store_needs_its_budgets_not_its_size() {
         }
         e.close().unwrap();
     }
-    // the blocks were written as fingerprints only: give the data file its
-    // length (sparse), as if their data were there
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(path.join("data"))
-        .unwrap()
-        .set_len(BLOCKS * 4096)
-        .unwrap();
+    give_data_file_its_length(&path, BLOCKS);
     // reverse index 32 B, map 8 B and reference count 4 B per block:
     // reading it whole would hold all of it at least once
     let metadata_bytes = BLOCKS as usize * (32 + 8 + 4);
@@ -142,14 +146,7 @@ fn fsck_peak(
         }
         e.close().unwrap();
     }
-    // the blocks were written as fingerprints only: give the data file its
-    // length (sparse), as if their data were there
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(path.join("data"))
-        .unwrap()
-        .set_len(blocks * 4096)
-        .unwrap();
+    give_data_file_its_length(&path, blocks);
     let before = IN_USE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
     let small = EngineConfig {
