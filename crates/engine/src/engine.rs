@@ -907,11 +907,6 @@ impl Engine {
                 other => return Err(other),
             },
         };
-        // Every LBA mapped holds one reference. Fewer references than
-        // mapped LBAs (reference counts cut short or zeroed in place, which
-        // no page checksum sees) would put blocks still mapped on the free
-        // list, and the next writes would overwrite them: refused. More
-        // (map entries lost the same way) only leak blocks: a warning.
         // (a check of the store could not tell a data file gone, on a file
         // system not mounted say, from every block lost: it stops too)
         if data_missing && meta.high_water_blocks > 0 {
@@ -924,6 +919,11 @@ impl Engine {
                 ),
             });
         }
+        // Every LBA mapped holds one reference. Fewer references than
+        // mapped LBAs (reference counts cut short or zeroed in place, which
+        // no page checksum sees) would put blocks still mapped on the free
+        // list, and the next writes would overwrite them: refused. More
+        // (map entries lost the same way) only leak blocks: a warning.
         // (damaged maps, served read-only, only lower the mapped count: the
         // checks below hold with them)
         if !config.allow_damaged_metadata {
@@ -933,7 +933,7 @@ impl Engine {
             // could not be told from the blocks lost
             if meta.high_water_blocks > data_blocks {
                 return Err(EngineError::Corrupt {
-                    file: dir.root().join("data"),
+                    file: data_path,
                     detail: format!(
                         "PBA {} is referenced but the data file holds {data_blocks} blocks \
                          (cut short?); the store is not served. Run `dedupd --store {} fsck` \
