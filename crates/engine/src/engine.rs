@@ -965,13 +965,24 @@ impl Engine {
                 ));
             }
         }
-        if data_missing {
-            // nothing referenced: an empty data file, its entry made durable
-            dir.open_file("data", true)?;
-            crate::store::sync_dir(dir.root())?;
-        }
-        let data =
-            FileBackend::new(dir.open_file("data", false)?).with_observer(config.observer.clone());
+        let data_file = if data_missing && config.allow_damaged_metadata {
+            // (nothing referenced; fsck creates nothing: an unlinked
+            // stand-in, and the next start creates the file)
+            dir.scratch_file().ok_or_else(|| {
+                EngineError::io(
+                    "creating a stand-in for the missing data file",
+                    std::io::Error::other("cannot create a file in the store"),
+                )
+            })?
+        } else {
+            if data_missing {
+                // nothing referenced: an empty data file, its entry durable
+                dir.open_file("data", true)?;
+                crate::store::sync_dir(dir.root())?;
+            }
+            dir.open_file("data", false)?
+        };
+        let data = FileBackend::new(data_file).with_observer(config.observer.clone());
         // the scans above leave each array's last pages in memory
         meta.refcounts.trim();
         meta.fingerprints.trim();
@@ -1468,6 +1479,9 @@ impl Engine {
                 )));
             }
         }
+        // (held until the queue is saved: no commit can carry the new T
+        // before it, nor a checkpoint write the same file meanwhile)
+        let commit = lock(&self.commit);
         let (id, old_record, queued) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
@@ -1501,11 +1515,14 @@ impl Engine {
             if let Some(v) = m.volumes.get_mut(&id) {
                 v.record.sequence_threshold_blocks = old_record;
             }
+            drop(m);
+            drop(commit);
             return Err(EngineError::io(
                 format!("saving {SKIPPED_FILE} before lowering the sequence threshold of {name}"),
                 std::io::Error::other("the write failed; the threshold is unchanged"),
             ));
         }
+        drop(commit);
         self.flush()
     }
 

@@ -241,7 +241,19 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
         Ok(r) => r,
         Err(e) => {
             // (a repair that failed committed nothing; a check writes nothing)
+            let journal_made = opts.repair
+                && engine
+                    .damage
+                    .iter()
+                    .any(|d| d.missing && d.file.ends_with("journal"));
+            let root = engine.dir.as_ref().map(|d| d.root().to_path_buf());
             engine.drop_without_closing();
+            // a journal this repair made anew goes again: left empty, it
+            // would let the store be served without the commits it lost
+            if let Some(root) = root.filter(|_| journal_made) {
+                let _ = std::fs::remove_file(root.join("journal"));
+                let _ = crate::store::sync_dir(&root);
+            }
             return Err(e);
         }
     };
@@ -286,7 +298,8 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
 }
 
 /// A superblock for a store whose own is lost: the format version from
-/// the shape of `state.json` (format 1 keeps the counters in it), SHA-256
+/// `state.json` and `counters.json` (format 1 keeps the counters in the
+/// state; format 2 in `counters.json`), SHA-256
 /// until [`Engine::infer_hash`] says otherwise, a new store's prefix bits.
 ///
 /// Errors: `state.json` cannot be read or fails its checksum.
@@ -294,9 +307,33 @@ fn provisional_superblock(dir: &crate::store::StoreDir) -> Result<crate::store::
     let path = dir.path(crate::journal::MetaFile::State);
     let bytes = dir.blob_bytes(crate::journal::MetaFile::State, &[])?;
     let state: crate::store::State = crate::store::decode_checked(&bytes, &path)?;
+    // a format-2 store may keep the state of its format-1 days (the state
+    // is written only when the volume table changes), counters included:
+    // a counters.json at least as recent as those counters says format 2
+    // (a format-1 store's counters.json, left by an upgrade that did not
+    // finish, is older than the state's counters once a commit followed)
+    let format_version = match &state.counters {
+        None => 2,
+        Some(_) => {
+            let cpath = dir.path(crate::journal::MetaFile::Counters);
+            let newer = dir
+                .blob_bytes(crate::journal::MetaFile::Counters, &[])
+                .ok()
+                .filter(|b| !b.is_empty())
+                .and_then(|b| {
+                    crate::store::decode_checked::<crate::store::CounterState>(&b, &cpath).ok()
+                })
+                .is_some_and(|c| c.journal_seq >= state.journal_seq);
+            if newer {
+                2
+            } else {
+                1
+            }
+        }
+    };
     Ok(crate::store::Superblock {
         magic: crate::store::SUPERBLOCK_MAGIC.into(),
-        format_version: if state.counters.is_some() { 1 } else { 2 },
+        format_version,
         block_size: BLOCK_SIZE as u32,
         hash: crate::fingerprint::HashAlgorithm::default(),
         index_prefix_bits: crate::index::IndexConfig::default().prefix_bits,

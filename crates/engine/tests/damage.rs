@@ -653,6 +653,11 @@ fn missing_journal_or_data_file_is_refused() {
     let empty = d.path().join("empty");
     drop(Engine::create(&empty, HashAlgorithm::Sha256, EngineConfig::default()).unwrap());
     std::fs::remove_file(empty.join("data")).unwrap();
+    assert_eq!(fsck(&empty, FsckOptions::default()).unwrap().exit_code(), 0);
+    assert!(
+        !empty.join("data").exists(),
+        "a check created the data file"
+    );
     let e = Engine::open(&empty, EngineConfig::default()).unwrap();
     let v = e.create_volume("v", 1 << 20).unwrap();
     e.write(v, 0, &pattern(1), true).unwrap();

@@ -475,6 +475,18 @@ fn a_format_1_store_opens_with_its_counters_and_is_marked_format_2_by_its_first_
 
     // a counters.json left by an upgrade that did not finish is ignored
     std::fs::write(path.join("counters.json"), b"torn").unwrap();
+    // (and a lost superblock of this store is rebuilt as format 1)
+    let lost = dir.path().join("lost");
+    std::fs::create_dir_all(lost.join("maps")).unwrap();
+    for sub in ["", "maps"] {
+        for f in std::fs::read_dir(path.join(sub)).unwrap().flatten() {
+            if f.file_type().unwrap().is_file() && f.file_name() != "superblock" {
+                std::fs::copy(f.path(), lost.join(sub).join(f.file_name())).unwrap();
+            }
+        }
+    }
+    let check = dedupd_engine::fsck::fsck(&lost, Default::default()).unwrap();
+    assert!(check.problems[0].contains("format 1"), "{check:?}");
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     assert_eq!(e.stats().blocks_written, 2);
     assert_eq!(unchecked("superblock")["format_version"], 1);
@@ -495,6 +507,23 @@ fn a_format_1_store_opens_with_its_counters_and_is_marked_format_2_by_its_first_
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     assert_eq!(e.stats().blocks_written, 3);
     assert!(path.join("counters.json").exists());
+    drop(e);
+    // the state keeps its format-1 counters (written only when the volume
+    // table changes), yet a lost superblock is rebuilt as format 2
+    assert!(unchecked("state.json").get("counters").is_some());
+    std::fs::remove_file(path.join("superblock")).unwrap();
+    let fixed = dedupd_engine::fsck::fsck(
+        &path,
+        dedupd_engine::fsck::FsckOptions {
+            repair: true,
+            rehash: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
+    assert_eq!(unchecked("superblock")["format_version"], 2);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert_eq!(e.stats().blocks_written, 3);
 }
 
 #[test]
