@@ -1437,19 +1437,36 @@ impl FingerprintIndex {
             scratch(&mut buf, len),
             leaf.disk_page as u64 * GROUP_PAGE as u64,
         );
-        // a group that fails its check is an error, not an empty group: a
-        // merge would otherwise write the new entries over it and lose
-        // the rest (they come back when the next start rebuilds the store)
-        let entries = read.and_then(|()| {
-            decode_group(&buf[..len], prefix).ok_or_else(|| {
+        // a group that fails its check (a rewrite in place cut short, a
+        // flipped bit) is an error for this read, not an empty group read
+        // as if whole; and it is given up: its run freed, the prefix left
+        // without an on-disk group, so the next merge writes a sound one
+        // (its entries come back when the next start rebuilds the store;
+        // meanwhile out-of-line dedup finds their duplicates)
+        let entries = match read {
+            Ok(()) => decode_group(&buf[..len], prefix).ok_or_else(|| {
+                self.give_up_group(prefix, leaf);
                 io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!("on-disk fingerprint group {prefix:#x} fails its check"),
                 )
-            })
-        });
+            }),
+            Err(e) => Err(e),
+        };
         self.keep_page_buf(buf);
         entries
+    }
+
+    /// Drops the on-disk group of `prefix` (described by `leaf`), which
+    /// failed its check: its run is freed and its entries no longer
+    /// counted.
+    fn give_up_group(&mut self, prefix: u32, leaf: &Leaf) {
+        self.free_run(leaf.disk_page, leaf.disk_pages);
+        self.stats.entries_on_disk -= leaf.disk_entries().min(self.stats.entries_on_disk);
+        let l = self.leaf_mut(prefix);
+        l.disk_page = 0;
+        l.disk_pages = 0;
+        l.disk_count = 0;
     }
 
     /// Writes `entries` as the on-disk group of `prefix` at `page`
@@ -2095,6 +2112,21 @@ mod tests {
             .filter(|&i| idx.lookup(&fp(i), &|_, _| true).is_err())
             .count();
         assert!(errors > 0, "damaged groups read as empty");
+        // each damaged group failed once and was given up: the prefixes
+        // work again, and new entries go to disk and are found there
+        for i in 10_000..14_000u64 {
+            put(&mut idx, i);
+        }
+        for i in (0..4_000u64).chain(10_000..14_000) {
+            assert!(
+                idx.lookup(&fp(i), &|_, _| true).is_ok(),
+                "{i}: still failing"
+            );
+        }
+        let found = (10_000..14_000u64)
+            .filter(|&i| idx.lookup(&fp(i), &|_, _| true).unwrap().is_some())
+            .count();
+        assert_eq!(found, 4_000, "entries written after the damage were lost");
     }
 
     #[test]
