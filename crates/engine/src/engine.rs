@@ -593,7 +593,10 @@ impl Engine {
             truncated: None,
         });
         if counters_damage.is_none() && !journal_missing {
-            let later = journal::later_transaction(&jfile, chain_bytes, next_seq)
+            // (past the next sequence number: a commit whose sync failed
+            // may have left its transaction behind, and its retry reuses
+            // the number; a crash tearing the retry is no damage)
+            let later = journal::later_transaction(&jfile, chain_bytes, next_seq + 1)
                 .map_err(|e| EngineError::io("reading the journal", e))?;
             if let Some(at) = later {
                 if !config.allow_damaged_metadata {

@@ -412,12 +412,14 @@ fn verifies_at(file: &File, off: u64, total: u64) -> io::Result<bool> {
 
 /// Looks past byte `from_bytes` of the journal (where [`read_chain`]
 /// stopped) for a transaction that passes its checksum and has a sequence
-/// number of at least `min_seq` (one past the last transaction known
+/// number of at least `min_seq` (two past the last transaction known
 /// committed); returns its byte offset. Transactions are written one at a
 /// time, each made durable before the next is begun, so a crash tears only
 /// the last one written: a later intact transaction proves that the one
 /// at `from_bytes` was damaged after it was acknowledged, and that the
-/// commits from it on would be lost by replaying the chain alone.
+/// commits from it on would be lost by replaying the chain alone. (One
+/// with the very next number proves nothing: a commit whose sync failed
+/// is retried under the same number, elsewhere in the file.)
 /// Transactions of older chains (before a checkpoint restarted the
 /// journal) have lower sequence numbers and do not count. Holes are
 /// skipped (`SEEK_DATA`).
