@@ -492,12 +492,7 @@ impl Engine {
         let jfile = if journal_missing {
             // (a check creates nothing: an unlinked file stands in until a
             // repair creates the journal)
-            dir.scratch_file().ok_or_else(|| {
-                EngineError::io(
-                    "creating a stand-in for the missing journal",
-                    std::io::Error::other("cannot create a file in the store"),
-                )
-            })?
+            dir.stand_in("journal")?
         } else {
             dir.open_file("journal", false)?
         };
@@ -971,12 +966,7 @@ impl Engine {
         let data_file = if data_missing && config.allow_damaged_metadata {
             // (nothing referenced; fsck creates nothing: an unlinked
             // stand-in, and the next start creates the file)
-            dir.scratch_file().ok_or_else(|| {
-                EngineError::io(
-                    "creating a stand-in for the missing data file",
-                    std::io::Error::other("cannot create a file in the store"),
-                )
-            })?
+            dir.stand_in("data file")?
         } else {
             if data_missing {
                 // nothing referenced: an empty data file, its entry durable

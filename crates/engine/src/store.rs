@@ -432,6 +432,19 @@ impl StoreDir {
         Some(f)
     }
 
+    /// An unlinked file standing in for the store's missing `what` (a
+    /// check creates nothing in the store; see [`StoreDir::scratch_file`]).
+    ///
+    /// Errors: [`EngineError::Io`] if no file can be created there.
+    pub fn stand_in(&self, what: &str) -> Result<File> {
+        self.scratch_file().ok_or_else(|| {
+            EngineError::io(
+                format!("creating a stand-in for the missing {what}"),
+                io::Error::other("cannot create a file in the store"),
+            )
+        })
+    }
+
     /// Opens a file of the store for reading and writing, creating it if asked.
     pub fn open_file(&self, name: &str, create: bool) -> Result<File> {
         let p = self.root.join(name);
