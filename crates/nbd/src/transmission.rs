@@ -96,11 +96,15 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool) -> Plan {
     }
 }
 
-/// What to do with a request received during shutdown: answer it
+/// What to do with a request received during shutdown: a valid FLUSH is
+/// executed (the writes it covers were acknowledged, and a failed flush
+/// makes file systems such as ext4 abort their journal, though the
+/// shutdown makes the writes durable anyway); anything else is answered
 /// `NBD_ESHUTDOWN` (a WRITE's payload read and dropped); pure.
 pub(crate) fn shutdown_plan(req: &Request) -> Plan {
     match req.command {
         Command::Disc => Plan::Disconnect,
+        Command::Flush if req.flags & !req.command.allowed_flags() == 0 => Plan::Dispatch,
         Command::Write if req.length > proto::BLOCK_SIZE_MAX => Plan::Disconnect,
         Command::Write => Plan::SkipPayloadThenReply(proto::NBD_ESHUTDOWN),
         _ => Plan::Reply(proto::NBD_ESHUTDOWN),

@@ -707,7 +707,7 @@ fn connections_are_capped_and_silent_negotiations_dropped() {
 }
 
 #[test]
-fn requests_sent_before_shutdown_get_eshutdown() {
+fn requests_sent_before_shutdown_get_eshutdown_but_flush_flushes() {
     let h = Harness::start(ServerConfig {
         workers_per_connection: 1,
         ..ServerConfig::default()
@@ -720,14 +720,18 @@ fn requests_sent_before_shutdown_get_eshutdown() {
     c.send_request(0, CMD_READ, 2, 0, 512, &[]);
     c.send_request(0, CMD_WRITE, 3, 0, 4, b"abcd");
     c.send_request(0, CMD_FLUSH, 4, 0, 0, &[]);
+    let flushes_before = *h.provider.slow.flushes.lock().unwrap();
     std::thread::sleep(Duration::from_millis(100));
     h.shutdown.shutdown();
     assert_eq!(c.reply(), (0, 1));
     assert_eq!(c.read_n(512).len(), 512);
-    for handle in 2..=4 {
+    for handle in 2..=3 {
         assert_eq!(c.reply(), (NBD_ESHUTDOWN, handle));
     }
+    // a FLUSH still flushes: the writes it covers were acknowledged
+    assert_eq!(c.reply(), (0, 4));
     assert!(c.at_eof());
+    assert_eq!(*h.provider.slow.flushes.lock().unwrap(), flushes_before + 1);
     h.stop();
 }
 
