@@ -266,8 +266,15 @@ impl Engine {
                 return Err(e);
             }
         }
-        let buffer_empty = lock(&self.meta).skipped.is_empty();
-        if buffer_empty {
+        // the merges wait for the buffer to empty (one scan of the maps
+        // applies many), unless they pass half their bound or a scan has
+        // begun: steady writes that keep the buffer from emptying must not
+        // hold them (and, at the bound, the copies planned after them) off
+        let merges_due = {
+            let m = lock(&self.meta);
+            m.skipped.is_empty() || m.pending_merges.len() >= crate::meta::MAX_PENDING_MERGES / 2
+        } || lock(&self.merge_scan).is_some();
+        if merges_due {
             r.merges_applied = self.apply_pending_merges(should_yield)?;
         }
         let mut m = lock(&self.meta);
@@ -1346,6 +1353,54 @@ mod tests {
             .map(|i| i.sequence_threshold_blocks);
         assert_eq!(t, Some(Some(1)));
         assert_eq!(e.stats().skipped.volumes, 1, "the volume was not queued");
+    }
+
+    /// Applies one pass over a skipped buffer that keeps one record after
+    /// it (steady writes): true if `copy` of `v`'s LBA 1 was merged.
+    fn merged_by_a_pass_that_leaves_records(e: &Engine, v: VolumeId, kept: u64) -> bool {
+        {
+            let mut m = lock(&e.meta);
+            m.skipped.record(v, 200);
+            m.skipped.record(v, 201);
+        }
+        let r = e.dedup_pass(1).unwrap();
+        assert!(!lock(&e.meta).skipped.is_empty());
+        assert!(r.work_remaining);
+        lock(&e.meta).volumes[&v].get(Lba(1)) == Some(Pba(kept))
+    }
+
+    #[test]
+    fn merges_past_half_their_bound_apply_though_the_buffer_never_empties() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let (kept, _copy) = planned_merge(&e, v, 0, 1, &[5u8; BLOCK_SIZE]);
+        // few merges wait for the buffer to empty
+        assert!(!merged_by_a_pass_that_leaves_records(&e, v, kept));
+        // merges planned of copies no LBA maps any more, up to half the
+        // bound: the next pass applies them all
+        {
+            let mut m = lock(&e.meta);
+            let mut copy = 1 << 30;
+            while m.pending_merges.len() < crate::meta::MAX_PENDING_MERGES / 2 {
+                m.pending_merges.insert(copy, kept);
+                copy += 1;
+            }
+        }
+        assert!(merged_by_a_pass_that_leaves_records(&e, v, kept));
+        assert_eq!(e.stats().pending_merges, 0);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_merge_scan_begun_goes_on_though_the_buffer_never_empties() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let (kept, _copy) = planned_merge(&e, v, 0, 1, &[5u8; BLOCK_SIZE]);
+        // the scan begins, and yields at once to foreground traffic
+        assert_eq!(e.apply_pending_merges(&|| true).unwrap(), 0);
+        assert!(lock(&e.merge_scan).is_some());
+        assert!(merged_by_a_pass_that_leaves_records(&e, v, kept));
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
     #[test]

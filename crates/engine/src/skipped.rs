@@ -6,8 +6,10 @@
 //! When the table is full it degrades to coarser records so nothing is
 //! forgotten: dirty regions of 256 blocks (1 MiB) per volume, and when those
 //! fill their share too, whole volumes (SmartDedup falls back to inode
-//! numbers the same way). Memory: 16 bytes per record; regions and volumes
-//! are counted in the same budget.
+//! numbers the same way). A write to a volume pending whole, behind its
+//! scan's cursor, is recorded as any other while there is room; in a full
+//! buffer the scan comes back to it at the end. Memory: 16 bytes per
+//! record; regions and volumes are counted in the same budget.
 //!
 //! The buffer lives in memory and is checkpointed with the metadata: every
 //! metadata checkpoint (and clean shutdown) first saves it to
@@ -116,8 +118,11 @@ impl SkippedBuffer {
     /// Records that block `lba` of `vol` was written without an inline match.
     pub fn record(&mut self, vol: VolumeId, lba: u64) {
         let region = (vol, lba / REGION_BLOCKS);
-        if self.volumes.contains_key(&vol) {
-            self.behind_scan(vol, region.1);
+        // a volume pending whole: its scan covers what is ahead of its
+        // cursor; a write behind it is recorded as any other while the
+        // buffer has room (a rescan of the volume from there to its end
+        // is the last resort, when the buffer is full)
+        if self.volumes.get(&vol).is_some_and(|&next| region.1 >= next) {
             return;
         }
         let held = match self.last_region {
@@ -144,14 +149,17 @@ impl SkippedBuffer {
             self.records.push_back((vol, lba));
             return;
         }
-        self.fold();
+        if !self.records.is_empty() {
+            self.degradations += 1;
+            self.fold();
+        }
         self.regions.insert(region);
+        self.last_region = None;
         self.fold_regions_if_over_half();
     }
 
     /// Folds the block records into regions (a full buffer degrades).
     fn fold(&mut self) {
-        self.degradations += 1;
         self.last_region = None;
         let mut last = None;
         for (v, l) in std::mem::take(&mut self.records) {
@@ -167,8 +175,22 @@ impl SkippedBuffer {
     /// Past half the capacity, folds the regions into whole volumes.
     fn fold_regions_if_over_half(&mut self) {
         if self.regions.len() * REGION_BYTES > self.capacity_bytes / 2 {
-            for (v, _) in std::mem::take(&mut self.regions) {
-                self.volumes.entry(v).or_insert(0);
+            self.degradations += 1;
+            self.fold_regions();
+        }
+    }
+
+    /// Folds the regions into whole volumes: a region of a volume already
+    /// pending whole, behind its scan's cursor, is scanned again once the
+    /// scan reaches the end (none forgotten).
+    fn fold_regions(&mut self) {
+        self.last_region = None;
+        for (v, region) in std::mem::take(&mut self.regions) {
+            match self.volumes.get(&v) {
+                Some(_) => self.behind_scan(v, region),
+                None => {
+                    self.volumes.insert(v, 0);
+                }
             }
         }
     }
@@ -179,19 +201,21 @@ impl SkippedBuffer {
         if start >= end {
             return;
         }
-        if self.volumes.contains_key(&vol) {
-            self.behind_scan(vol, start / REGION_BLOCKS);
-            return;
-        }
+        let (first, last) = (start / REGION_BLOCKS, (end - 1) / REGION_BLOCKS);
+        // (a volume pending whole: only what lies behind its scan's cursor)
+        let last = match self.volumes.get(&vol) {
+            Some(&next) if first >= next => return,
+            Some(&next) => last.min(next - 1),
+            None => last,
+        };
         self.last_region = None;
-        for region in start / REGION_BLOCKS..=(end - 1) / REGION_BLOCKS {
+        for region in first..=last {
             self.regions.insert((vol, region));
         }
         if self.used_bytes() > self.capacity_bytes {
             self.degradations += 1;
-            for (v, _) in std::mem::take(&mut self.regions) {
-                self.volumes.entry(v).or_insert(0);
-            }
+            self.fold();
+            self.fold_regions();
         }
     }
 
@@ -336,6 +360,7 @@ impl SkippedBuffer {
         self.capacity_bytes = capacity_bytes.max(RECORD_BYTES * 16);
         self.records.shrink_to_fit();
         if self.used_bytes() > self.capacity_bytes {
+            self.degradations += 1;
             self.fold();
             self.fold_regions_if_over_half();
         }
@@ -408,6 +433,10 @@ mod tests {
             seen.extend(got.into_iter().map(|(vol, l)| (vol, l / REGION_BLOCKS)));
             b.record(v, 5);
         }
+        // both scans ended while the writes went on: the rewritten block
+        // waits as a record, not as a rescan of its volume
+        assert_eq!(b.stats().volumes, 0, "{:?}", b.stats());
+        assert_eq!(b.stats().records, 1);
         for vol in [v, w] {
             let regions = seen.iter().filter(|(x, _)| *x == vol).count();
             assert_eq!(
@@ -466,6 +495,38 @@ mod tests {
         }
         assert!(seen.contains(&5) && seen.contains(&(REGION_BLOCKS + 1)));
         assert!(seen.contains(&(100 * REGION_BLOCKS - 1)));
+    }
+
+    #[test]
+    fn a_write_behind_a_whole_volume_scan_in_a_full_buffer_is_rescanned() {
+        let mut b = SkippedBuffer::new(RECORD_BYTES * 16);
+        let (v, w) = (VolumeId(1), VolumeId(2));
+        b.record_volume(v);
+        let size = |_| Some(100 * REGION_BLOCKS);
+        let first = b.take(3 * REGION_BLOCKS as usize, size, |_, s, _| Some(s));
+        assert_eq!(first.len(), 3 * REGION_BLOCKS as usize);
+        // records of another volume fill the buffer (each in its own
+        // region, so none folds into another)
+        while b.used_bytes() + RECORD_BYTES <= b.capacity_bytes {
+            let n = b.stats().records;
+            b.record(w, n * REGION_BLOCKS);
+        }
+        // a write behind v's scan degrades the buffer, and is not lost
+        b.record(v, REGION_BLOCKS + 9);
+        assert!(b.stats().degradations > 0);
+        assert!(b.memory_bytes() <= b.stats().capacity_bytes + 2 * REGION_BYTES as u64);
+        let mut seen = BTreeSet::new();
+        for _ in 0..1000 {
+            let got = b.take(1000, size, |_, s, _| Some(s));
+            seen.extend(got);
+            if b.is_empty() {
+                break;
+            }
+        }
+        assert!(b.is_empty(), "{:?}", b.stats());
+        assert!(seen.contains(&(v, REGION_BLOCKS + 9)));
+        assert!(seen.contains(&(v, 100 * REGION_BLOCKS - 1)));
+        assert!(seen.contains(&(w, 0)));
     }
 
     #[test]
