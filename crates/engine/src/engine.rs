@@ -54,7 +54,8 @@ fn load_skipped(
 ) -> std::result::Result<Option<crate::skipped::SkippedBuffer>, String> {
     let path = dir.root().join(SKIPPED_FILE);
     // (a pass over the whole store is queued when it cannot be read: at
-    // most a few records per KiB of --skipped-buffer are in it)
+    // most a few records per KiB of --skipped-buffer are in it, which
+    // `skipped::MAX_CAPACITY_BYTES` keeps under half this bound)
     let bytes = match crate::store::read_small(&path, 1 << 30) {
         Ok(Some(b)) => b,
         Ok(None) => return Ok(None),
@@ -133,7 +134,9 @@ pub struct EngineConfig {
     /// it. Default 4 MiB.
     pub read_cache_bytes: u64,
     /// Bytes of the skipped buffer (blocks written without an inline match,
-    /// for out-of-line dedup); default 512 KiB.
+    /// for out-of-line dedup); default 512 KiB, at most
+    /// [`crate::skipped::MAX_CAPACITY_BYTES`] ([`Engine::open`] refuses more
+    /// with [`EngineError::InvalidArgument`]).
     pub skipped_buffer_bytes: usize,
     /// Sequence threshold T in blocks (iDedup; SmartDedup §4.5): inline
     /// dedup shares stored blocks only for runs of at least T consecutive
@@ -441,6 +444,18 @@ pub struct Engine {
     pub(crate) config: EngineConfig,
 }
 
+/// Refuses a configuration out of its documented bounds.
+fn check_config(config: &EngineConfig) -> Result<()> {
+    if config.skipped_buffer_bytes > crate::skipped::MAX_CAPACITY_BYTES {
+        return Err(EngineError::InvalidArgument(format!(
+            "skipped buffer of {} bytes: at most {} MiB",
+            config.skipped_buffer_bytes,
+            crate::skipped::MAX_CAPACITY_BYTES >> 20
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // a panic while holding the lock is a bug; the data is still the best we have
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -450,6 +465,7 @@ impl Engine {
     /// Creates a new, empty store at `path` with the given fingerprint
     /// algorithm and opens it. Fails if `path` exists and is not empty.
     pub fn create(path: &Path, hash: HashAlgorithm, config: EngineConfig) -> Result<Engine> {
+        check_config(&config)?;
         drop(StoreDir::create(path, hash, config.index.prefix_bits)?);
         Engine::open(path, config)
     }
@@ -461,6 +477,7 @@ impl Engine {
     /// [`EngineError::Locked`] (another process has it open),
     /// [`EngineError::Corrupt`] (a metadata file fails its checksum).
     pub fn open(path: &Path, config: EngineConfig) -> Result<Engine> {
+        check_config(&config)?;
         let (dir, sb) = StoreDir::open(path)?;
         Engine::open_dir(path, dir, sb, config)
     }
@@ -2411,6 +2428,11 @@ impl Engine {
         // where each new block ended up, for the copies of it in this
         // request (only kept if there are any)
         let has_copies = placement.iter().any(|p| matches!(p, Placement::SameAs(_)));
+        let threshold_now = m.volumes.get(&vol).map_or(threshold, |v| {
+            v.record
+                .sequence_threshold_blocks
+                .unwrap_or(self.config.sequence_threshold_blocks)
+        });
         let mut final_pba: Vec<Option<Pba>> = if has_copies {
             vec![None; n]
         } else {
@@ -2418,15 +2440,14 @@ impl Engine {
         };
         for (i, p) in placement.iter().enumerate() {
             if let Placement::New {
-                pba,
-                fp,
-                indexed,
-                filtered,
+                pba, fp, indexed, ..
             } = p
             {
                 // (a volume with T > 1 is left to the explicit full pass:
-                // the background pass would only drop its records)
-                if !filtered && threshold <= 1 {
+                // the background pass would only drop its records; T as it
+                // is now: one lowered to 1 since phase 1 queued the volume,
+                // whose scan may be past this LBA already)
+                if threshold_now <= 1 {
                     m.skipped.record(vol, first + i as u64);
                 }
                 if !indexed {
@@ -3308,5 +3329,101 @@ mod tests {
         let mut buf = vec![0u8; BLOCK_SIZE];
         e.read(v, 0, &mut buf).unwrap();
         assert!(buf.iter().all(|&b| b == 1));
+    }
+
+    /// A memory backend whose first write, once armed, waits for the test
+    /// to let it go (a write caught between its lookup and its mapping).
+    struct GatedBackend {
+        inner: crate::backend::MemoryBackend,
+        armed: std::sync::Arc<AtomicBool>,
+        entered: Mutex<std::sync::mpsc::Sender<()>>,
+        release: Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl BlockBackend for GatedBackend {
+        fn read_blocks(&self, pba: Pba, buf: &mut [u8]) -> std::io::Result<()> {
+            self.inner.read_blocks(pba, buf)
+        }
+        fn write_blocks(&self, pba: Pba, data: &[u8]) -> std::io::Result<()> {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                lock(&self.entered).send(()).unwrap();
+                lock(&self.release).recv().unwrap();
+            }
+            self.inner.write_blocks(pba, data)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            self.inner.sync()
+        }
+        fn len_bytes(&self) -> std::io::Result<u64> {
+            self.inner.len_bytes()
+        }
+    }
+
+    #[test]
+    fn a_write_in_flight_while_t_is_lowered_to_1_is_left_for_the_background_pass() {
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        let armed = std::sync::Arc::new(AtomicBool::new(false));
+        let backend = GatedBackend {
+            inner: crate::backend::MemoryBackend::default(),
+            armed: armed.clone(),
+            entered: Mutex::new(entered_tx),
+            release: Mutex::new(release_rx),
+        };
+        let e = std::sync::Arc::new(Engine::in_memory_over(
+            HashAlgorithm::Sha256,
+            EngineConfig {
+                sequence_threshold_blocks: 4,
+                ..EngineConfig::default()
+            },
+            Box::new(backend),
+        ));
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let content = [6u8; BLOCK_SIZE];
+        e.write(v, 10 * 4096, &content, false).unwrap();
+        // a copy, filtered by T = 4 (a run of one), caught before mapping
+        armed.store(true, Ordering::SeqCst);
+        let writer = {
+            let e = e.clone();
+            std::thread::spawn(move || e.write(v, 0, &content, false).unwrap())
+        };
+        entered.recv().unwrap();
+        // T lowered to 1 meanwhile queues the volume whole, and its scan
+        // ends before the write is mapped
+        e.set_sequence_threshold("v", Some(1)).unwrap();
+        while e.dedup_pass(1 << 20).unwrap().work_remaining {}
+        release.send(()).unwrap();
+        writer.join().unwrap();
+        assert_eq!(e.stats().sequence_filtered_blocks, 1);
+        assert_eq!(e.stats().physical_blocks_stored, 2);
+        // the background pass still finds the copy
+        for _ in 0..4 {
+            if !e.dedup_pass(1 << 20).unwrap().work_remaining {
+                break;
+            }
+        }
+        assert_eq!(e.stats().physical_blocks_stored, 1);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_skipped_buffer_past_its_bound_is_refused_before_anything_is_created() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s");
+        let config = || EngineConfig {
+            skipped_buffer_bytes: crate::skipped::MAX_CAPACITY_BYTES + 1,
+            ..EngineConfig::default()
+        };
+        let Err(err) = Engine::create(&path, HashAlgorithm::Sha256, config()) else {
+            panic!("created");
+        };
+        assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
+        assert!(err.to_string().contains("skipped buffer"), "{err}");
+        assert!(!path.exists());
+        drop(Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap());
+        let Err(err) = Engine::open(&path, config()) else {
+            panic!("opened");
+        };
+        assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
     }
 }

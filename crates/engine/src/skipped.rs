@@ -32,6 +32,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::VolumeId;
 
+/// Largest capacity a skipped buffer may be given, bytes (256 MiB: 16 Mi
+/// records, whose saved copy, at up to 26 bytes of JSON each, stays well
+/// within what a start reads of it).
+pub const MAX_CAPACITY_BYTES: usize = 256 << 20;
 /// Blocks per dirty region, the first coarser record.
 pub const REGION_BLOCKS: u64 = 256;
 const RECORD_BYTES: usize = 16;
