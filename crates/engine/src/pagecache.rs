@@ -144,36 +144,65 @@ impl CacheGroup {
     }
 }
 
-/// A bit per page: evicted (out of memory, image in place in the file).
+/// Bits per leaf of [`Bits`] (64 words: 512 bytes).
+const BITS_PER_LEAF: u64 = 4096;
+const WORDS_PER_LEAF: usize = (BITS_PER_LEAF / 64) as usize;
+
+/// A bit per page (evicted, queued, logged), sparse: leaves of 4096 bits
+/// exist only where a bit is set, under a table of 8 bytes per 4096 pages,
+/// so a page set near the end of a 1 PiB volume costs one leaf, not a bit
+/// for every page before it.
 #[derive(Debug, Default)]
-struct Bits(Vec<u64>);
+struct Bits(Vec<Option<Box<[u64; WORDS_PER_LEAF]>>>);
 
 impl Bits {
+    #[inline]
     fn get(&self, i: u64) -> bool {
-        self.0
-            .get((i / 64) as usize)
-            .is_some_and(|w| w & (1 << (i % 64)) != 0)
+        match self.0.get((i / BITS_PER_LEAF) as usize) {
+            Some(Some(leaf)) => {
+                let bit = i % BITS_PER_LEAF;
+                leaf[(bit / 64) as usize] & (1 << (bit % 64)) != 0
+            }
+            _ => false,
+        }
     }
     fn set(&mut self, i: u64, v: bool) {
-        let w = (i / 64) as usize;
-        if self.0.len() <= w {
-            if !v {
-                return;
-            }
-            self.0.resize(w + 1, 0);
-        }
+        let l = (i / BITS_PER_LEAF) as usize;
+        let bit = i % BITS_PER_LEAF;
+        let (w, mask) = ((bit / 64) as usize, 1u64 << (bit % 64));
         if v {
-            self.0[w] |= 1 << (i % 64);
-        } else {
-            self.0[w] &= !(1 << (i % 64));
+            if self.0.len() <= l {
+                self.0.resize_with(l + 1, || None);
+            }
+            self.0[l].get_or_insert_with(|| Box::new([0; WORDS_PER_LEAF]))[w] |= mask;
+        } else if let Some(Some(leaf)) = self.0.get_mut(l) {
+            leaf[w] &= !mask;
+            if leaf[w] == 0 && leaf.iter().all(|&x| x == 0) {
+                self.0[l] = None;
+                if l + 1 == self.0.len() {
+                    self.trim_table();
+                }
+            }
         }
     }
-    /// The first set bit in `from..end`, a word at a time.
+    /// Drops the table's trailing empty slots.
+    fn trim_table(&mut self) {
+        while self.0.last().is_some_and(|l| l.is_none()) {
+            self.0.pop();
+        }
+    }
+    /// The first set bit in `from..end`, a word at a time (a leaf at a
+    /// time where none is).
     fn next_set(&self, from: u64, end: u64) -> Option<u64> {
         let mut i = from;
         while i < end {
-            let w = *self.0.get((i / 64) as usize)?;
-            let rest = w >> (i % 64);
+            let leaf = self.0.get((i / BITS_PER_LEAF) as usize)?;
+            let Some(leaf) = leaf else {
+                i = (i / BITS_PER_LEAF + 1) * BITS_PER_LEAF;
+                continue;
+            };
+            let bit = i % BITS_PER_LEAF;
+            let rest = leaf[(bit / 64) as usize] >> (bit % 64);
             if rest != 0 {
                 let found = i + u64::from(rest.trailing_zeros());
                 return (found < end).then_some(found);
@@ -184,15 +213,27 @@ impl Bits {
     }
     /// Clears every bit from `n` on.
     fn truncate(&mut self, n: u64) {
-        let words = n.div_ceil(64) as usize;
-        self.0.truncate(words);
-        // the word holding bit n, if there is one (a shorter vector has
-        // no bit at or past n)
-        if !n.is_multiple_of(64) && self.0.len() == words {
-            if let Some(w) = self.0.last_mut() {
-                *w &= (1 << (n % 64)) - 1;
+        let leaves = n.div_ceil(BITS_PER_LEAF) as usize;
+        self.0.truncate(leaves);
+        // the leaf holding bit n, if there is one (a shorter table has no
+        // bit at or past n)
+        if !n.is_multiple_of(BITS_PER_LEAF) && self.0.len() == leaves {
+            if let Some(Some(leaf)) = self.0.last_mut() {
+                let bit = n % BITS_PER_LEAF;
+                let w = (bit / 64) as usize;
+                leaf[w] &= (1 << (bit % 64)) - 1;
+                leaf[w + 1..].fill(0);
+                if leaf.iter().all(|&x| x == 0) {
+                    *self.0.last_mut().expect("a last leaf") = None;
+                }
             }
         }
+        self.trim_table();
+    }
+    /// Bytes of memory held.
+    fn memory_bytes(&self) -> u64 {
+        self.0.capacity() as u64 * 8
+            + self.0.iter().flatten().count() as u64 * (WORDS_PER_LEAF as u64 * 8)
     }
 }
 
@@ -589,9 +630,9 @@ impl CachedArray {
     pub fn resident_bytes(&self) -> u64 {
         let i = self.inner.borrow();
         i.array.resident_bytes()
-            + i.evicted.0.capacity() as u64 * 8
-            + i.queued.0.capacity() as u64 * 8
-            + i.logged.0.capacity() as u64 * 8
+            + i.evicted.memory_bytes()
+            + i.queued.memory_bytes()
+            + i.logged.memory_bytes()
             + i.fifo.capacity() as u64 * 8
             + i.pinned.capacity() as u64 * 24
     }
@@ -755,6 +796,37 @@ mod tests {
         assert!(b.get(20) && !b.get(63));
         b.truncate(0);
         assert!(!b.get(20));
+        assert!(b.0.is_empty());
+    }
+
+    #[test]
+    fn bits_cost_what_is_set_not_how_far() {
+        let mut b = Bits::default();
+        // the last page of a 1 PiB volume's map
+        let far = (1u64 << 38) / PER_PAGE;
+        b.set(far, true);
+        assert!(b.memory_bytes() < 2 << 20, "{} bytes", b.memory_bytes());
+        assert!(b.get(far) && !b.get(far - 1) && !b.get(far + 1));
+        assert_eq!(b.next_set(0, far + 1), Some(far));
+        assert_eq!(b.next_set(0, far), None);
+        b.set(5, true);
+        assert_eq!(b.next_set(0, far + 1), Some(5));
+        assert_eq!(b.next_set(6, far + 1), Some(far));
+        // cleared, its leaf and the table's tail go
+        b.set(far, false);
+        assert!(!b.get(far));
+        assert_eq!(b.0.len(), 1);
+        b.set(5, false);
+        assert_eq!(b.0.len(), 0);
+        // a cut inside a leaf keeps the bits before it only
+        b.set(4095, true);
+        b.set(4100, true);
+        b.set(4200, true);
+        b.truncate(4101);
+        assert!(b.get(4095) && b.get(4100) && !b.get(4200));
+        b.truncate(4100);
+        assert!(b.get(4095) && !b.get(4100));
+        assert_eq!(b.0.len(), 1);
     }
 
     /// An array of `pages` pages (entry `i` = `i + 1`), committed and
