@@ -248,7 +248,7 @@ fn header_len(header: &[u8]) -> Result<(u64, u64), DecodeError> {
 
 /// Largest offset or length a record of a metadata file carries: 2^50
 /// bytes (the reference counts of 2^48 blocks, a 1 EiB store, need 2^50).
-const MAX_FILE_BYTES: u64 = 1 << 50;
+pub(crate) const MAX_FILE_BYTES: u64 = 1 << 50;
 /// Largest offset or length a record of `state.json` or `counters.json`
 /// carries (the volume table, the counters: kilobytes).
 const MAX_STATE_BYTES: u64 = 1 << 30;

@@ -62,7 +62,9 @@ impl KeySorter {
         scratch: Option<File>,
     ) -> Self {
         let memory_bytes = memory_bytes.max(64 << 10);
-        let want = (expected_pairs * PAIR_BYTES as u64).div_ceil(memory_bytes);
+        let want = expected_pairs
+            .saturating_mul(PAIR_BYTES as u64)
+            .div_ceil(memory_bytes);
         let by_buffers = memory_bytes / (CHUNK_PAIRS * PAIR_BYTES) as u64;
         let cap = by_buffers.max(1).ilog2().min(max_bits).min(MAX_BITS);
         let bits = if scratch.is_none() || want <= 1 {
@@ -262,6 +264,13 @@ mod tests {
         })
         .unwrap();
         (out, buckets)
+    }
+
+    #[test]
+    fn a_damaged_expected_count_does_not_overflow() {
+        // (derived from a file's length, which damage may make huge)
+        let s = KeySorter::new(u64::MAX, 1 << 20, 14, Some(tempfile::tempfile().unwrap()));
+        assert!(s.buckets() <= 1 << 14);
     }
 
     #[test]

@@ -122,7 +122,8 @@ impl Overlay {
 /// passes its check, once, in no particular order (so a caller can derive
 /// state from the file without reading it again).
 ///
-/// Errors: reading the file.
+/// Errors: reading the file; `InvalidData` if it (with the journal's
+/// changes) is longer than [`crate::journal::MAX_FILE_BYTES`].
 pub fn open_paged(
     file: Option<File>,
     which: MetaFile,
@@ -133,6 +134,21 @@ pub fn open_paged(
 ) -> io::Result<OpenedArray> {
     let tag = which.page_tag();
     let overlay = Overlay::build(file.as_ref(), which, ops)?;
+    // (the page table follows the length: a damaged length far past what
+    // any store can write would take that much memory, or abort the open)
+    const MAX_META_FILE_BYTES: u64 = crate::journal::MAX_FILE_BYTES;
+    if overlay.len_bytes > MAX_META_FILE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{name} is {} bytes long, more than any dedupd metadata file can be \
+                 ({MAX_META_FILE_BYTES}): its length is damaged, and the store is not \
+                 opened (cut the file to the end of its data, then run \
+                 `dedupd fsck --repair`)",
+                overlay.len_bytes
+            ),
+        ));
+    }
     let mut damaged = Vec::new();
     let mut on_file = Vec::new();
     if let Some(f) = &file {
