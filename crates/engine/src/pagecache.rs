@@ -53,7 +53,10 @@ pub enum OnLoadError {
 pub struct PageCacheStats {
     /// Bytes of pages allowed in memory (0: unbounded).
     pub cache_bytes: u64,
-    /// Bytes of pages in memory now (4064 bytes of entries per page).
+    /// Bytes of pages in memory now, charged against `cache_bytes`: 4064
+    /// bytes of entries per page, and as much for each 256-page chunk of
+    /// the page table in use (about 3 KiB), so scattered pages cannot take
+    /// far more memory than the budget.
     pub resident_bytes: u64,
     /// Pages that must stay in memory until the next checkpoint.
     pub pinned_pages: u64,
@@ -278,7 +281,7 @@ impl CachedArray {
     /// a budget (no file to page from yet).
     pub fn new(array: PagedArray) -> Self {
         let group = CacheGroup::new(0, OnLoadError::ReadAsZeros);
-        group.resident_pages.store(array.allocated_pages(), Relaxed);
+        group.resident_pages.store(array.resident_units(), Relaxed);
         CachedArray {
             inner: RefCell::new(Inner {
                 array,
@@ -307,7 +310,7 @@ impl CachedArray {
     ) {
         let mut i = self.inner.borrow_mut();
         i.name = name.to_string();
-        let resident = i.array.allocated_pages();
+        let resident = i.array.resident_units();
         i.group.resident_pages.fetch_sub(resident, Relaxed);
         i.group
             .pinned_pages
@@ -609,11 +612,11 @@ impl CachedArray {
             i.load(keep - 1);
         }
         // truncating only drops pages (zeroing the tail allocates none)
-        let before = i.array.allocated_pages();
+        let before = i.array.resident_units();
         i.array.truncate(len_bytes);
         i.group
             .resident_pages
-            .fetch_sub(before - i.array.allocated_pages(), Relaxed);
+            .fetch_sub(before - i.array.resident_units(), Relaxed);
         i.evicted.truncate(keep);
         i.queued.truncate(keep);
         // a page cut and grown again is logged whole again
@@ -647,7 +650,7 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.group
             .resident_pages
-            .fetch_sub(self.array.allocated_pages(), Relaxed);
+            .fetch_sub(self.array.resident_units(), Relaxed);
         self.group
             .pinned_pages
             .fetch_sub(self.pinned.len() as u64, Relaxed);
@@ -664,12 +667,14 @@ impl Inner {
         if !self.load(page) {
             self.group.writes_dropped.fetch_add(1, Relaxed);
         } else {
-            let before = self.array.allocated_pages();
+            let before = self.array.resident_units();
             change(&mut self.array);
-            if self.array.allocated_pages() > before {
-                // a new page: dirty, queued once a checkpoint releases it
-                // (or by `page_from`, before paging starts)
-                self.group.resident_pages.fetch_add(1, Relaxed);
+            let after = self.array.resident_units();
+            if after > before {
+                // a new page (and maybe its chunk): dirty, queued once a
+                // checkpoint releases it (or by `page_from`, before paging
+                // starts)
+                self.group.resident_pages.fetch_add(after - before, Relaxed);
             }
         }
     }
@@ -716,8 +721,11 @@ impl Inner {
         };
         self.evicted.set(page, false);
         if let Some(p) = payload {
+            let before = self.array.resident_units();
             self.array.put_page(page, p);
-            self.group.resident_pages.fetch_add(1, Relaxed);
+            self.group
+                .resident_pages
+                .fetch_add(self.array.resident_units() - before, Relaxed);
             self.enqueue(page);
             // never the page being read
             self.enforce_budget(Some(page));
@@ -761,9 +769,12 @@ impl Inner {
             if self.array.is_dirty(p) || self.pinned.contains_key(&p) {
                 continue; // queued again when a checkpoint releases it
             }
+            let before = self.array.resident_units();
             self.array.drop_page(p);
             self.evicted.set(p, true);
-            self.group.resident_pages.fetch_sub(1, Relaxed);
+            self.group
+                .resident_pages
+                .fetch_sub(before - self.array.resident_units(), Relaxed);
             self.group.pages_evicted.fetch_add(1, Relaxed);
         }
     }
@@ -872,11 +883,12 @@ mod tests {
         assert_eq!(group.stats().pages_evicted, 0);
         a.unpin_through(1);
         let s = group.stats();
+        // one page and the page table's chunk, charged as one
         assert_eq!(
             (s.pinned_pages, s.resident_bytes),
             (0, 2 * PAYLOAD_SIZE as u64)
         );
-        assert_eq!(s.pages_evicted, 6);
+        assert_eq!(s.pages_evicted, 7);
         for i in (0..8 * PER_PAGE).step_by(37) {
             assert_eq!(a.get_u64(i), i + 1);
         }
@@ -973,6 +985,28 @@ mod tests {
         assert_eq!(a.dirty_count(), 0, "zeros would be committed");
         assert!(zeros.load_errors() >= 2);
         assert_eq!(zeros.writes_dropped(), unreadable);
+    }
+
+    #[test]
+    fn pages_scattered_one_per_chunk_stay_within_the_budget_in_bytes() {
+        // 64 pages, each alone in its chunk of the page table, under a
+        // budget of 16 pages' bytes
+        let budget = 16 * PAYLOAD_SIZE as u64;
+        let group = CacheGroup::new(budget, OnLoadError::Fault);
+        let chunk = crate::paged::CHUNK_PAGES as u64;
+        let (mut a, _f) = paged_at((0..64).map(|k| k * chunk * PER_PAGE), &group);
+        a.unpin_through(1);
+        for round in 0..2 {
+            for k in 0..64 {
+                let i = k * chunk * PER_PAGE;
+                assert_eq!(a.get_u64(i), i + 1, "round {round}");
+                // the pages' and chunks' memory, whatever the table's
+                // length (one page may be over while it is read)
+                let held = a.inner.borrow().array.resident_bytes()
+                    - a.inner.borrow().array.page_table_bytes();
+                assert!(held <= budget + 2 * 4096, "{held} bytes held");
+            }
+        }
     }
 
     #[test]

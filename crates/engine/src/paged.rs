@@ -132,7 +132,7 @@ pub struct DirtyPage {
 }
 
 /// Pages per chunk of the page table.
-const CHUNK_PAGES: usize = 256;
+pub(crate) const CHUNK_PAGES: usize = 256;
 
 /// One chunk of the page table: up to [`CHUNK_PAGES`] pages and their
 /// dirty bits. Allocated while any of its pages is in memory or dirty, so
@@ -169,13 +169,15 @@ impl Chunk {
 ///
 /// The page table has two levels (chunks of 256 pages, allocated on
 /// demand), so its memory follows the pages in memory, not the array's
-/// length: 8 bytes per 256 pages spanned plus about 2 KiB per chunk in use.
+/// length: 8 bytes per 256 pages spanned plus about 3 KiB per chunk in use.
 #[derive(Debug, Default)]
 pub struct PagedArray {
     tag: u32,
     chunks: Vec<Option<Box<Chunk>>>,
     len_pages: u64,
     allocated_pages: u64,
+    /// Chunks allocated in `chunks`.
+    chunks_in_use: u64,
     dirty: Vec<u64>,
     /// A count of dirty pages shared by several arrays (the volume maps),
     /// kept up to date here so that it is read without visiting them.
@@ -231,11 +233,24 @@ impl PagedArray {
         self.allocated_pages
     }
 
+    /// Pages in memory plus page-table chunks in use, each chunk counted
+    /// as one page (a chunk, about 3 KiB, costs less than a page's 4 KiB):
+    /// what a cache budget in pages is charged, so that pages scattered
+    /// one per chunk cannot take nearly twice their budget.
+    pub fn resident_units(&self) -> u64 {
+        self.allocated_pages + self.chunks_in_use
+    }
+
+    /// Bytes of the page table's first level and the dirty list (what
+    /// [`PagedArray::resident_bytes`] counts beside pages and chunks).
+    pub fn page_table_bytes(&self) -> u64 {
+        self.chunks.capacity() as u64 * 8 + self.dirty.capacity() as u64 * 8
+    }
+
     /// Bytes of memory held by allocated pages and the page table.
     pub fn resident_bytes(&self) -> u64 {
-        let chunks = self.chunks.iter().filter(|c| c.is_some()).count() as u64;
         self.allocated_pages * PAYLOAD_SIZE as u64
-            + chunks * std::mem::size_of::<Chunk>() as u64
+            + self.chunks_in_use * std::mem::size_of::<Chunk>() as u64
             + self.chunks.capacity() as u64 * 8
             + self.dirty.capacity() as u64 * 8
     }
@@ -275,7 +290,11 @@ impl PagedArray {
 
     /// The chunk holding `page` (within the array), allocated if absent.
     fn chunk_mut(&mut self, page: u64) -> &mut Chunk {
-        self.chunks[page as usize / CHUNK_PAGES].get_or_insert_with(Chunk::new)
+        let slot = &mut self.chunks[page as usize / CHUNK_PAGES];
+        if slot.is_none() {
+            self.chunks_in_use += 1;
+        }
+        slot.get_or_insert_with(Chunk::new)
     }
 
     /// Frees the chunk of `page` if it holds nothing.
@@ -283,6 +302,7 @@ impl PagedArray {
         let slot = &mut self.chunks[page as usize / CHUNK_PAGES];
         if slot.as_ref().is_some_and(|c| c.unused()) {
             *slot = None;
+            self.chunks_in_use -= 1;
         }
     }
 
@@ -637,6 +657,11 @@ impl PagedArray {
             }
             self.len_pages = keep;
             let chunks = (keep as usize).div_ceil(CHUNK_PAGES);
+            let cut = self.chunks[chunks.min(self.chunks.len())..]
+                .iter()
+                .filter(|c| c.is_some())
+                .count();
+            self.chunks_in_use -= cut as u64;
             self.chunks.truncate(chunks);
             // dirty bits of dropped pages in the last kept chunk
             let first = keep as usize % CHUNK_PAGES;
