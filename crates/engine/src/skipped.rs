@@ -20,7 +20,9 @@
 //! pending work of committed writes; what it can lose is the records the
 //! out-of-line worker took (and merges a finished scan dropped) after the
 //! last commit a checkpoint put in place and before the checkpoint saved
-//! its copy, if their remaps were not committed before the crash, and, if
+//! its copy (or before the copy saved when a volume's sequence threshold
+//! is lowered to 1), if their remaps were not committed before the crash,
+//! and, if
 //! `skipped.json` cannot be written (a full file system), the records
 //! since its last save. Only space is lost, never data. A damaged `skipped.json`
 //! queues every volume whole. `dedupd dedup --offline` (a full pass) finds
