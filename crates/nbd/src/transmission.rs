@@ -9,7 +9,8 @@
 //! handed from one thread to another, and replies may leave in any order.
 //!
 //! Replies are coalesced: while another request of the connection is in
-//! flight (its reply will follow soon), a reply is sent with `MSG_MORE`, so
+//! flight (its reply will follow soon; a FLUSH or FUA write, which waits
+//! for the disk, does not count), a reply is sent with `MSG_MORE`, so
 //! the kernel may put several replies in one TCP segment. The reply that
 //! leaves the connection with nothing in flight is sent without it, which
 //! pushes everything queued; and while a worker waits for the client's
@@ -164,6 +165,9 @@ pub(crate) struct ReplyWriter {
     dead: AtomicBool,
     /// Requests counted by [`ReplyWriter::begin`] whose reply is not sent.
     in_flight: AtomicUsize,
+    /// Those of them that may take long (FLUSH, FUA): a reply waits with
+    /// `MSG_MORE` only for company that will follow it soon.
+    slow_in_flight: AtomicUsize,
     /// A reply went out with `MSG_MORE` and nothing has pushed it since.
     /// Only changed under the `out` lock.
     corked: AtomicBool,
@@ -184,14 +188,19 @@ impl ReplyWriter {
             hangup,
             dead: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
+            slow_in_flight: AtomicUsize::new(0),
             corked: AtomicBool::new(false),
             awaiting_client: AtomicBool::new(false),
         }
     }
 
-    /// Counts one more request in flight; it must be answered with
-    /// [`ReplyWriter::reply`] exactly once.
-    fn begin(&self) {
+    /// Counts one more request in flight, `slow` if it may take long (a
+    /// FLUSH or a FUA write, which wait for the disk); it must be answered
+    /// with [`ReplyWriter::reply`] exactly once, with the same `slow`.
+    fn begin(&self, slow: bool) {
+        if slow {
+            self.slow_in_flight.fetch_add(1, Ordering::SeqCst);
+        }
         self.in_flight.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -208,14 +217,20 @@ impl ReplyWriter {
     /// that brings it to zero is also the last one sent among those
     /// counted: it goes out without `MSG_MORE` and pushes every reply
     /// queued before it. A reply sent while a worker waits for the client
-    /// is not held either (the client may be waiting for it).
-    fn reply(&self, bytes: &[u8]) -> bool {
+    /// is not held either (the client may be waiting for it), nor one whose
+    /// only company is slow (a FLUSH or FUA write in flight may take the
+    /// disk's time, and the kernel would hold the reply up to 200 ms).
+    fn reply(&self, bytes: &[u8], slow: bool) -> bool {
         let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if slow {
+            self.slow_in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
         let others = self.in_flight.fetch_sub(1, Ordering::SeqCst) - 1;
         if self.is_dead() {
             return false;
         }
-        let more = others > 0 && !self.awaiting_client.load(Ordering::SeqCst);
+        let fast_others = others.saturating_sub(self.slow_in_flight.load(Ordering::SeqCst));
+        let more = fast_others > 0 && !self.awaiting_client.load(Ordering::SeqCst);
         let ok = self.write_locked(&mut out, bytes, more).is_ok();
         // dead before the lock is given up: a reply that failed part way
         // must not be followed by another reply's bytes, which the client
@@ -644,8 +659,8 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         self.res.requests_total.fetch_add(1, Ordering::Relaxed);
         let len = req.length as usize;
         let refuse = |e: u32| {
-            writer.begin();
-            writer.reply(&proto::encode_simple_reply(e, req.handle))
+            writer.begin(false);
+            writer.reply(&proto::encode_simple_reply(e, req.handle), false)
         };
         let plan = if stopping {
             shutdown_plan(&req)
@@ -690,7 +705,7 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
                         return Next::Stop;
                     }
                 }
-                writer.begin();
+                writer.begin(is_slow(&req));
                 Next::Job(Job {
                     req,
                     buf,
@@ -731,7 +746,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
             };
             if r.is_ok() {
                 proto::write_simple_reply_header(&mut buf[..total], 0, req.handle);
-                writer.reply(&buf[..total]);
+                writer.reply(&buf[..total], is_slow(&req));
                 return buf;
             }
             r
@@ -749,8 +764,13 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
         Ok(()) => 0,
         Err(e) => proto::error_code(e),
     };
-    writer.reply(&proto::encode_simple_reply(code, req.handle));
+    writer.reply(&proto::encode_simple_reply(code, req.handle), is_slow(&req));
     buf
+}
+
+/// True for a request that waits for the disk (FLUSH, or FUA).
+fn is_slow(req: &Request) -> bool {
+    req.command == Command::Flush || req.flags & proto::CMD_FLAG_FUA != 0
 }
 
 #[cfg(test)]

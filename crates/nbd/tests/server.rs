@@ -582,6 +582,46 @@ fn fast_reply_is_not_held_behind_a_slow_request() {
 }
 
 #[test]
+fn a_reply_is_not_held_behind_a_slow_flush_or_fua_write() {
+    // A FUA write takes 3 s; a FLUSH completes at once while the reader
+    // is busy reading a payload the client sends slowly (not waiting for
+    // the client): the FLUSH reply must go out at once, not wait as if
+    // the slow write's reply would soon follow it.
+    let h = Harness::start(ServerConfig::default());
+    let mut c = h.tcp();
+    c.connect_go("stall");
+    // (all in one send: the reader never waits for the client between
+    // them)
+    let request = |flags: u16, cmd: u16, handle: u64, offset: u64, len: u32, payload: &[u8]| {
+        let mut b = proto::REQUEST_MAGIC.to_be_bytes().to_vec();
+        b.extend_from_slice(&flags.to_be_bytes());
+        b.extend_from_slice(&cmd.to_be_bytes());
+        b.extend_from_slice(&handle.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        b.extend_from_slice(payload);
+        b
+    };
+    let mut all = request(CMD_FLAG_FUA, CMD_WRITE, 1, 0, 4, b"slow");
+    all.extend(request(0, CMD_FLUSH, 2, 0, 0, &[]));
+    all.extend(request(0, CMD_WRITE, 3, 4096, 8, b"half"));
+    let start = Instant::now();
+    c.s.write_all(&all).unwrap();
+    assert_eq!(c.reply(), (0, 2));
+    let waited = start.elapsed();
+    // (held with MSG_MORE, it would leave after the kernel's 200 ms)
+    assert!(
+        waited < Duration::from_millis(180),
+        "flush reply took {waited:?}"
+    );
+    c.s.write_all(b"more").unwrap();
+    let mut got = [c.reply(), c.reply()];
+    got.sort_by_key(|r| r.1);
+    assert_eq!(got, [(0, 1), (0, 3)]);
+    h.stop();
+}
+
+#[test]
 fn stalled_write_payload_releases_the_budget() {
     // Two WRITE headers whose payloads never come hold the whole budget;
     // without a bound every other client would wait for ever.
