@@ -9,8 +9,9 @@
 //! only one with an `"ok"` member. Clients skip the other lines.
 //! Requests: `{"cmd":"stats"}`, `{"cmd":"volume_list"}`,
 //! `{"cmd":"volume_create","name":N,"size_bytes":S}`,
-//! `{"cmd":"volume_resize","name":N,"size_bytes":S}`,
-//! `{"cmd":"volume_delete","name":N}`,
+//! `{"cmd":"volume_resize","name":N,"size_bytes":S,"shrink":B,"force":B}`,
+//! `{"cmd":"volume_delete","name":N,"force":B}` (`shrink` and `force`
+//! false when absent),
 //! `{"cmd":"volume_set","name":N,"sequence_threshold_blocks":T|null}`,
 //! `{"cmd":"dedup_offline","volume":N|null}`.
 //! Replies: `{"ok":true,"result":…}` or `{"ok":false,"error":"…"}`.
@@ -37,9 +38,24 @@ pub enum Request {
     /// Create a volume.
     VolumeCreate { name: String, size_bytes: u64 },
     /// Resize a volume.
-    VolumeResize { name: String, size_bytes: u64 },
+    VolumeResize {
+        name: String,
+        size_bytes: u64,
+        /// A smaller size is allowed (it discards the data past it).
+        #[serde(default)]
+        shrink: bool,
+        /// Go ahead even with NBD connections open to the volume (and
+        /// allow a smaller size).
+        #[serde(default)]
+        force: bool,
+    },
     /// Delete a volume.
-    VolumeDelete { name: String },
+    VolumeDelete {
+        name: String,
+        /// Go ahead even with NBD connections open to the volume.
+        #[serde(default)]
+        force: bool,
+    },
     /// Set a volume's sequence threshold (None: the server's default).
     VolumeSet {
         name: String,
@@ -369,7 +385,7 @@ mod tests {
         let s = stop.clone();
         std::thread::spawn(move || {
             serve(listener, s, move |req, progress| match req {
-                Request::VolumeDelete { name } => {
+                Request::VolumeDelete { name, .. } => {
                     for done in 0..=8u64 {
                         progress(done, 8);
                         std::thread::sleep(Duration::from_millis(100));
@@ -399,7 +415,10 @@ mod tests {
         let finished = Arc::new(AtomicU64::new(0));
         let stop = start(dir.path(), finished.clone());
         let mut seen = Vec::new();
-        let req = Request::VolumeDelete { name: "v".into() };
+        let req = Request::VolumeDelete {
+            name: "v".into(),
+            force: false,
+        };
         let r = call(dir.path(), &req, &mut |d, t| seen.push((d, t))).unwrap();
         assert_eq!(r, Value::String("v".into()));
         assert_eq!(finished.load(Ordering::SeqCst), 1);
@@ -553,7 +572,10 @@ mod tests {
         let stop = start(dir.path(), finished.clone());
         {
             let mut s = UnixStream::connect(socket_path(dir.path())).unwrap();
-            let req = serde_json::to_string(&Request::VolumeDelete { name: "v".into() });
+            let req = serde_json::to_string(&Request::VolumeDelete {
+                name: "v".into(),
+                force: false,
+            });
             writeln!(s, "{}", req.unwrap()).unwrap();
             // read the first progress line, then go away
             let mut first = String::new();

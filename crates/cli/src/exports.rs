@@ -1,6 +1,9 @@
-//! Volumes of the engine as NBD exports.
+//! Volumes of the engine as NBD exports, and the count of NBD
+//! connections each volume has open (a delete or shrink is refused while
+//! there are any, unless forced).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use dedupd_engine::{Engine, EngineError, VolumeId};
 use dedupd_nbd::{Export, ExportError, ExportInfo, ExportProvider};
@@ -8,14 +11,104 @@ use dedupd_nbd::{Export, ExportError, ExportInfo, ExportProvider};
 /// Every volume of an engine, exported under its name; the empty name is
 /// the volume `default` (no other: a client reconnecting by the empty name
 /// after `default` was deleted must not land on another volume).
+///
+/// Counts the export handles open per volume: the NBD server holds one for
+/// each connection in transmission, from the handshake's `GO` or
+/// `EXPORT_NAME` until the connection ends (an `INFO` holds one only while
+/// it is answered).
 pub struct VolumeExports {
     engine: Arc<Engine>,
+    users: Arc<Users>,
+}
+
+/// Export handles open per volume, and the volumes a delete or shrink is
+/// working on (not opened meanwhile).
+#[derive(Default)]
+struct Users {
+    state: Mutex<UsersState>,
+}
+
+#[derive(Default)]
+struct UsersState {
+    /// Open handles per volume (volumes with none are absent).
+    open: HashMap<VolumeId, usize>,
+    /// Deletes and shrinks running per volume.
+    held: HashMap<VolumeId, usize>,
+}
+
+impl Users {
+    fn lock(&self) -> MutexGuard<'_, UsersState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A volume held for a delete or a shrink: no connection opens it until
+/// this is dropped.
+pub struct Held {
+    users: Arc<Users>,
+    id: Option<VolumeId>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let Some(id) = self.id else { return };
+        let mut st = self.users.lock();
+        if let Some(n) = st.held.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                st.held.remove(&id);
+            }
+        }
+    }
 }
 
 impl VolumeExports {
     /// Exports the volumes of `engine`.
     pub fn new(engine: Arc<Engine>) -> Self {
-        VolumeExports { engine }
+        VolumeExports {
+            engine,
+            users: Arc::default(),
+        }
+    }
+
+    /// NBD connections open to the volume `name` (0 if there is no such
+    /// volume).
+    #[cfg(test)]
+    pub fn connections(&self, name: &str) -> usize {
+        let Some((id, _)) = self.engine.volume(name) else {
+            return 0;
+        };
+        self.users.lock().open.get(&id).copied().unwrap_or(0)
+    }
+
+    /// Holds the volume `name` for an operation that takes its data away
+    /// (`what`: "delete", "shrink"): refused while NBD connections to it
+    /// are open, unless `force`; while the returned [`Held`] lives, no new
+    /// connection opens the volume. A volume that does not exist is not
+    /// held (the operation itself reports it).
+    ///
+    /// Errors: the volume has connections open and `force` is false.
+    pub fn hold(&self, name: &str, force: bool) -> anyhow::Result<Held> {
+        let Some((id, _)) = self.engine.volume(name) else {
+            return Ok(Held {
+                users: self.users.clone(),
+                id: None,
+            });
+        };
+        let mut st = self.users.lock();
+        let open = st.open.get(&id).copied().unwrap_or(0);
+        if open > 0 && !force {
+            anyhow::bail!(
+                "volume {name} has {open} NBD connection{} open; disconnect {} or pass --force",
+                if open == 1 { "" } else { "s" },
+                if open == 1 { "it" } else { "them" },
+            );
+        }
+        *st.held.entry(id).or_insert(0) += 1;
+        Ok(Held {
+            users: self.users.clone(),
+            id: Some(id),
+        })
     }
 }
 
@@ -42,10 +135,19 @@ impl ExportProvider for VolumeExports {
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
         let name = self.resolve(name)?;
         let (id, size_bytes) = self.engine.volume(&name)?;
+        {
+            let mut st = self.users.lock();
+            // a volume being deleted or shrunk is not opened meanwhile
+            if st.held.contains_key(&id) {
+                return None;
+            }
+            *st.open.entry(id).or_insert(0) += 1;
+        }
         Some(Arc::new(VolumeExport {
             engine: self.engine.clone(),
             id,
             size_bytes,
+            users: self.users.clone(),
         }))
     }
 
@@ -59,11 +161,25 @@ impl ExportProvider for VolumeExports {
     }
 }
 
-/// One volume opened by one connection.
+/// One volume opened by one connection; counted among the volume's open
+/// connections until dropped.
 struct VolumeExport {
     engine: Arc<Engine>,
     id: VolumeId,
     size_bytes: u64,
+    users: Arc<Users>,
+}
+
+impl Drop for VolumeExport {
+    fn drop(&mut self) {
+        let mut st = self.users.lock();
+        if let Some(n) = st.open.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                st.open.remove(&self.id);
+            }
+        }
+    }
 }
 
 /// [`to_export_error`] for a WRITE or WRITE_ZEROES: past the end (the

@@ -12,16 +12,17 @@ mod size;
 mod sockpath;
 mod sweep;
 mod trace;
+mod volops;
 
 use std::path::{Path, PathBuf};
 
 use anyhow::bail;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use dedupd_engine::{Engine, EngineConfig, EngineError, HashAlgorithm};
 use serde_json::Value;
 
 use crate::control::Request;
-use crate::size::{human, parse_size};
+use crate::size::{human, parse_volume_size};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -113,14 +114,17 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum VolumeCommand {
-    /// Create a volume of SIZE bytes (suffixes K, M, G, T; a multiple of 4 KiB).
+    /// Create a volume of SIZE bytes (binary suffixes: K = KiB, M = MiB,
+    /// G = GiB, T = TiB, P = PiB; a multiple of 4 KiB).
     Create {
         /// Volume name, also its NBD export name (1–64 of A–Z a–z 0–9 `.`
         /// `_` `-`, not starting with `.`).
         name: String,
-        /// Size in bytes, thin-provisioned (suffixes K, M, G, T; a
-        /// multiple of 4 KiB, at most 1P).
-        size: String,
+        /// Size in bytes, thin-provisioned: a whole number with an optional
+        /// binary suffix (K = KiB = 1024 bytes, M = MiB, G = GiB, T = TiB,
+        /// P = PiB); a multiple of 4 KiB, at most 1P.
+        #[arg(value_parser = parse_volume_size)]
+        size: u64,
     },
     /// List volumes.
     List {
@@ -128,17 +132,34 @@ enum VolumeCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Change a volume's size; shrinking discards the data past the new end.
+    /// Change a volume's size. Shrinking discards the data past the new end
+    /// and needs --shrink; while served, it is refused if NBD clients are
+    /// connected to the volume, unless --force.
     Resize {
         /// Volume name.
         name: String,
-        /// New size in bytes (suffixes K, M, G, T; a multiple of 4 KiB).
-        size: String,
+        /// New size in bytes: a whole number with an optional binary suffix
+        /// (K = KiB = 1024 bytes, M = MiB, G = GiB, T = TiB, P = PiB); a
+        /// multiple of 4 KiB, at most 1P.
+        #[arg(value_parser = parse_volume_size)]
+        size: u64,
+        /// Allow a smaller size (the data past the new end is discarded).
+        #[arg(long)]
+        shrink: bool,
+        /// Shrink even with NBD clients connected to the volume (their
+        /// requests past the new end then fail); implies --shrink.
+        #[arg(long)]
+        force: bool,
     },
-    /// Delete a volume and release its blocks.
+    /// Delete a volume and release its blocks. While served, refused if NBD
+    /// clients are connected to the volume, unless --force.
     Delete {
         /// Volume name.
         name: String,
+        /// Delete even with NBD clients connected to the volume (their
+        /// requests then fail).
+        #[arg(long)]
+        force: bool,
     },
     /// Change a volume's settings.
     Set {
@@ -154,8 +175,13 @@ enum VolumeCommand {
 }
 
 fn main() {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command().try_get_matches().and_then(|m| {
+        Cli::from_arg_matches(&m)
+            .map(|cli| (cli, m))
+            .map_err(|e| e.format(&mut Cli::command()))
+    });
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             let usage = e.use_stderr();
             let _ = e.print();
@@ -186,10 +212,69 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    if let Err(e) = run(cli) {
+    let given = matches
+        .subcommand_matches("serve")
+        .map(serve::CreationOptionsGiven::from_matches)
+        .unwrap_or_default();
+    if let Err(e) = run(cli, given) {
         eprintln!("dedupd: error: {e:#}");
+        if let Some(hint) = e
+            .chain()
+            .find_map(|c| c.downcast_ref::<EngineError>())
+            .and_then(no_superblock_hint)
+        {
+            eprintln!("dedupd: hint: {hint}");
+        }
         std::process::exit(1);
     }
+}
+
+/// Files a store holds besides its superblock (which `dedupd init` writes
+/// last).
+const STORE_FILES: [&str; 9] = [
+    "state.json",
+    "counters.json",
+    "journal",
+    "data",
+    "refcounts",
+    "fingerprints",
+    "fpgroups",
+    "skipped.json",
+    "maps",
+];
+
+/// For a directory refused as a store that has store files but no
+/// superblock, what to do about it: remove it if a `dedupd init` was
+/// interrupted, else `fsck --repair`, which rebuilds the superblock when the
+/// store's `state.json` is there. `None` for any other error, and for a
+/// directory without store files (not a store at all: nothing to suggest
+/// removing).
+fn no_superblock_hint(e: &EngineError) -> Option<String> {
+    let EngineError::NotAStore { path, .. } = e else {
+        return None;
+    };
+    if !path.is_dir() || path.join("superblock").exists() {
+        return None;
+    }
+    if !STORE_FILES.iter().any(|f| path.join(f).exists()) {
+        return None;
+    }
+    let quoted = serve::shell_quote(&path.display().to_string());
+    Some(if path.join("state.json").is_file() {
+        format!(
+            "{quoted} holds a store's files but no superblock: if a `dedupd init` (or the \
+             first `dedupd serve`) was interrupted, remove the directory and start again; \
+             otherwise `dedupd --store {quoted} fsck --repair` rebuilds the superblock from \
+             the rest of the store"
+        )
+    } else {
+        format!(
+            "{quoted} holds some of a store's files but neither its superblock nor its \
+             state.json (which `fsck --repair` would need to rebuild it): a `dedupd init` (or \
+             the first `dedupd serve`) interrupted early leaves this; remove the directory and \
+             start again"
+        )
+    })
 }
 
 /// True if the command line names the `fsck` subcommand (its first
@@ -207,13 +292,13 @@ fn invoked_fsck() -> bool {
     false
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, given: serve::CreationOptionsGiven) -> anyhow::Result<()> {
     let store = cli.store.clone();
     match cli
         .command
         .unwrap_or(Command::Serve(serve::ServeArgs::default()))
     {
-        Command::Serve(args) => serve::run(&store, args),
+        Command::Serve(args) => serve::run(&store, args, given),
         Command::Init {
             hash,
             index_prefix_bits,
@@ -271,7 +356,7 @@ fn with_store(
     local: impl FnOnce(&Engine, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value>,
 ) -> anyhow::Result<Value> {
     let label = match &req {
-        Request::VolumeDelete { name } => format!("delete {name}"),
+        Request::VolumeDelete { name, .. } => format!("delete {name}"),
         Request::VolumeResize { name, .. } => format!("resize {name}"),
         Request::DedupOffline { .. } => "dedup --offline".to_string(),
         _ => String::new(),
@@ -321,9 +406,10 @@ fn with_bar<T>(label: &str, f: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) -> T 
 
 fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
     match cmd {
-        VolumeCommand::Create { name, size } => {
-            let size_bytes =
-                parse_size(&size).map_err(|e| anyhow::anyhow!("SIZE {size:?}: {e}"))?;
+        VolumeCommand::Create {
+            name,
+            size: size_bytes,
+        } => {
             with_store(
                 store,
                 Request::VolumeCreate {
@@ -335,23 +421,29 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     Ok(Value::Null)
                 },
             )?;
-            println!("created volume {name} ({})", human(size_bytes));
+            say(&format!("created volume {name} ({})", human(size_bytes)))?;
         }
-        VolumeCommand::Resize { name, size } => {
-            let size_bytes =
-                parse_size(&size).map_err(|e| anyhow::anyhow!("SIZE {size:?}: {e}"))?;
+        VolumeCommand::Resize {
+            name,
+            size: size_bytes,
+            shrink,
+            force,
+        } => {
             with_store(
                 store,
                 Request::VolumeResize {
                     name: name.clone(),
                     size_bytes,
+                    shrink,
+                    force,
                 },
                 |e, progress| {
-                    e.resize_volume_with_progress(&name, size_bytes, progress)?;
+                    // (no server: no NBD connection can be open)
+                    volops::resize(e, None, &name, size_bytes, shrink, force, progress)?;
                     Ok(Value::Null)
                 },
             )?;
-            println!("resized volume {name} to {}", human(size_bytes));
+            say(&format!("resized volume {name} to {}", human(size_bytes)))?;
         }
         VolumeCommand::Set {
             name,
@@ -374,22 +466,21 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     Ok(Value::Null)
                 },
             )?;
-            match t {
-                Some(t) => println!("volume {name}: sequence threshold {t} blocks"),
-                None => println!("volume {name}: sequence threshold from the server"),
-            }
+            say(&match t {
+                Some(t) => format!("volume {name}: sequence threshold {t} blocks"),
+                None => format!("volume {name}: sequence threshold from the server"),
+            })?;
         }
-        VolumeCommand::Delete { name } => {
+        VolumeCommand::Delete { name, force } => {
             let done = with_store(
                 store,
-                Request::VolumeDelete { name: name.clone() },
-                |e, progress| {
-                    Ok(serde_json::to_value(
-                        e.delete_volume_with_progress(&name, progress)?,
-                    )?)
+                Request::VolumeDelete {
+                    name: name.clone(),
+                    force,
                 },
+                |e, progress| volops::delete(e, None, &name, force, progress),
             )?;
-            println!("deleted volume {name}");
+            say(&format!("deleted volume {name}"))?;
             // (a server of an earlier version answers null)
             let done: dedupd_engine::VolumeDeleted =
                 serde_json::from_value(done).unwrap_or_default();
@@ -443,6 +534,14 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Writes `line` and a newline to stdout, as [`print_quietly_if_cut`]: a
+/// command that did its work succeeds even if nobody reads what it says.
+///
+/// Errors: write errors other than a reader gone.
+fn say(line: &str) -> std::io::Result<()> {
+    print_quietly_if_cut(&format!("{line}\n"))
 }
 
 /// Writes `text` to stdout; a reader that went away (`| head`) ends the
@@ -537,11 +636,21 @@ fn fsck(
         }
         Err(e) => {
             eprintln!("dedupd: error: {e}");
+            if let Some(hint) = no_superblock_hint(&e) {
+                eprintln!("dedupd: hint: {hint}");
+            }
             std::process::exit(8);
         }
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                // an operational error, as e2fsck's 8 (the check itself ran)
+                eprintln!("dedupd: error: writing the report as JSON: {e}");
+                std::process::exit(8);
+            }
+        }
     } else {
         for p in &report.problems {
             println!("problem: {p}");
@@ -590,177 +699,309 @@ fn fsck(
     std::process::exit(report.exit_code());
 }
 
-fn print_stats(v: &Value) {
-    let u = |k: &str| v[k].as_u64().unwrap_or(0);
-    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
-    println!(
-        "volumes                      {} ({} provisioned)",
-        u("volumes"),
-        human(u("provisioned_bytes"))
-    );
-    println!(
-        "logical bytes mapped         {}",
-        human(u("logical_bytes_mapped"))
-    );
-    println!(
-        "physical blocks stored       {} ({})",
-        u("physical_blocks_stored"),
-        human(u("physical_bytes_stored"))
-    );
-    println!("dedup ratio                  {:.3}", f("dedup_ratio"));
-    println!(
-        "space savings                {:.1} %",
-        f("space_savings_percent")
-    );
-    println!("blocks written               {}", u("blocks_written"));
-    println!("zero blocks written          {}", u("zero_blocks_written"));
-    println!(
-        "duplicate writes eliminated  {} ({:.1} % of blocks written)",
-        u("duplicate_writes_eliminated"),
-        f("duplicate_writes_eliminated_percent")
-    );
-    println!("blocks trimmed               {}", u("blocks_trimmed"));
-    let se = &v["selectivity"];
-    println!(
-        "inline selectivity           {:.0} % (duplication {:.2}, load {:.2}, power {:.2}; {} selected, {} left to out-of-line)",
-        se["selectivity"].as_f64().unwrap_or(1.0) * 100.0,
-        se["duplication_factor"].as_f64().unwrap_or(1.0),
-        se["load_factor"].as_f64().unwrap_or(1.0),
-        se["power_factor"].as_f64().unwrap_or(1.0),
-        se["blocks_selected"].as_u64().unwrap_or(0),
-        se["blocks_unselected"].as_u64().unwrap_or(0)
-    );
-    println!(
-        "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
-        u("sequence_filtered_blocks")
-    );
-    println!(
-        "verify mismatches            {} (comparisons that found different bytes, --verify: kept apart)",
-        u("verify_mismatches")
-    );
-    println!(
-        "fingerprint store errors     {} (lookups or inserts that failed: the blocks stored as copies of their own)",
-        u("index_errors")
-    );
-    print_page_cache("reverse index in memory     ", &v["reverse_index"]);
-    print_page_cache("maps + refcounts in memory  ", &v["map_cache"]);
-    let ol = &v["out_of_line"];
-    println!(
-        "out-of-line passes           {} ({} blocks examined, {} hashed, {} LBAs remapped, {} merges; {:.2} µs CPU per block)",
-        ol["passes"].as_u64().unwrap_or(0),
-        ol["blocks_examined"].as_u64().unwrap_or(0),
-        ol["blocks_hashed"].as_u64().unwrap_or(0),
-        ol["lbas_remapped"].as_u64().unwrap_or(0),
-        ol["merges_applied"].as_u64().unwrap_or(0),
-        ol["cpu_us_per_block"].as_f64().unwrap_or(0.0)
-    );
-    let ca = &v["caftl"];
-    println!(
-        "fingerprinted inline         {} blocks (CAFTL: {} pre-hashed, {} unseen CRCs, {} sampled requests, {} blocks behind a missed sample; table {})",
-        u("blocks_fingerprinted_inline"),
-        ca["blocks_prehashed"].as_u64().unwrap_or(0),
-        ca["prehash_misses"].as_u64().unwrap_or(0),
-        ca["requests_sampled"].as_u64().unwrap_or(0),
-        ca["sample_misses"].as_u64().unwrap_or(0),
-        human(ca["prehash_table_bytes"].as_u64().unwrap_or(0))
-    );
-    let rc = &v["read_cache"];
-    println!(
-        "read cache                   {} hits, {} misses ({} used of {})",
-        rc["hits"].as_u64().unwrap_or(0),
-        rc["misses"].as_u64().unwrap_or(0),
-        human(rc["used_bytes"].as_u64().unwrap_or(0)),
-        human(rc["capacity_bytes"].as_u64().unwrap_or(0))
-    );
-    let sk = &v["skipped"];
-    println!(
-        "out-of-line duplicates       {} (skipped buffer: {} records, {} regions, {} volumes; {} merges pending)",
-        u("out_of_line_duplicates"),
-        sk["records"].as_u64().unwrap_or(0),
-        sk["regions"].as_u64().unwrap_or(0),
-        sk["volumes"].as_u64().unwrap_or(0),
-        u("pending_merges")
-    );
-    println!(
-        "data file                    {} ({} free blocks; {} released, reusable after the next commit; {} commits forced by a full file system)",
-        human(u("data_file_bytes")),
-        u("free_blocks"),
-        u("pending_free_blocks"),
-        u("no_space_commits")
-    );
-    println!(
-        "metadata on disk             {}",
-        human(u("metadata_bytes_on_disk"))
-    );
-    println!(
-        "journal in use               {} ({} written since start; checkpoints {})",
-        human(u("journal_bytes")),
-        human(u("journal_bytes_written")),
-        human(u("checkpoint_bytes_written"))
-    );
-    println!(
-        "index entries                {} ({} in memory)",
-        u("index_entries"),
-        human(u("index_bytes_in_memory"))
-    );
-    let ix = &v["index"];
-    let x = |k: &str| ix[k].as_u64().unwrap_or(0);
-    println!(
-        "  in memory / on disk        {} / {} (budget {} used of {}; prefix tree {})",
-        x("entries_in_memory"),
-        x("entries_on_disk"),
-        human(x("memory_bytes")),
-        human(x("memory_budget_bytes")),
-        human(x("tree_bytes"))
-    );
-    println!(
-        "  evictions                  {} groups, {} entries ({} reads, {} writes, {} failed writes)",
-        x("groups_evicted"),
-        x("entries_evicted"),
-        x("eviction_reads"),
-        x("eviction_writes"),
-        x("eviction_errors")
-    );
-    println!(
-        "  disk lookups / promotions  {} / {}",
-        x("lookup_reads"),
-        x("promotions")
-    );
-    println!(
-        "metadata arrays in memory    {}",
-        human(u("metadata_bytes_in_memory"))
-    );
-    println!(
-        "peak RSS                     {}",
-        human(u("peak_rss_bytes"))
-    );
-    if let Some(c) = v.get("connections_open").and_then(Value::as_u64) {
-        println!(
-            "NBD connections open         {c} ({} total, {} refused at the limit; read buffers {}; kept request buffers {}; payload in flight {})",
-            u("connections_total"),
-            u("connections_refused"),
-            human(u("connection_read_buffer_bytes")),
-            human(u("connection_kept_buffer_bytes")),
-            human(u("inflight_bytes"))
-        );
+/// The figures of `dedupd stats` (its JSON), read by dotted path
+/// (`index.memory_bytes`). A figure that is missing (a server of another
+/// version) prints as `?` and is remembered, so a test can tell that the
+/// text reads only figures the stats have.
+struct Figures<'a> {
+    v: &'a Value,
+    missing: std::cell::RefCell<Vec<String>>,
+}
+
+impl<'a> Figures<'a> {
+    fn new(v: &'a Value) -> Self {
+        Figures {
+            v,
+            missing: Default::default(),
+        }
+    }
+
+    /// The value at `path`, remembered as missing if absent or not a number.
+    fn get(&self, path: &str) -> Option<&'a Value> {
+        let found = path
+            .split('.')
+            .try_fold(self.v, |v, k| v.get(k))
+            .filter(|v| v.is_number());
+        if found.is_none() {
+            self.missing.borrow_mut().push(path.to_string());
+        }
+        found
+    }
+
+    /// A count, or `?`.
+    fn n(&self, path: &str) -> String {
+        self.get(path)
+            .and_then(Value::as_u64)
+            .map_or("?".into(), |n| n.to_string())
+    }
+
+    /// Bytes with a binary unit, or `?`.
+    fn bytes(&self, path: &str) -> String {
+        self.get(path)
+            .and_then(Value::as_u64)
+            .map_or("?".into(), human)
+    }
+
+    /// A fraction or ratio times `scale`, with `decimals` decimals, or `?`.
+    fn f(&self, path: &str, scale: f64, decimals: usize) -> String {
+        self.get(path)
+            .and_then(Value::as_f64)
+            .map_or("?".into(), |x| format!("{:.*}", decimals, x * scale))
     }
 }
 
-/// One line of `dedupd stats` for a metadata page cache (`label` padded to
-/// the column).
-fn print_page_cache(label: &str, c: &serde_json::Value) {
-    let n = |k: &str| c[k].as_u64().unwrap_or(0);
-    println!(
-        "{label} {} of {} ({} pinned pages; {} pages loaded, {} evicted, {} load errors, {} writes dropped)",
-        human(n("resident_bytes")),
-        match n("cache_bytes") {
-            0 => "unbounded".to_string(),
-            b => human(b),
-        },
-        n("pinned_pages"),
-        n("pages_loaded"),
-        n("pages_evicted"),
-        n("load_errors"),
-        n("writes_dropped")
+fn print_stats(v: &Value) {
+    print!("{}", format_stats(v).0);
+}
+
+/// The text of `dedupd stats` for its JSON `v`, and the figures it wanted
+/// that `v` lacks (printed as `?`).
+fn format_stats(v: &Value) -> (String, Vec<String>) {
+    use std::fmt::Write as _;
+    let s = Figures::new(v);
+    let mut out = String::new();
+    // (writing to a String cannot fail)
+    macro_rules! line {
+        ($($arg:tt)*) => {
+            let _ = writeln!(out, $($arg)*);
+        };
+    }
+    line!(
+        "volumes                      {} ({} provisioned)",
+        s.n("volumes"),
+        s.bytes("provisioned_bytes")
     );
+    line!(
+        "logical bytes mapped         {}",
+        s.bytes("logical_bytes_mapped")
+    );
+    line!(
+        "physical blocks stored       {} ({})",
+        s.n("physical_blocks_stored"),
+        s.bytes("physical_bytes_stored")
+    );
+    line!(
+        "dedup ratio                  {}",
+        s.f("dedup_ratio", 1.0, 3)
+    );
+    line!(
+        "space savings                {} %",
+        s.f("space_savings_percent", 1.0, 1)
+    );
+    line!("blocks written               {}", s.n("blocks_written"));
+    line!(
+        "zero blocks written          {}",
+        s.n("zero_blocks_written")
+    );
+    line!(
+        "duplicate writes eliminated  {} ({} % of blocks written)",
+        s.n("duplicate_writes_eliminated"),
+        s.f("duplicate_writes_eliminated_percent", 1.0, 1)
+    );
+    line!("blocks trimmed               {}", s.n("blocks_trimmed"));
+    line!(
+        "inline selectivity           {} % (duplication {}, load {}, power {}; {} selected, {} left to out-of-line)",
+        s.f("selectivity.selectivity", 100.0, 0),
+        s.f("selectivity.duplication_factor", 1.0, 2),
+        s.f("selectivity.load_factor", 1.0, 2),
+        s.f("selectivity.power_factor", 1.0, 2),
+        s.n("selectivity.blocks_selected"),
+        s.n("selectivity.blocks_unselected")
+    );
+    line!(
+        "sequence-filtered blocks     {} (duplicates in runs shorter than the sequence threshold, stored anew)",
+        s.n("sequence_filtered_blocks")
+    );
+    line!(
+        "verify mismatches            {} (comparisons that found different bytes, --verify: kept apart)",
+        s.n("verify_mismatches")
+    );
+    line!(
+        "fingerprint store errors     {} (lookups or inserts that failed: the blocks stored as copies of their own)",
+        s.n("index_errors")
+    );
+    for (label, cache) in [
+        ("reverse index in memory     ", "reverse_index"),
+        ("maps + refcounts in memory  ", "map_cache"),
+    ] {
+        let k = |field: &str| format!("{cache}.{field}");
+        let budget = match s.get(&k("cache_bytes")).and_then(Value::as_u64) {
+            Some(0) => "unbounded".to_string(),
+            Some(b) => human(b),
+            None => "?".to_string(),
+        };
+        line!(
+            "{label} {} of {budget} ({} pinned pages; {} pages loaded, {} evicted, {} load errors, {} writes dropped)",
+            s.bytes(&k("resident_bytes")),
+            s.n(&k("pinned_pages")),
+            s.n(&k("pages_loaded")),
+            s.n(&k("pages_evicted")),
+            s.n(&k("load_errors")),
+            s.n(&k("writes_dropped"))
+        );
+    }
+    line!(
+        "out-of-line passes           {} ({} blocks examined, {} hashed, {} LBAs remapped, {} merges; {} µs CPU per block)",
+        s.n("out_of_line.passes"),
+        s.n("out_of_line.blocks_examined"),
+        s.n("out_of_line.blocks_hashed"),
+        s.n("out_of_line.lbas_remapped"),
+        s.n("out_of_line.merges_applied"),
+        s.f("out_of_line.cpu_us_per_block", 1.0, 2)
+    );
+    line!(
+        "fingerprinted inline         {} blocks (CAFTL: {} pre-hashed, {} unseen CRCs, {} sampled requests, {} blocks behind a missed sample; table {})",
+        s.n("blocks_fingerprinted_inline"),
+        s.n("caftl.blocks_prehashed"),
+        s.n("caftl.prehash_misses"),
+        s.n("caftl.requests_sampled"),
+        s.n("caftl.sample_misses"),
+        s.bytes("caftl.prehash_table_bytes")
+    );
+    line!(
+        "read cache                   {} hits, {} misses ({} used of {})",
+        s.n("read_cache.hits"),
+        s.n("read_cache.misses"),
+        s.bytes("read_cache.used_bytes"),
+        s.bytes("read_cache.capacity_bytes")
+    );
+    line!(
+        "out-of-line duplicates       {} (skipped buffer: {} records, {} regions, {} volumes; {} merges pending)",
+        s.n("out_of_line_duplicates"),
+        s.n("skipped.records"),
+        s.n("skipped.regions"),
+        s.n("skipped.volumes"),
+        s.n("pending_merges")
+    );
+    line!(
+        "skipped buffer faults        {} times full (records folded into coarser ones), {} saves failed (records lost on a crash; a full pass finds those duplicates)",
+        s.n("skipped.degradations"),
+        s.n("skipped_save_errors")
+    );
+    line!(
+        "data file                    {} ({} free blocks; {} released, reusable after the next commit; {} commits forced by a full file system)",
+        s.bytes("data_file_bytes"),
+        s.n("free_blocks"),
+        s.n("pending_free_blocks"),
+        s.n("no_space_commits")
+    );
+    line!(
+        "metadata on disk             {}",
+        s.bytes("metadata_bytes_on_disk")
+    );
+    line!(
+        "journal in use               {} ({} written since start; checkpoints {})",
+        s.bytes("journal_bytes"),
+        s.bytes("journal_bytes_written"),
+        s.bytes("checkpoint_bytes_written")
+    );
+    line!(
+        "index entries                {} ({} in memory)",
+        s.n("index_entries"),
+        s.bytes("index_bytes_in_memory")
+    );
+    line!(
+        "  in memory / on disk        {} / {} (budget {} used of {}; prefix tree {})",
+        s.n("index.entries_in_memory"),
+        s.n("index.entries_on_disk"),
+        s.bytes("index.memory_bytes"),
+        s.bytes("index.memory_budget_bytes"),
+        s.bytes("index.tree_bytes")
+    );
+    line!(
+        "  evictions                  {} groups, {} entries ({} reads, {} writes, {} failed writes)",
+        s.n("index.groups_evicted"),
+        s.n("index.entries_evicted"),
+        s.n("index.eviction_reads"),
+        s.n("index.eviction_writes"),
+        s.n("index.eviction_errors")
+    );
+    line!(
+        "  disk lookups / promotions  {} / {}",
+        s.n("index.lookup_reads"),
+        s.n("index.promotions")
+    );
+    line!(
+        "metadata arrays in memory    {}",
+        s.bytes("metadata_bytes_in_memory")
+    );
+    line!(
+        "peak RSS                     {} (now {})",
+        s.bytes("peak_rss_bytes"),
+        s.bytes("rss_bytes")
+    );
+    // (present only while a server answers)
+    if v.get("connections_open").is_some() {
+        line!(
+            "NBD connections open         {} ({} total, {} refused at the limit; read buffers {}; kept request buffers {}; payload in flight {})",
+            s.n("connections_open"),
+            s.n("connections_total"),
+            s.n("connections_refused"),
+            s.bytes("connection_read_buffer_bytes"),
+            s.bytes("connection_kept_buffer_bytes"),
+            s.bytes("inflight_bytes")
+        );
+    }
+    (out, s.missing.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_figure_the_stats_text_reads_is_in_the_stats() {
+        let v = serve::stats_with_server(
+            &dedupd_engine::Stats::default(),
+            &dedupd_nbd::ServerStats::default(),
+        )
+        .unwrap();
+        let (text, missing) = format_stats(&v);
+        assert!(missing.is_empty(), "figures the stats lack: {missing:?}");
+        assert!(!text.contains('?'), "{text}");
+        assert!(text.contains("NBD connections open"), "{text}");
+        // without the server's figures: the same but that line
+        let v = serde_json::to_value(dedupd_engine::Stats::default()).unwrap();
+        let (text, missing) = format_stats(&v);
+        assert!(missing.is_empty(), "figures the stats lack: {missing:?}");
+        assert!(!text.contains("NBD connections"), "{text}");
+    }
+
+    #[test]
+    fn a_missing_figure_prints_as_unknown_not_zero() {
+        let mut v = serde_json::to_value(dedupd_engine::Stats::default()).unwrap();
+        v.as_object_mut().unwrap().remove("skipped_save_errors");
+        v["skipped"].as_object_mut().unwrap().remove("degradations");
+        let (text, missing) = format_stats(&v);
+        assert_eq!(missing, ["skipped.degradations", "skipped_save_errors"]);
+        assert!(text.contains("? times full"), "{text}");
+        assert!(text.contains("? saves failed"), "{text}");
+    }
+
+    #[test]
+    fn a_directory_with_store_files_but_no_superblock_gets_a_hint() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = |p: &Path| EngineError::NotAStore {
+            path: p.to_path_buf(),
+            detail: "no superblock file".into(),
+        };
+        // not a store at all: nothing suggests removing it
+        std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
+        assert_eq!(no_superblock_hint(&err(dir.path())), None);
+        // an init cut short before its state was written
+        std::fs::write(dir.path().join("journal"), "").unwrap();
+        let hint = no_superblock_hint(&err(dir.path())).unwrap();
+        assert!(hint.contains("remove the directory"), "{hint}");
+        assert!(!hint.contains("rebuilds the superblock"), "{hint}");
+        // with its state: fsck --repair rebuilds the superblock
+        std::fs::write(dir.path().join("state.json"), "").unwrap();
+        let hint = no_superblock_hint(&err(dir.path())).unwrap();
+        assert!(
+            hint.contains("fsck --repair` rebuilds the superblock"),
+            "{hint}"
+        );
+        // a superblock there: some other trouble
+        std::fs::write(dir.path().join("superblock"), "").unwrap();
+        assert_eq!(no_superblock_hint(&err(dir.path())), None);
+    }
 }

@@ -1,7 +1,7 @@
 //! `dedupd serve`: open (or create) the store, export every volume over
 //! NBD on TCP and/or a Unix socket, answer the control socket, and on
-//! SIGINT/SIGTERM stop accepting, finish in-flight requests, make
-//! everything durable and exit 0.
+//! SIGINT, SIGTERM or SIGHUP stop accepting, finish in-flight requests,
+//! make everything durable and exit 0.
 
 use crate::sockpath::SocketPath;
 use std::net::TcpListener;
@@ -33,10 +33,13 @@ pub struct ServeArgs {
     /// Also listen on this Unix socket.
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Fingerprint algorithm when the store is created: sha256 or blake3.
+    /// Fingerprint algorithm when the store is created: sha256 or blake3
+    /// (ignored, with a warning, for an existing store).
     #[arg(long, default_value = "sha256")]
     pub hash: HashAlgorithm,
-    /// Size of the volume `default` created with a new store.
+    /// Size of the volume `default` created with a new store (binary
+    /// suffixes: K = KiB, M = MiB, G = GiB, T = TiB, P = PiB; ignored, with a
+    /// warning, for an existing store).
     #[arg(long, default_value = "16G", value_parser = crate::size::parse_volume_size)]
     pub default_volume_size: u64,
     /// Byte-compare each block with the stored copy on a fingerprint hit
@@ -57,6 +60,7 @@ pub struct ServeArgs {
     /// Prefix bits P of the fingerprint index when a store is created
     /// (8-24): 2^P groups of 254 entries per 4 KiB page; 14 keeps groups
     /// within 2 pages up to ~32 GiB of unique data (add 1 per doubling).
+    /// Ignored, with a warning, for an existing store.
     #[arg(long, default_value_t = 14, value_parser = clap::value_parser!(u32).range(8..=24))]
     pub index_prefix_bits: u32,
     /// Out-of-line dedup rate in blocks per second (0: off). The worker
@@ -142,8 +146,87 @@ impl Default for ServeArgs {
     }
 }
 
-/// Opens the store, creating it (with a volume `default`) if it does not exist.
-fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyhow::Result<Engine> {
+/// The options of `dedupd serve` that apply only when it creates the store,
+/// each true if the user gave it (on the command line or in the
+/// environment) rather than leaving its default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CreationOptionsGiven {
+    /// `--hash`.
+    pub hash: bool,
+    /// `--index-prefix-bits`.
+    pub index_prefix_bits: bool,
+    /// `--default-volume-size`.
+    pub default_volume_size: bool,
+}
+
+impl CreationOptionsGiven {
+    /// Which creation options `matches` (those of `serve`) holds from the
+    /// command line or the environment.
+    pub fn from_matches(matches: &clap::ArgMatches) -> Self {
+        use clap::parser::ValueSource;
+        let given = |id: &str| {
+            matches!(
+                matches.value_source(id),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            )
+        };
+        CreationOptionsGiven {
+            hash: given("hash"),
+            index_prefix_bits: given("index_prefix_bits"),
+            default_volume_size: given("default_volume_size"),
+        }
+    }
+}
+
+/// The warnings for creation options given for a store that exists (whose
+/// fingerprints are `store_hash`), which therefore do not apply.
+fn ignored_creation_options(
+    given: CreationOptionsGiven,
+    args: &ServeArgs,
+    store_hash: HashAlgorithm,
+    has_default: bool,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    // (the store's own algorithm given again changes nothing)
+    if given.hash && args.hash != store_hash {
+        out.push(format!(
+            "--hash {} ignored: the store exists and its fingerprints are {} (chosen when it \
+             was created)",
+            args.hash.name(),
+            store_hash.name()
+        ));
+    }
+    if given.index_prefix_bits {
+        out.push(format!(
+            "--index-prefix-bits {} ignored: the store exists and its index prefix bits were \
+             fixed when it was created",
+            args.index_prefix_bits
+        ));
+    }
+    if given.default_volume_size {
+        out.push(format!(
+            "--default-volume-size {} ignored: it sizes the volume `default` of a new store \
+             only; {}",
+            human(args.default_volume_size),
+            if has_default {
+                "use `dedupd volume resize default SIZE` to change it"
+            } else {
+                "this store has no volume `default`: `dedupd volume create default SIZE` makes one"
+            }
+        ));
+    }
+    out
+}
+
+/// Opens the store, creating it (with a volume `default`) if it does not
+/// exist. For an existing store, warns of each creation option in `given`
+/// (which does not apply).
+fn open_or_create(
+    store: &Path,
+    args: &ServeArgs,
+    given: CreationOptionsGiven,
+    config: EngineConfig,
+) -> anyhow::Result<Engine> {
     let empty_dir = store.is_dir()
         && std::fs::read_dir(store)
             .map(|mut d| d.next().is_none())
@@ -164,11 +247,15 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
             )),
             other => Ok(other?),
         };
-        if opened.is_ok() {
+        if let Ok(e) = &opened {
             eprintln!(
                 "dedupd: store opened in {:.1} s",
                 started.elapsed().as_secs_f64()
             );
+            let has_default = e.volume("default").is_some();
+            for w in ignored_creation_options(given, args, e.hash_algorithm(), has_default) {
+                eprintln!("dedupd: warning: {w}");
+            }
         }
         return opened;
     }
@@ -213,8 +300,9 @@ fn open_or_create(store: &Path, args: &ServeArgs, config: EngineConfig) -> anyho
     Ok(engine)
 }
 
-/// Runs the server until SIGINT or SIGTERM.
-pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
+/// Runs the server until SIGINT, SIGTERM or SIGHUP. `given` tells which
+/// creation options the user gave (warned of if the store exists).
+pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow::Result<()> {
     let mut config = EngineConfig {
         journal_size_bytes: args.journal_size,
         max_dirty_bytes: args.max_dirty,
@@ -276,7 +364,7 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     if !args.no_tcp {
         drop(bind_tcp(&args.listen)?);
     }
-    let engine = Arc::new(open_or_create(store, &args, config)?);
+    let engine = Arc::new(open_or_create(store, &args, given, config)?);
     let tcp = if args.no_tcp {
         None
     } else {
@@ -286,10 +374,8 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         Some(p) => Some((bind_unix(p)?, p.clone())),
         None => None,
     };
-    let server = Arc::new(Server::new(
-        Arc::new(VolumeExports::new(engine.clone())),
-        server_config,
-    ));
+    let exports = Arc::new(VolumeExports::new(engine.clone()));
+    let server = Arc::new(Server::new(exports.clone(), server_config));
 
     // control socket (we hold the store lock, so an existing one is stale)
     let ctl_path = control::socket_path(store);
@@ -306,6 +392,15 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     .with_context(|| format!("restricting {}", ctl_path.display()))?;
     let stop = Arc::new(AtomicBool::new(false));
 
+    // the stop signals are caught from here on, before the server says it
+    // is ready (one sent as soon as it has would otherwise kill it); they
+    // are acted on once it serves. SIGHUP too: the terminal or session
+    // going away stops the server cleanly instead of killing it
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ])?;
     let names: Vec<String> = engine.volume_names().into_iter().map(|(n, _)| n).collect();
     let first = names
         .iter()
@@ -372,20 +467,23 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     let worker =
         (args.out_of_line_rate > 0).then(|| engine.start_out_of_line(args.out_of_line_rate));
     let handle = server.shutdown_handle();
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-    ])?;
     let signal_handle = signals.handle();
     {
         let handle = handle.clone();
         let stop = stop.clone();
         std::thread::spawn(move || {
+            // (messages that cannot be written, to a terminal that hung
+            // up, say, are dropped: this thread must go on to stop the
+            // server)
+            let say = |line: String| {
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "{line}");
+            };
             let mut received = signals.forever();
             if let Some(sig) = received.next() {
-                eprintln!(
+                say(format!(
                     "dedupd: signal {sig}: finishing in-flight requests (a second signal exits at once)"
-                );
+                ));
                 // the control socket stops accepting too; its requests
                 // already taken finish before the store is closed
                 stop.store(true, Ordering::Relaxed);
@@ -395,9 +493,9 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
             // volume delete): exit now, as a crash would, which the
             // journal covers
             if let Some(sig) = received.next() {
-                eprintln!(
+                say(format!(
                     "dedupd: signal {sig} again: exiting now; the next start recovers from the journal (writes not flushed may read back old)"
-                );
+                ));
                 std::process::exit(128 + sig);
             }
         });
@@ -407,10 +505,11 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
         {
             let engine = engine.clone();
             let server = server.clone();
+            let exports = exports.clone();
             let stop = stop.clone();
             s.spawn(move || {
                 control::serve(ctl, stop, move |req, progress| {
-                    answer(&engine, &server, req, progress)
+                    answer(&engine, &server, &exports, req, progress)
                 });
             });
         }
@@ -495,7 +594,10 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     signal_handle.close();
     served?;
     let st = engine.stats();
-    println!(
+    // (not printable once the terminal hung up or the reader left: the
+    // store is closed, the stop clean all the same)
+    let _ = writeln!(
+        std::io::stdout(),
         "dedupd: stopped; {} stored for {} mapped (dedup ratio {:.2})",
         human(st.physical_bytes_stored),
         human(st.logical_bytes_mapped),
@@ -504,36 +606,59 @@ pub fn run(store: &Path, args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The figures of `dedupd stats` while serving: the engine's `stats`
+/// with the NBD server's `server` added.
+///
+/// Errors: serialising them.
+pub(crate) fn stats_with_server(
+    stats: &dedupd_engine::Stats,
+    server: &dedupd_nbd::ServerStats,
+) -> anyhow::Result<Value> {
+    let mut v = serde_json::to_value(stats)?;
+    let s = server;
+    v["connections_open"] = s.connections_open.into();
+    v["connections_total"] = s.connections_total.into();
+    v["requests_total"] = s.requests_total.into();
+    v["inflight_bytes"] = s.inflight_bytes.into();
+    v["connections_refused"] = s.connections_refused.into();
+    v["connection_read_buffer_bytes"] = s.read_buffer_bytes.into();
+    v["connection_kept_buffer_bytes"] = s.kept_buffer_bytes.into();
+    Ok(v)
+}
+
 fn answer(
     engine: &Engine,
     server: &Server,
+    exports: &VolumeExports,
     req: Request,
     progress: &mut dyn FnMut(u64, u64),
 ) -> anyhow::Result<Value> {
     Ok(match req {
-        Request::Stats => {
-            let mut v = serde_json::to_value(engine.stats())?;
-            let s = server.stats();
-            v["connections_open"] = s.connections_open.into();
-            v["connections_total"] = s.connections_total.into();
-            v["requests_total"] = s.requests_total.into();
-            v["inflight_bytes"] = s.inflight_bytes.into();
-            v["connections_refused"] = s.connections_refused.into();
-            v["connection_read_buffer_bytes"] = s.read_buffer_bytes.into();
-            v["connection_kept_buffer_bytes"] = s.kept_buffer_bytes.into();
-            v
-        }
+        Request::Stats => stats_with_server(&engine.stats(), &server.stats())?,
         Request::VolumeList => serde_json::to_value(engine.volumes())?,
         Request::VolumeCreate { name, size_bytes } => {
             engine.create_volume(&name, size_bytes)?;
             Value::Null
         }
-        Request::VolumeResize { name, size_bytes } => {
-            engine.resize_volume_with_progress(&name, size_bytes, progress)?;
+        Request::VolumeResize {
+            name,
+            size_bytes,
+            shrink,
+            force,
+        } => {
+            crate::volops::resize(
+                engine,
+                Some(exports),
+                &name,
+                size_bytes,
+                shrink,
+                force,
+                progress,
+            )?;
             Value::Null
         }
-        Request::VolumeDelete { name } => {
-            serde_json::to_value(engine.delete_volume_with_progress(&name, progress)?)?
+        Request::VolumeDelete { name, force } => {
+            crate::volops::delete(engine, Some(exports), &name, force, progress)?
         }
         Request::VolumeSet {
             name,
@@ -567,7 +692,7 @@ fn uri_encode(s: &std::ffi::OsStr) -> String {
 /// `s` as one word for a POSIX shell: as is if it holds only characters a
 /// shell leaves alone (and does not start with `~` or `=`, which shells
 /// expand there), else in single quotes.
-fn shell_quote(s: &str) -> String {
+pub(crate) fn shell_quote(s: &str) -> String {
     let plain = !s.is_empty()
         && !s.starts_with(['~', '='])
         && s.bytes()

@@ -1,14 +1,27 @@
 //! Parsing and printing byte sizes (`16G`, `512MiB`, `4096`).
 
-/// Parses a size in bytes: a number with an optional binary suffix
+/// Parses a size in bytes: a whole number with an optional binary suffix
 /// (K, M, G, T, P with optional `i`/`B`: `16G` = `16GiB` = 16 × 2^30).
+/// A fraction (`1.5G`) is refused with the whole number of a smaller unit
+/// to give instead (`1536M`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(digits_end);
+    if let Some(fraction) = suffix.strip_prefix(['.', ',']) {
+        return Err(fractional(s, num, fraction));
+    }
     let n: u64 = num.parse().map_err(|_| {
-        format!("invalid size {s:?}: expected a number with an optional K/M/G/T suffix")
+        format!("invalid size {s:?}: expected a whole number with an optional K/M/G/T/P suffix")
     })?;
+    let (shift, _) = unit_shift(s, suffix)?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// The binary shift of a size's suffix (`G`: 30) and its letter (`""` for
+/// bytes).
+fn unit_shift(s: &str, suffix: &str) -> Result<(u32, &'static str), String> {
     let unit = suffix.trim().to_ascii_uppercase();
     // bytes: no suffix or B; else K, KB or KiB (likewise M, G, T, P)
     let prefix = match unit.as_str() {
@@ -18,17 +31,75 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             .or_else(|| u.strip_suffix('B'))
             .unwrap_or(u),
     };
-    let shift = match prefix {
-        "" if unit.len() <= 1 => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        "T" => 40,
-        "P" => 50,
+    Ok(match prefix {
+        "" if unit.len() <= 1 => (0, ""),
+        "K" => (10, "K"),
+        "M" => (20, "M"),
+        "G" => (30, "G"),
+        "T" => (40, "T"),
+        "P" => (50, "P"),
         _ => return Err(format!("invalid size suffix in {s:?}: use K, M, G, T or P")),
+    })
+}
+
+/// The error for a size written with a fraction (`whole`.`rest`, `rest`
+/// holding the fraction's digits and the suffix): what to write instead,
+/// in the largest unit that makes it a whole number (`1.5G`: `1536M`), or
+/// rounded to the unit below the one given (`1.3G`: about `1331M`).
+fn fractional(s: &str, whole: &str, rest: &str) -> String {
+    const NOT_ACCEPTED: &str = "fractional sizes are not accepted";
+    let digits_end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    let (frac, suffix) = rest.split_at(digits_end);
+    let parsed = (|| {
+        let (shift, _) = unit_shift(s, suffix).ok()?;
+        // (bounded: beyond 18 digits the fraction is below a byte of any unit)
+        let frac = &frac[..frac.len().min(18)];
+        let whole: u128 = if whole.is_empty() {
+            0
+        } else {
+            whole.parse().ok()?
+        };
+        let scale = 10u128.pow(frac.len() as u32);
+        let part: u128 = if frac.is_empty() {
+            0
+        } else {
+            frac.parse().ok()?
+        };
+        // the size in units of 1/scale byte
+        let exact = whole
+            .checked_mul(scale)?
+            .checked_add(part)?
+            .checked_mul(1u128 << shift)?;
+        Some((exact, scale, shift))
+    })();
+    let Some((exact, scale, shift)) = parsed else {
+        return format!("invalid size {s:?}: {NOT_ACCEPTED}; give a whole number with an optional K/M/G/T/P suffix");
     };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size {s:?} is too large"))
+    let units = [
+        (50, "P"),
+        (40, "T"),
+        (30, "G"),
+        (20, "M"),
+        (10, "K"),
+        (0, ""),
+    ];
+    if exact % scale == 0 {
+        let bytes = exact / scale;
+        if let Some((u, letter)) = units.iter().find(|(u, _)| bytes % (1u128 << u) == 0) {
+            return format!("{s:?}: {NOT_ACCEPTED}; use {}{letter}", bytes >> u);
+        }
+    }
+    // not a whole number of bytes, or of the unit below: round in that unit
+    let (u, letter) = units
+        .iter()
+        .find(|(u, _)| *u + 10 <= shift)
+        .copied()
+        .unwrap_or((0, ""));
+    let unit = scale << u;
+    let rounded = (exact + unit / 2) / unit;
+    format!("{s:?}: {NOT_ACCEPTED}; use a whole number, such as {rounded}{letter} (rounded)")
 }
 
 /// Parses a fingerprint-index budget: a size (as [`parse_size`]) of at
@@ -92,10 +163,35 @@ mod tests {
             assert!(parse_size(bad).is_err(), "{bad:?} accepted");
         }
         assert_eq!(human(1536), "1.50 KiB");
+        assert_eq!(parse_size("0").unwrap(), 0);
         assert_eq!(parse_volume_size("16G").unwrap(), 16 << 30);
         assert_eq!(parse_volume_size("1P").unwrap(), 1 << 50);
         for bad in ["0", "1000", "4097", "x", "2P", "1025T"] {
             assert!(parse_volume_size(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn fractions_are_refused_with_what_to_write_instead() {
+        let e = parse_volume_size("1.5G").unwrap_err();
+        assert!(
+            e.contains("fractional sizes are not accepted; use 1536M"),
+            "{e}"
+        );
+        for (frac, instead) in [
+            ("2.25T", "use 2304G"),
+            ("0.5k", "use 512"),
+            ("1.0G", "use 1G"),
+            ("1.5GiB", "use 1536M"),
+            ("1.3G", "such as 1331M (rounded)"),
+            ("0.1K", "such as 102 (rounded)"),
+            ("1.", "use 1"),
+        ] {
+            let e = parse_size(frac).unwrap_err();
+            assert!(e.contains("fractional sizes are not accepted"), "{e}");
+            assert!(e.contains(instead), "{frac}: {e}");
+        }
+        let e = parse_size("1.5X").unwrap_err();
+        assert!(e.contains("fractional sizes are not accepted"), "{e}");
     }
 }

@@ -114,7 +114,12 @@ impl Server {
 
     /// Sends SIGTERM and waits; asserts a clean exit (status 0) within 60 s.
     pub fn stop(mut self) {
-        self.stop_inner(true);
+        self.stop_inner(libc::SIGTERM, true);
+    }
+
+    /// Sends `signal` and waits; asserts a clean exit (status 0) within 60 s.
+    pub fn stop_with(mut self, signal: i32) {
+        self.stop_inner(signal, true);
     }
 
     /// Kills the server with SIGKILL (no clean shutdown).
@@ -125,12 +130,12 @@ impl Server {
         }
     }
 
-    fn stop_inner(&mut self, check: bool) {
+    fn stop_inner(&mut self, signal: i32, check: bool) {
         let Some(mut c) = self.child.take() else {
             return;
         };
         // SAFETY: sending a signal to our own child process.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(c.id() as i32, signal) };
         let start = Instant::now();
         loop {
             match c.try_wait().expect("waiting for dedupd") {
@@ -138,14 +143,14 @@ impl Server {
                     if check {
                         assert!(
                             status.success(),
-                            "dedupd exited with {status} after SIGTERM"
+                            "dedupd exited with {status} after signal {signal}"
                         );
                     }
                     return;
                 }
                 None if start.elapsed() > Duration::from_secs(60) => {
                     let _ = c.kill();
-                    panic!("dedupd did not exit within 60 s of SIGTERM");
+                    panic!("dedupd did not exit within 60 s of signal {signal}");
                 }
                 None => std::thread::sleep(Duration::from_millis(20)),
             }
@@ -155,7 +160,7 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.stop_inner(false);
+        self.stop_inner(libc::SIGTERM, false);
     }
 }
 

@@ -1,0 +1,368 @@
+//! End to end: the volume commands' guards (open NBD connections, shrinks
+//! not asked for, sizes refused before the store is opened), what `serve`
+//! says about options that do not apply, its stop on SIGHUP, and exit
+//! codes (stdout a closed pipe, a directory that is not quite a store).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{dedupd, dedupd_bin, run, stats, Server};
+
+/// A client that negotiated `name` (fixed newstyle, `NBD_OPT_EXPORT_NAME`)
+/// and holds the connection in transmission.
+fn connect(port: u16, name: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).unwrap();
+    s.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+    s.write_all(&0x49484156454F5054u64.to_be_bytes()).unwrap(); // IHAVEOPT
+    s.write_all(&1u32.to_be_bytes()).unwrap(); // NBD_OPT_EXPORT_NAME
+    s.write_all(&(name.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(name.as_bytes()).unwrap();
+    // size and flags: the export is open
+    let mut reply = [0u8; 10];
+    s.read_exact(&mut reply).unwrap();
+    s
+}
+
+/// Ends a client's connection (NBD_CMD_DISC) and waits until the server
+/// has `left` connections open.
+fn disconnect(mut s: TcpStream, store: &Path, left: u64) {
+    let mut disc = Vec::new();
+    disc.extend_from_slice(&0x25609513u32.to_be_bytes());
+    disc.extend_from_slice(&0u16.to_be_bytes());
+    disc.extend_from_slice(&2u16.to_be_bytes()); // NBD_CMD_DISC
+    disc.extend_from_slice(&[0u8; 16]);
+    s.write_all(&disc).unwrap();
+    drop(s);
+    let start = Instant::now();
+    while stats(store)["connections_open"] != left {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the server still counts the connection"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Asserts `out` failed with a message containing `want`.
+fn fails_with(out: &Output, want: &str) {
+    assert!(!out.status.success(), "succeeded: {}", stderr(out));
+    assert!(stderr(out).contains(want), "{}", stderr(out));
+}
+
+fn volume_size(store: &Path, name: &str) -> u64 {
+    let out = run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(store)
+        .args(["volume", "list", "--json"]));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .and_then(|v| v["size_bytes"].as_u64())
+        .unwrap_or_else(|| panic!("no volume {name}: {list}"))
+}
+
+#[test]
+fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "vm1", "8M"]));
+    let a = connect(server.port, "vm1");
+    let b = connect(server.port, "vm1");
+    // a client of another volume does not count
+    let other = connect(server.port, "default");
+
+    let out = dedupd(&store, &["volume", "delete", "vm1"]);
+    fails_with(
+        &out,
+        "volume vm1 has 2 NBD connections open; disconnect them or pass --force",
+    );
+    let out = dedupd(&store, &["volume", "resize", "vm1", "4M", "--shrink"]);
+    fails_with(&out, "volume vm1 has 2 NBD connections open");
+    // a shrink not asked for is refused first, naming what it would discard
+    let out = dedupd(&store, &["volume", "resize", "vm1", "4M"]);
+    fails_with(&out, "would discard the 4194304 bytes");
+    fails_with(&out, "pass --shrink");
+    assert_eq!(volume_size(&store, "vm1"), 8 << 20);
+    // growing takes nothing away from the clients
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "resize", "vm1", "16M"]));
+    assert_eq!(volume_size(&store, "vm1"), 16 << 20);
+
+    disconnect(a, &store, 2);
+    let out = dedupd(&store, &["volume", "resize", "vm1", "4M", "--shrink"]);
+    fails_with(
+        &out,
+        "volume vm1 has 1 NBD connection open; disconnect it or pass --force",
+    );
+    disconnect(b, &store, 1);
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "resize", "vm1", "4M", "--shrink"]));
+    assert_eq!(volume_size(&store, "vm1"), 4 << 20);
+
+    // --force goes ahead with a client connected
+    let c = connect(server.port, "vm1");
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "delete", "vm1", "--force"]));
+    drop(c);
+    drop(other);
+    server.stop();
+}
+
+#[test]
+fn a_shrink_without_a_server_needs_shrink_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .arg("init"));
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "create", "vm1", "80G"]));
+    // the typo of `80G`
+    let out = dedupd(&store, &["volume", "resize", "vm1", "80M"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    fails_with(&out, "from 80.00 GiB to 80.00 MiB would discard");
+    assert_eq!(volume_size(&store, "vm1"), 80 << 30);
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "resize", "vm1", "80M", "--shrink"]));
+    assert_eq!(volume_size(&store, "vm1"), 80 << 20);
+    // --force allows a shrink as well (no client can be connected)
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "resize", "vm1", "40M", "--force"]));
+    assert_eq!(volume_size(&store, "vm1"), 40 << 20);
+}
+
+#[test]
+fn volume_sizes_are_checked_before_the_store_is_opened() {
+    let tmp = tempfile::tempdir().unwrap();
+    // (no store there: a size refused first never gets to say so)
+    let store = tmp.path().join("none");
+    for (cmd, size, want) in [
+        ("create", "0", "not a positive multiple of 4K"),
+        ("create", "1000", "not a positive multiple of 4K"),
+        ("create", "2P", "over the 1 PiB limit"),
+        ("resize", "1000", "not a positive multiple of 4K"),
+        (
+            "create",
+            "1.5G",
+            "fractional sizes are not accepted; use 1536M",
+        ),
+        (
+            "resize",
+            "1.5G",
+            "fractional sizes are not accepted; use 1536M",
+        ),
+    ] {
+        let out = dedupd(&store, &["volume", cmd, "v", size]);
+        assert_eq!(out.status.code(), Some(2), "{cmd} {size}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(want),
+            "{cmd} {size}: {}",
+            stderr(&out)
+        );
+        assert!(!stderr(&out).contains("does not exist"), "{}", stderr(&out));
+    }
+    assert!(!store.exists());
+}
+
+#[test]
+fn sighup_stops_the_server_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &["--default-volume-size", "16M"]);
+    let mut c = connect(server.port, "default");
+    // a write the stop must make durable
+    let mut write = Vec::new();
+    write.extend_from_slice(&0x25609513u32.to_be_bytes());
+    write.extend_from_slice(&0u16.to_be_bytes());
+    write.extend_from_slice(&1u16.to_be_bytes()); // NBD_CMD_WRITE
+    write.extend_from_slice(&1u64.to_be_bytes());
+    write.extend_from_slice(&0u64.to_be_bytes());
+    write.extend_from_slice(&4096u32.to_be_bytes());
+    write.extend_from_slice(&[0x5a; 4096]);
+    c.write_all(&write).unwrap();
+    let mut reply = [0u8; 16];
+    c.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply[4..8], &[0; 4], "the write failed");
+    drop(c);
+    server.stop_with(libc::SIGHUP);
+    // closed cleanly: opened again without a journal to replay, the
+    // block is there
+    assert_eq!(stats(&store)["logical_bytes_mapped"], 4096);
+}
+
+/// Runs `dedupd serve` on `store` with `args` until it is ready, stops it,
+/// and returns what it wrote to stderr.
+fn serve_stderr(store: &Path, args: &[&str]) -> String {
+    let mut child = Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(store)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let errors = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    for line in BufReader::new(stdout).lines() {
+        if line.unwrap().starts_with("dedupd: stats:") {
+            break;
+        }
+    }
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let errors = errors.join().unwrap();
+    assert!(status.success(), "dedupd serve: {status}\n{errors}");
+    errors
+}
+
+#[test]
+fn creation_options_given_for_an_existing_store_are_warned_of() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    // the store is created with them: no warning
+    let err = serve_stderr(&store, &["--hash", "blake3", "--default-volume-size", "8M"]);
+    assert!(!err.contains("ignored"), "{err}");
+    let err = serve_stderr(
+        &store,
+        &[
+            "--hash",
+            "sha256",
+            "--index-prefix-bits",
+            "16",
+            "--default-volume-size",
+            "64G",
+        ],
+    );
+    assert!(
+        err.contains("--hash sha256 ignored: the store exists and its fingerprints are blake3"),
+        "{err}"
+    );
+    assert!(err.contains("--index-prefix-bits 16 ignored"), "{err}");
+    assert!(
+        err.contains("--default-volume-size 64.00 GiB ignored")
+            && err.contains("volume resize default"),
+        "{err}"
+    );
+    // options left at their defaults, or the store's own algorithm, say
+    // nothing
+    let err = serve_stderr(&store, &[]);
+    assert!(!err.contains("ignored"), "{err}");
+    let err = serve_stderr(&store, &["--hash", "blake3"]);
+    assert!(!err.contains("ignored"), "{err}");
+    assert_eq!(volume_size(&store, "default"), 8 << 20);
+}
+
+#[test]
+fn a_volume_command_whose_output_nobody_reads_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .arg("init"));
+    for args in [
+        &["volume", "create", "v", "4M"][..],
+        &["volume", "resize", "v", "8M"],
+        &["volume", "delete", "v"],
+    ] {
+        // stdout: a pipe whose reading end is closed
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe writes two new descriptors into the array given.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just made and are owned here only.
+        let (read, write) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        };
+        drop(read);
+        let out = Command::new(dedupd_bin())
+            .arg("--store")
+            .arg(&store)
+            .args(args)
+            .stdout(Stdio::from(write))
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+    }
+    let out = run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "list", "--json"]));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
+}
+
+#[test]
+fn a_store_without_its_superblock_gets_a_hint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .arg("init"));
+    std::fs::remove_file(store.join("superblock")).unwrap();
+    let out = dedupd(&store, &["volume", "list"]);
+    fails_with(&out, "no superblock");
+    fails_with(&out, "fsck --repair` rebuilds the superblock");
+    // as fsck --repair does
+    let out = dedupd(&store, &["fsck", "--repair"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["volume", "list"]));
+    // an init cut short before its state was written: only removing helps
+    let early = tmp.path().join("early");
+    std::fs::create_dir(&early).unwrap();
+    std::fs::write(early.join("journal"), "").unwrap();
+    let out = dedupd(&early, &["fsck"]);
+    assert_eq!(out.status.code(), Some(8), "{}", stderr(&out));
+    fails_with(&out, "remove the directory and start again");
+    // a directory that is not a store is not to be removed
+    let other = tmp.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("notes.txt"), "mine").unwrap();
+    let out = dedupd(&other, &["volume", "list"]);
+    fails_with(&out, "not a dedupd store");
+    assert!(!stderr(&out).contains("remove"), "{}", stderr(&out));
+}
