@@ -800,6 +800,7 @@ impl Engine {
                 deleting: rec.deleting,
                 deletes_running: 0,
                 before_deletes: (false, false),
+                shrinking_to: Vec::new(),
             });
         }
         // a missing map's journaled pages are not written in place: a file
@@ -1239,6 +1240,7 @@ impl Engine {
                 deleting: false,
                 deletes_running: 0,
                 before_deletes: (false, false),
+                shrinking_to: Vec::new(),
             });
             // the map cut to nothing marks it as created here: until a
             // checkpoint writes it, its file may be missing (see `open`).
@@ -1322,11 +1324,19 @@ impl Engine {
             // it was, still marked if a delete began before, or another
             // runs)
             let mut m = lock(&self.meta);
+            let mut restored = false;
             if let Some(v) = m.volumes.get_mut(&id) {
                 v.deletes_running -= 1;
                 if v.deletes_running == 0 {
                     (v.deleting, v.record.deleting) = v.before_deletes;
+                    restored = true;
                 }
+            }
+            if restored {
+                // (a commit meanwhile may have carried the mark: the table
+                // is written again without it)
+                m.state_dirty = true;
+                m.change_count += 1;
             }
             return Err(e);
         }
@@ -1334,16 +1344,16 @@ impl Engine {
         // again)
         self.release_range(id, 0, size_blocks, progress)?;
         let mut m = lock(&self.meta);
-        // a write admitted before the volume was marked may have mapped an
-        // LBA behind the pieces: release what is left (normally nothing)
-        // in the same critical section that removes the volume
-        let mut left = Vec::new();
+        // nothing is left mapped: since the mark, writes are refused before
+        // they map anything (`place_blocks` turns back those admitted
+        // before it), and the out-of-line passes only move LBAs that are
+        // mapped
+        #[cfg(debug_assertions)]
         if let Some(v) = m.volumes.get(&id) {
+            let mut left = 0u64;
             v.map
-                .for_each_nonzero_u64(0..v.size_blocks(), |lba, _| left.push(lba));
-        }
-        for lba in left {
-            m.remap(id, Lba(lba), None);
+                .for_each_nonzero_u64(0..v.size_blocks(), |_, _| left += 1);
+            debug_assert_eq!(left, 0, "LBAs mapped behind a delete's release");
         }
         m.remove_volume(id);
         m.skipped.forget(id);
@@ -1426,7 +1436,7 @@ impl Engine {
         validate_size(size_bytes)?;
         let new_blocks = size_bytes / BLOCK_SIZE_U64;
         let (id, old_blocks) = {
-            let m = lock(&self.meta);
+            let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             if m.volumes[&id].deleting {
                 return Err(EngineError::NoSuchVolume(format!("{name} (being deleted)")));
@@ -1436,15 +1446,35 @@ impl Engine {
             if m.volumes[&id].read_only() {
                 return Err(EngineError::ReadOnly(name.into()));
             }
-            (id, m.volumes[&id].size_blocks())
+            let v = m.volumes.get_mut(&id).expect("looked up above");
+            let old_blocks = v.size_blocks();
+            // shrinking: no LBA past the new end is written from now on
+            // (in this critical section, so a grow meanwhile cannot let
+            // one be)
+            if new_blocks < old_blocks {
+                v.shrinking_to.push(new_blocks);
+            }
+            (id, old_blocks)
         };
-        // shrinking: release the blocks past the new end in pieces first
-        // (as delete_volume does), then the rest with the size change
-        if new_blocks < old_blocks {
-            self.release_range(id, new_blocks, old_blocks, progress)?;
+        // the blocks past the new end are released in pieces first (as
+        // delete_volume does), then the size changes
+        let shrinking = new_blocks < old_blocks;
+        if shrinking {
+            let released = self.release_range(id, new_blocks, old_blocks, progress);
+            if let Err(e) = released {
+                self.end_shrink(id, new_blocks);
+                return Err(e);
+            }
         }
         {
             let mut m = lock(&self.meta);
+            if shrinking {
+                if let Some(v) = m.volumes.get_mut(&id) {
+                    if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
+                        v.shrinking_to.swap_remove(k);
+                    }
+                }
+            }
             // the volume released above, not another one that took its name
             // meanwhile (deleted and created again)
             let Some(v) = m.volumes.get(&id).filter(|v| !v.deleting) else {
@@ -1453,13 +1483,22 @@ impl Engine {
             if v.read_only() {
                 return Err(EngineError::ReadOnly(name.into()));
             }
-            let old_blocks = v.size_blocks();
-            let mut left = Vec::new();
-            m.volumes[&id]
-                .map
-                .for_each_nonzero_u64(new_blocks..old_blocks, |lba, _| left.push(lba));
-            for lba in left {
-                m.remap(id, Lba(lba), None);
+            if !shrinking && v.size_blocks() > new_blocks {
+                // grown past this size meanwhile: a shrink after all, with
+                // its release of blocks
+                drop(m);
+                return self.resize_volume_with_progress(name, size_bytes, progress);
+            }
+            // nothing is mapped past the new end: it was released above,
+            // and since then nothing there was written (`shrinking_to`)
+            #[cfg(debug_assertions)]
+            {
+                let mut left = 0u64;
+                v.map
+                    .for_each_nonzero_u64(new_blocks..v.size_blocks().max(new_blocks), |_, _| {
+                        left += 1
+                    });
+                debug_assert_eq!(left, 0, "LBAs mapped behind a shrink's release");
             }
             m.sequences.forget(id);
             let v = m.volumes.get_mut(&id).expect("looked up above");
@@ -1473,6 +1512,16 @@ impl Engine {
             m.change_count += 1;
         }
         self.flush()
+    }
+
+    /// Ends the shrink of volume `id` to `new_blocks` blocks (failed): the
+    /// LBAs past it may be written again.
+    fn end_shrink(&self, id: VolumeId, new_blocks: u64) {
+        if let Some(v) = lock(&self.meta).volumes.get_mut(&id) {
+            if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
+                v.shrinking_to.swap_remove(k);
+            }
+        }
     }
 
     /// Sets a volume's sequence threshold T in blocks (iDedup; SmartDedup
@@ -1495,6 +1544,9 @@ impl Engine {
         let (id, old_record, queued) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
+            if m.volumes[&id].deleting {
+                return Err(EngineError::NoSuchVolume(format!("{name} (being deleted)")));
+            }
             m.sequences.forget(id);
             let default_t = self.config.sequence_threshold_blocks;
             let v = m.volumes.get_mut(&id).expect("looked up above");
@@ -1613,7 +1665,8 @@ impl Engine {
             .volumes
             .get(&vol)
             .ok_or_else(|| EngineError::NoSuchVolume(format!("#{}", vol.0)))?;
-        let size_bytes = v.record.size_bytes;
+        // (past the new end of a shrink under way: as past the end)
+        let size_bytes = v.writable_blocks() * BLOCK_SIZE_U64;
         if offset.checked_add(len).is_none_or(|end| end > size_bytes) {
             return Err(EngineError::OutOfRange {
                 offset,
@@ -2223,7 +2276,7 @@ impl Engine {
         let Some(volume) = m.volumes.get(&vol) else {
             return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
         };
-        let size_blocks = volume.size_blocks();
+        let size_blocks = volume.writable_blocks();
         if first
             .checked_add(n as u64)
             .is_none_or(|end| end > size_blocks)
@@ -2231,7 +2284,7 @@ impl Engine {
             return Err(EngineError::OutOfRange {
                 offset: first.saturating_mul(BLOCK_SIZE_U64),
                 len: n as u64 * BLOCK_SIZE_U64,
-                size_bytes: volume.record.size_bytes,
+                size_bytes: size_blocks * BLOCK_SIZE_U64,
             });
         }
         // (a client write checked these already; a replayed one did not)
@@ -2390,13 +2443,18 @@ impl Engine {
             // deleted or shrunk past the request meanwhile: nothing to map
             // (an LBA past the end would hold a reference no LBA of the
             // volume accounts for), the reserved PBAs go back
+            // (a volume being deleted, or shrunk past the request, counts
+            // as gone: its release of blocks may have passed these LBAs)
             let gone = match m.volumes.get(&vol) {
                 None => Some(EngineError::NoSuchVolume(format!("#{}", vol.0))),
-                Some(v) if first + n as u64 > v.size_blocks() => Some(EngineError::OutOfRange {
-                    offset: first * BLOCK_SIZE_U64,
-                    len: n as u64 * BLOCK_SIZE_U64,
-                    size_bytes: v.record.size_bytes,
-                }),
+                Some(v) if v.deleting => Some(EngineError::ReadOnly(v.record.name.clone())),
+                Some(v) if first + n as u64 > v.writable_blocks() => {
+                    Some(EngineError::OutOfRange {
+                        offset: first * BLOCK_SIZE_U64,
+                        len: n as u64 * BLOCK_SIZE_U64,
+                        size_bytes: v.writable_blocks() * BLOCK_SIZE_U64,
+                    })
+                }
                 Some(_) => None,
             };
             // (or, for a read-modify-write, remapped meanwhile: read again)
@@ -3425,5 +3483,105 @@ mod tests {
             panic!("opened");
         };
         assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
+    }
+
+    /// An in-memory engine over a [`GatedBackend`]: (engine, the gate's
+    /// arming flag, "a write entered the gate", "let it go").
+    fn gated_engine() -> (
+        std::sync::Arc<Engine>,
+        std::sync::Arc<AtomicBool>,
+        std::sync::mpsc::Receiver<()>,
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        let armed = std::sync::Arc::new(AtomicBool::new(false));
+        let backend = GatedBackend {
+            inner: crate::backend::MemoryBackend::default(),
+            armed: armed.clone(),
+            entered: Mutex::new(entered_tx),
+            release: Mutex::new(release_rx),
+        };
+        let e = std::sync::Arc::new(Engine::in_memory_over(
+            HashAlgorithm::Sha256,
+            EngineConfig::default(),
+            Box::new(backend),
+        ));
+        (e, armed, entered, release)
+    }
+
+    #[test]
+    fn a_write_caught_behind_a_delete_s_release_maps_nothing() {
+        let (e, armed, entered, release) = gated_engine();
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        // a write of new content, held between its lookup and its mapping
+        armed.store(true, Ordering::SeqCst);
+        let writer = {
+            let e = e.clone();
+            std::thread::spawn(move || e.write(v, 5 * 4096, &[2u8; BLOCK_SIZE], false))
+        };
+        entered.recv().unwrap();
+        // let it go once the delete's release has passed its LBA
+        let mut writer = Some(writer);
+        let mut outcome = None;
+        e.delete_volume_with_progress("v", &mut |_, _| {
+            if let Some(w) = writer.take() {
+                release.send(()).unwrap();
+                outcome = Some(w.join().unwrap());
+            }
+        })
+        .unwrap();
+        let err = outcome.unwrap().unwrap_err();
+        assert!(matches!(err, EngineError::ReadOnly(_)), "{err:?}");
+        assert!(e.check().is_empty(), "{:?}", e.check());
+        assert_eq!(e.stats().physical_blocks_stored, 0);
+    }
+
+    #[test]
+    fn a_write_caught_behind_a_shrink_s_release_maps_nothing() {
+        let (e, armed, entered, release) = gated_engine();
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        armed.store(true, Ordering::SeqCst);
+        let writer = {
+            let e = e.clone();
+            std::thread::spawn(move || e.write(v, 200 * 4096, &[2u8; BLOCK_SIZE], false))
+        };
+        entered.recv().unwrap();
+        let mut writer = Some(writer);
+        let mut outcome = None;
+        e.resize_volume_with_progress("v", 64 * 4096, &mut |_, _| {
+            if let Some(w) = writer.take() {
+                release.send(()).unwrap();
+                outcome = Some(w.join().unwrap());
+            }
+        })
+        .unwrap();
+        let err = outcome.unwrap().unwrap_err();
+        assert!(matches!(err, EngineError::OutOfRange { .. }), "{err:?}");
+        // and while the shrink runs, writes past its new end are refused
+        // at once
+        assert!(e.check().is_empty(), "{:?}", e.check());
+        assert_eq!(e.stats().physical_blocks_stored, 1);
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        e.read(v, 0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 1));
+    }
+
+    #[test]
+    fn writes_past_the_new_end_are_refused_while_a_shrink_runs() {
+        let e = std::sync::Arc::new(Engine::in_memory(HashAlgorithm::Sha256));
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let mut seen = Vec::new();
+        e.resize_volume_with_progress("v", 64 * 4096, &mut |_, _| {
+            seen.push((
+                e.write(v, 100 * 4096, &[3u8; BLOCK_SIZE], false).is_err(),
+                e.write(v, 10 * 4096, &[3u8; BLOCK_SIZE], false).is_ok(),
+            ));
+        })
+        .unwrap();
+        assert!(!seen.is_empty() && seen.iter().all(|&(past, inside)| past && inside));
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 }

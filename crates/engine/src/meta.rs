@@ -49,12 +49,23 @@ pub struct Volume {
     /// (`deleting`, `record.deleting`) before the first of the deletes
     /// under way: what a failing last one gives back.
     pub before_deletes: (bool, bool),
+    /// New sizes, in blocks, of the shrinks under way: no LBA at or past
+    /// the smallest is written or mapped meanwhile, so none appears behind
+    /// a shrink's release of the blocks there.
+    pub shrinking_to: Vec<u64>,
 }
 
 impl Volume {
     /// Size in 4 KiB blocks.
     pub fn size_blocks(&self) -> u64 {
         self.record.size_bytes / BLOCK_SIZE_U64
+    }
+    /// Blocks that may be written: the size, or less while a shrink runs.
+    pub fn writable_blocks(&self) -> u64 {
+        self.shrinking_to
+            .iter()
+            .copied()
+            .fold(self.size_blocks(), u64::min)
     }
     /// True if the volume's metadata cannot be trusted (served read-only).
     pub fn read_only(&self) -> bool {
