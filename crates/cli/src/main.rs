@@ -511,11 +511,17 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                 )?;
                 for vol in list {
                     let state = if vol["deleting"].as_bool().unwrap_or(false) {
-                        "being deleted (read-only; delete again to finish)"
+                        "being deleted (read-only; delete again to finish)".to_string()
                     } else if vol["read_only"].as_bool().unwrap_or(false) {
-                        "read-only (damaged metadata: fsck --repair)"
+                        "read-only (damaged metadata: fsck --repair)".to_string()
+                    } else if let Some(to) = vol["shrinking_to_bytes"].as_u64() {
+                        format!(
+                            "shrink to {} not finished (written only below it; resize to {to} \
+                             --shrink to finish)",
+                            human(to)
+                        )
                     } else {
-                        "ok"
+                        "ok".to_string()
                     };
                     writeln!(
                         out,

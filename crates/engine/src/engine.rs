@@ -215,6 +215,11 @@ pub struct VolumeInfo {
     /// Its own sequence threshold T in blocks, if set (else the engine's).
     #[serde(default)]
     pub sequence_threshold_blocks: Option<u32>,
+    /// A shrink to this many bytes began and did not finish (a crash, an
+    /// error): nothing past it is written until a `volume resize`
+    /// finishes or undoes it.
+    #[serde(default)]
+    pub shrinking_to_bytes: Option<u64>,
 }
 
 /// What [`Engine::delete_volume`] did, beyond deleting the volume.
@@ -1155,6 +1160,7 @@ impl Engine {
                     read_only: v.read_only(),
                     deleting: v.deleting,
                     sequence_threshold_blocks: v.record.sequence_threshold_blocks,
+                    shrinking_to_bytes: v.record.shrinking_to_bytes,
                 })
                 .collect()
         };
@@ -1231,6 +1237,7 @@ impl Engine {
                     size_bytes,
                     sequence_threshold_blocks: None,
                     deleting: false,
+                    shrinking_to_bytes: None,
                     creation_marked: true,
                 },
                 map: CachedArray::new(PagedArray::new(MetaFile::Map(id).page_tag())),
@@ -1435,7 +1442,7 @@ impl Engine {
     ) -> Result<()> {
         validate_size(size_bytes)?;
         let new_blocks = size_bytes / BLOCK_SIZE_U64;
-        let (id, old_blocks) = {
+        let (id, old_blocks, mark_before) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             if m.volumes[&id].deleting {
@@ -1448,23 +1455,44 @@ impl Engine {
             }
             let v = m.volumes.get_mut(&id).expect("looked up above");
             let old_blocks = v.size_blocks();
+            let mark_before = v.record.shrinking_to_bytes;
             // shrinking: no LBA past the new end is written from now on
             // (in this critical section, so a grow meanwhile cannot let
-            // one be)
+            // one be), and the shrink is marked in the volume table
             if new_blocks < old_blocks {
                 v.shrinking_to.push(new_blocks);
+                if mark_before.is_none_or(|b| b > size_bytes) {
+                    v.record.shrinking_to_bytes = Some(size_bytes);
+                    m.state_dirty = true;
+                    m.change_count += 1;
+                }
             }
-            (id, old_blocks)
+            (id, old_blocks, mark_before)
         };
         // the blocks past the new end are released in pieces first (as
         // delete_volume does), then the size changes
         let shrinking = new_blocks < old_blocks;
         if shrinking {
-            let released = self.release_range(id, new_blocks, old_blocks, progress);
-            if let Err(e) = released {
-                self.end_shrink(id, new_blocks);
+            // the mark durable before any block is released: a shrink cut
+            // short never lets the LBAs past it be written again unnoticed
+            if let Err(e) = self.flush() {
+                let mut m = lock(&self.meta);
+                if let Some(v) = m.volumes.get_mut(&id) {
+                    if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
+                        v.shrinking_to.swap_remove(k);
+                    }
+                    if v.record.shrinking_to_bytes != mark_before {
+                        v.record.shrinking_to_bytes = mark_before;
+                        m.state_dirty = true;
+                        m.change_count += 1;
+                    }
+                }
                 return Err(e);
             }
+            // (on an error the mark stays: the volume is written only
+            // below the new end until a resize finishes the shrink)
+            self.release_range(id, new_blocks, old_blocks, progress)
+                .inspect_err(|_| self.end_shrink(id, new_blocks))?;
         }
         {
             let mut m = lock(&self.meta);
@@ -1503,6 +1531,9 @@ impl Engine {
             m.sequences.forget(id);
             let v = m.volumes.get_mut(&id).expect("looked up above");
             v.record.size_bytes = size_bytes;
+            // done, or undone by a resize after one cut short (other
+            // shrinks running keep theirs)
+            v.record.shrinking_to_bytes = v.shrinking_to.iter().min().map(|&b| b * BLOCK_SIZE_U64);
             v.map.truncate(new_blocks * 8);
             m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),
@@ -1514,8 +1545,8 @@ impl Engine {
         self.flush()
     }
 
-    /// Ends the shrink of volume `id` to `new_blocks` blocks (failed): the
-    /// LBAs past it may be written again.
+    /// Ends the shrink of volume `id` to `new_blocks` blocks in memory
+    /// (failed: its mark in the volume table stays).
     fn end_shrink(&self, id: VolumeId, new_blocks: u64) {
         if let Some(v) = lock(&self.meta).volumes.get_mut(&id) {
             if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {

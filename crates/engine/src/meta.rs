@@ -60,11 +60,13 @@ impl Volume {
     pub fn size_blocks(&self) -> u64 {
         self.record.size_bytes / BLOCK_SIZE_U64
     }
-    /// Blocks that may be written: the size, or less while a shrink runs.
+    /// Blocks that may be written: the size, or less while a shrink runs
+    /// or after one was cut short.
     pub fn writable_blocks(&self) -> u64 {
         self.shrinking_to
             .iter()
             .copied()
+            .chain(self.record.shrinking_to_bytes.map(|b| b / BLOCK_SIZE_U64))
             .fold(self.size_blocks(), u64::min)
     }
     /// True if the volume's metadata cannot be trusted (served read-only).

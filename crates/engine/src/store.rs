@@ -78,6 +78,12 @@ pub struct VolumeRecord {
     /// released, until `volume delete` runs again and finishes.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleting: bool,
+    /// A shrink of this volume to this many bytes began (committed before
+    /// its first block was released) and has not finished: LBAs past it
+    /// are not written, some of their blocks possibly released, until a
+    /// `volume resize` finishes (or undoes) it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrinking_to_bytes: Option<u64>,
     /// The volume's creation journaled its map cut to nothing before its
     /// length: a map no checkpoint has written yet is then told from a
     /// lost one (missing without that cut in the journal: damage).

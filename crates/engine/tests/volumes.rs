@@ -317,6 +317,59 @@ fn one_huge_trim_commits_along_the_way() {
 }
 
 #[test]
+fn a_shrink_cut_short_keeps_the_tail_unwritten_until_resized_again() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("s");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let blocks = 2 * RELEASE_PIECE_BLOCKS + 100;
+    let v = e.create_volume("v", blocks * 4096).unwrap();
+    for k in 0..blocks {
+        e.write(v, k * 4096, &[(k % 250) as u8 + 1; 4096], false)
+            .unwrap();
+    }
+    e.flush().unwrap();
+    // the process dies after the first piece of a shrink to 100 blocks
+    let cut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        e.resize_volume_with_progress("v", 100 * 4096, &mut |_, _| panic!("killed"))
+    }));
+    assert!(cut.is_err());
+    e.drop_without_closing();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let info = e.volumes().into_iter().find(|i| i.name == "v").unwrap();
+    assert_eq!(info.size_bytes, blocks * 4096);
+    assert_eq!(info.shrinking_to_bytes, Some(100 * 4096), "{info:?}");
+    assert!(!info.read_only);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    // below the new end the volume is served as before; past it, a part
+    // of the tail is released already, and nothing is written
+    let (v, _) = e.volume("v").unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(v, 99 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 100));
+    e.write(v, 99 * 4096, &[251u8; 4096], false).unwrap();
+    let err = e
+        .write(v, (blocks - 1) * 4096, &[9u8; 4096], false)
+        .unwrap_err();
+    assert!(
+        matches!(err, dedupd_engine::EngineError::OutOfRange { .. }),
+        "{err:?}"
+    );
+    // resizing to it again finishes the shrink
+    e.resize_volume("v", 100 * 4096).unwrap();
+    let info = e.volumes().into_iter().find(|i| i.name == "v").unwrap();
+    assert_eq!(
+        (info.size_bytes, info.shrinking_to_bytes),
+        (100 * 4096, None)
+    );
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    assert_eq!(e.stats().physical_blocks_stored, 100);
+    drop(e);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let info = e.volumes().into_iter().find(|i| i.name == "v").unwrap();
+    assert_eq!(info.shrinking_to_bytes, None);
+}
+
+#[test]
 fn a_delete_cut_short_leaves_the_volume_read_only_until_deleted_again() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("s");
