@@ -1220,6 +1220,11 @@ impl Engine {
     /// exceed the physical space: thin provisioning) and makes it durable
     /// (an engine in memory commits it with its next flush instead).
     /// Names are 1–64 characters of `A-Za-z0-9._-`.
+    ///
+    /// Errors: [`EngineError::InvalidArgument`] (name, size),
+    /// [`EngineError::VolumeExists`]; the commit's errors, after which the
+    /// volume exists all the same, not yet durable (the next successful
+    /// commit makes it so; a retry finds it existing).
     pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeId> {
         validate_name(name)?;
         validate_size(size_bytes)?;
