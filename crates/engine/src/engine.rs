@@ -1833,7 +1833,7 @@ impl Engine {
     pub fn write(&self, vol: VolumeId, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_write(vol, offset, data.len() as u64)?;
         self.write_unchecked(vol, offset, Some(data))?;
-        self.after_write(fua)
+        self.after_request(fua)
     }
 
     /// Discards `len` bytes at `offset` (TRIM): whole blocks are unmapped and
@@ -1841,13 +1841,31 @@ impl Engine {
     pub fn trim(&self, vol: VolumeId, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_write(vol, offset, len)?;
         self.write_unchecked_zero(vol, offset, len)?;
-        self.after_write(fua)
+        self.after_request(fua)
     }
 
     /// Makes `len` bytes at `offset` read as zeros (WRITE_ZEROES); the same
     /// as [`Engine::trim`] since zero blocks are never stored.
     pub fn write_zeroes(&self, vol: VolumeId, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.trim(vol, offset, len, fua)
+    }
+
+    /// After a client's write or TRIM, made in memory: with `fua`, as
+    /// [`Engine::after_write`]; without, only a change that met unreadable
+    /// metadata fails. A commit started because a bound was passed is the
+    /// store's business: if it fails, the request still succeeded (it is
+    /// in place, and durable only after a FLUSH, which reports the error),
+    /// the commit is wanted again, and while the bounds stay passed twice
+    /// over the next change is refused before it changes anything
+    /// ([`Engine::check_write`]).
+    fn after_request(&self, fua: bool) -> Result<()> {
+        if fua || self.map_cache.load_errors() > 0 || self.reverse_cache.writes_dropped() > 0 {
+            return self.after_write(fua);
+        }
+        if self.after_write(false).is_err() {
+            self.commit_wanted.store(true, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// After a change made without holding the metadata lock any more:
@@ -2166,10 +2184,16 @@ impl Engine {
             return Ok(None);
         };
         let fp = fingerprint(s);
-        let duplicate = lock(&self.meta)
-            .lookup(&fp)
-            .map_err(|e| EngineError::io("reading the fingerprint store", e))?
-            .is_some();
+        // (an unreadable fingerprint store makes a miss, not a failed
+        // write, as in `place_blocks`)
+        let duplicate = {
+            let mut m = lock(&self.meta);
+            m.lookup(&fp).unwrap_or_else(|_| {
+                m.counters.index_errors += 1;
+                None
+            })
+        }
+        .is_some();
         let mut turned_away = 0;
         if !duplicate {
             for (i, on) in inline.iter_mut().enumerate() {
@@ -2435,8 +2459,10 @@ impl Engine {
 
         // phase 2: write new data without the metadata lock, coalescing
         // runs of consecutive PBAs (nothing to write without data, as in a
-        // replay of fingerprints: then the lock is kept throughout)
-        if let Some(data) = data {
+        // replay of fingerprints, or when phase 1 mapped every block: then
+        // the lock is kept throughout, and the request is done)
+        let any_new = placement.iter().any(|p| matches!(p, Placement::New { .. }));
+        if let Some(data) = data.filter(|_| any_new) {
             drop(m);
             let mut retried = false;
             loop {
@@ -3208,8 +3234,19 @@ mod tests {
 
     #[test]
     fn an_unreadable_fingerprint_store_makes_misses_not_failed_writes() {
+        unreadable_fingerprint_store_makes_misses(false);
+    }
+
+    #[test]
+    fn an_unreadable_fingerprint_store_makes_misses_with_sampling_too() {
+        // (CAFTL sampling looks a request's sample up before the rest)
+        unreadable_fingerprint_store_makes_misses(true);
+    }
+
+    fn unreadable_fingerprint_store_makes_misses(sampling: bool) {
         let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let config = EngineConfig {
+            sampling,
             index: crate::index::IndexConfig {
                 // inline lookups read the on-disk groups; a budget of a
                 // few groups, so most fingerprints are only there
