@@ -162,6 +162,12 @@ fn print_report(r: &Report) {
     if r.bad_records_skipped > 0 {
         println!("bad records skipped           {}", r.bad_records_skipped);
     }
+    if r.timestamps_clamped > 0 {
+        println!(
+            "time stamps clamped           {} (before an earlier one of their file: replayed as at the largest before them)",
+            r.timestamps_clamped
+        );
+    }
     println!(
         "blocks written                {} ({} zero), {} read",
         r.blocks_written, r.zero_blocks_written, r.blocks_read

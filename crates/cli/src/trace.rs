@@ -166,10 +166,18 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
                 (Some(a), Some(b)) => println!("LBA range (sectors)     {a}..{b}"),
                 _ => println!("LBA range (sectors)     empty"),
             }
-            if let (Some(a), Some(b)) = (s.first_ts_ns, s.last_ts_ns) {
+            // (from the first time stamp to the largest: a trace's clock
+            // may step back, and replay takes such a step as no time)
+            if let (Some(a), Some(b)) = (s.first_ts_ns, s.max_ts_ns) {
                 println!(
                     "duration                {:.3} s",
                     b.saturating_sub(a) as f64 / 1e9
+                );
+            }
+            if s.timestamps_clamped > 0 {
+                println!(
+                    "time stamps clamped     {} (before an earlier one: replay takes each as the largest before it)",
+                    s.timestamps_clamped
                 );
             }
             Ok(())

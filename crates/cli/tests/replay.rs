@@ -453,3 +453,77 @@ fn trace_gen_refuses_options_its_kind_does_not_use() {
         assert!(out.status.success(), "{extra:?}: {out:?}");
     }
 }
+
+#[test]
+fn a_trace_without_requests_is_refused_but_has_stats() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, bytes) in [
+        ("empty.blkparse", Vec::new()),
+        ("comments.blkparse", b"# nothing\n\n".to_vec()),
+        // gzip of nothing: header, an empty final deflate block, CRC and
+        // length 0
+        (
+            "empty.gz",
+            vec![
+                0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            ],
+        ),
+    ] {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        let why = format!("{}: no requests in this trace", p.display());
+        let out = dedupd().args(["replay", "-q"]).arg(&p).output().unwrap();
+        assert!(!out.status.success(), "{name}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&why), "{name}: {err}");
+        let conv = tmp.path().join("out.ddt");
+        let out = dedupd()
+            .args(["trace", "convert"])
+            .arg(&p)
+            .arg(&conv)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{name}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&why));
+        assert!(!conv.exists());
+        let out = dedupd()
+            .args(["trace", "stats", "--json"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name}: {out:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["requests"], 0, "{name}");
+    }
+}
+
+#[test]
+fn time_stamps_stepping_back_are_reported_and_do_not_shorten_the_duration() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("back.blkparse");
+    let line = |s: u64, i: u64| {
+        format!(
+            "{} 7 p {} 8 W 6 0 {:032x}\n",
+            s * 1_000_000_000,
+            i * 8,
+            i + 1
+        )
+    };
+    std::fs::write(&p, [line(1, 0), line(3, 1), line(2, 2)].concat()).unwrap();
+    let out = dedupd().args(["trace", "stats"]).arg(&p).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("duration                2.000 s"), "{text}");
+    assert!(text.contains("time stamps clamped     1"), "{text}");
+    let out = dedupd().args(["replay", "-q"]).arg(&p).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("time stamps clamped           1"), "{text}");
+    let out = dedupd()
+        .args(["replay", "--json"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["timestamps_clamped"], 1);
+}

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use crate::error::{io_err, Result};
+use crate::error::{io_err, Result, TraceError};
 use crate::native::NativeWriter;
 use crate::output::OutputFile;
 use crate::reader::{Format, TraceReader};
@@ -31,7 +31,8 @@ pub struct ConvertSummary {
 /// existing file as it was, and `output` may be the input itself.
 ///
 /// Errors: reading the input (as [`TraceReader::next_into`]) or writing
-/// the output fails.
+/// the output fails, or the input holds no request
+/// ([`TraceError::NoRequests`]; `output` is then left as it was).
 pub fn convert(
     input: &Path,
     format: Option<Format>,
@@ -73,6 +74,13 @@ pub fn convert_counting(
             w.write(&req).map_err(io_err(&out_name))?;
             summary.requests += 1;
         }
+    }
+    if summary.requests == 0 {
+        // (the temporary file goes with `dest`)
+        return Err(TraceError::NoRequests {
+            file: reader.name().to_string(),
+            bad_records_skipped: reader.bad_records(),
+        });
     }
     let out = w.finish().map_err(io_err(&out_name))?;
     out.into_inner()

@@ -5,12 +5,19 @@
 //! 64-byte cache line each), probed linearly bucket by bucket, at most 7/8
 //! full (as full as the standard library's hash set, without its control
 //! bytes). The caller supplies each digest's 64-bit hash, which must be
-//! [`digest_hash`] of it (the replay computes that once per digest for its
-//! fingerprint too), so an insert is
+//! the set's [`DigestSet::hash`] of it (the replay computes it once per
+//! digest, when it reads the request ahead of its turn), so an insert is
 //! one probe into one cache line in the common case, and the slot can be
 //! prefetched before the insert ([`DigestSet::prefetch`]) while other work
 //! runs. A general hash set costs two dependent cache misses per insert
 //! (control bytes, then the bucket).
+//!
+//! The hash is keyed anew for every set (the standard library's
+//! `RandomState`: SipHash-1-3 with random keys), as a trace is input from
+//! anywhere: with a fixed hash, a crafted trace of digests that all land in
+//! one bucket would make every insert probe all the earlier ones (time
+//! quadratic in the trace). Which digests are in the set does not depend on
+//! the keys, so neither does any figure of a replay.
 //!
 //! The all-zero digest marks an empty slot; when it occurs as a digest it
 //! is remembered by a flag instead.
@@ -20,6 +27,8 @@
 //! nearly every one also missed the TLB (a page walk, which a prefetch
 //! waits for too).
 
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
 use std::ptr::NonNull;
 
 use crate::request::Digest;
@@ -100,8 +109,8 @@ impl Drop for Table {
     }
 }
 
-/// A set of distinct digests, probed by their [`digest_hash`] (see the
-/// module docs).
+/// A set of distinct digests, probed by their [`DigestSet::hash`] (see
+/// the module docs).
 pub struct DigestSet {
     /// Power-of-two table of buckets.
     table: Table,
@@ -109,6 +118,8 @@ pub struct DigestSet {
     len: usize,
     /// The all-zero digest is in the set.
     has_zero: bool,
+    /// Random keys of the set's hash.
+    keys: RandomState,
 }
 
 impl Default for DigestSet {
@@ -117,11 +128,22 @@ impl Default for DigestSet {
             table: Table::new(INITIAL_BUCKETS),
             len: 0,
             has_zero: false,
+            keys: RandomState::new(),
         }
     }
 }
 
 impl DigestSet {
+    /// The hash by which this set places `d`: SipHash-1-3 under the set's
+    /// random keys, over the digest's two 64-bit halves.
+    #[inline]
+    pub fn hash(&self, d: &Digest) -> u64 {
+        let mut h = self.keys.build_hasher();
+        h.write_u64(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")));
+        h.write_u64(u64::from_le_bytes(d[8..].try_into().expect("8 bytes")));
+        h.finish()
+    }
+
     /// Number of distinct digests inserted.
     pub fn len(&self) -> usize {
         self.len + usize::from(self.has_zero)
@@ -143,11 +165,11 @@ impl DigestSet {
         dedupd_engine::prefetch::prefetch_read(&buckets[(b + 1) & (buckets.len() - 1)]);
     }
 
-    /// Inserts `d`, whose [`digest_hash`] is `hash`; true if it was not in
-    /// the set.
+    /// Inserts `d`, whose [`DigestSet::hash`] is `hash`; true if it was
+    /// not in the set.
     #[inline]
     pub fn insert(&mut self, d: &Digest, hash: u64) -> bool {
-        debug_assert_eq!(hash, digest_hash(d));
+        debug_assert_eq!(hash, self.hash(d));
         if *d == EMPTY {
             return !std::mem::replace(&mut self.has_zero, true);
         }
@@ -183,7 +205,7 @@ impl DigestSet {
             if *d == EMPTY {
                 continue;
             }
-            let mut b = self.bucket_of(digest_hash(d));
+            let mut b = self.bucket_of(self.hash(d));
             loop {
                 if let Some(s) = self.table.buckets_mut()[b]
                     .0
@@ -199,26 +221,32 @@ impl DigestSet {
     }
 }
 
-/// The 64-bit hash of a digest the set expects: one splitmix64 step over
-/// each half (also the first word of the replay's engine fingerprint).
-pub fn digest_hash(d: &Digest) -> u64 {
-    let lo = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
-    let hi = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
-    splitmix64(lo ^ splitmix64(hi))
-}
-
-/// One step of splitmix64 (Steele, Lea & Flood), a 64-bit bijective mix.
-pub fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    /// One step of splitmix64, to make test digests.
+    fn splitmix64(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    impl DigestSet {
+        /// Buckets probed to find `d`, which is in the set.
+        fn probes(&self, d: &Digest) -> usize {
+            let mask = self.table.len - 1;
+            let mut b = self.bucket_of(self.hash(d));
+            let mut n = 1;
+            while !self.table.buckets()[b].0.contains(d) {
+                b = (b + 1) & mask;
+                n += 1;
+            }
+            n
+        }
+    }
 
     #[test]
     fn counts_distinct_digests_like_a_hash_set() {
@@ -234,13 +262,13 @@ mod tests {
                 d[..8].copy_from_slice(&v.to_le_bytes());
                 d[8..].copy_from_slice(&(v >> 3).to_be_bytes());
             }
-            set.prefetch(digest_hash(&d));
-            assert_eq!(set.insert(&d, digest_hash(&d)), reference.insert(d));
+            set.prefetch(set.hash(&d));
+            assert_eq!(set.insert(&d, set.hash(&d)), reference.insert(d));
         }
         assert_eq!(set.len(), reference.len());
     }
 
-    /// Digests whose hashes all land in the first bucket still probe to
+    /// Digests whose hashes all land in the last bucket still probe to
     /// each other: long runs across buckets, the wrap-around, and growth.
     #[test]
     fn a_crowded_bucket_spills_over_and_wraps() {
@@ -254,16 +282,57 @@ mod tests {
             x += 1;
             let mut d = [1u8; 16];
             d[..8].copy_from_slice(&x.to_le_bytes());
-            if digest_hash(&d) >= last {
+            if set.hash(&d) >= last {
                 found.push(d);
             }
         }
         for d in &found {
-            assert!(set.insert(d, digest_hash(d)));
+            assert!(set.insert(d, set.hash(d)));
         }
         for d in &found {
-            assert!(!set.insert(d, digest_hash(d)));
+            assert!(!set.insert(d, set.hash(d)));
         }
         assert_eq!(set.len(), found.len());
+    }
+
+    /// Digests made to share one value of a fixed 64-bit mix (here the
+    /// replay's fingerprint mix, splitmix64 of each half: any `hi`, and
+    /// `lo` solving for the value) spread over the table all the same:
+    /// the set's hash is keyed, so a trace cannot choose its buckets.
+    #[test]
+    fn digests_crafted_to_collide_under_a_fixed_mix_spread_out() {
+        let mix = |d: &Digest| {
+            let lo = u64::from_le_bytes(d[..8].try_into().unwrap());
+            let hi = u64::from_le_bytes(d[8..].try_into().unwrap());
+            splitmix64(lo ^ splitmix64(hi))
+        };
+        let target = 0x0123_4567_89ab_cdefu64;
+        let crafted: Vec<Digest> = (1..=8192u64)
+            .map(|hi| {
+                let mut d = [0u8; 16];
+                d[..8].copy_from_slice(&(target ^ splitmix64(hi)).to_le_bytes());
+                d[8..].copy_from_slice(&hi.to_le_bytes());
+                d
+            })
+            .collect();
+        assert!(crafted.iter().all(|d| mix(d) == splitmix64(target)));
+        let mut set = DigestSet::default();
+        for d in &crafted {
+            assert!(set.insert(d, set.hash(d)));
+        }
+        assert_eq!(set.len(), crafted.len());
+        // at most half full: a probe finds its digest within a few
+        // buckets (all in one bucket's run, it would take up to 2048)
+        let longest = crafted.iter().map(|d| set.probes(d)).max().unwrap();
+        assert!(longest <= 32, "a probe visited {longest} buckets");
+    }
+
+    /// Two sets hash alike only by chance: each has keys of its own.
+    #[test]
+    fn each_set_has_keys_of_its_own() {
+        let (a, b) = (DigestSet::default(), DigestSet::default());
+        let d = [7u8; 16];
+        assert_eq!(a.hash(&d), a.hash(&d));
+        assert_ne!(a.hash(&d), b.hash(&d));
     }
 }

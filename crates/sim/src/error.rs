@@ -13,6 +13,29 @@ pub enum TraceError {
         /// as the error's source: a chain would print it twice).
         cause: std::io::Error,
     },
+    /// An I/O error on a text trace while reading one of its lines (a
+    /// truncated or corrupt compressed file, typically): `file:line: …`,
+    /// the line being read when it happened.
+    #[error("{file}:{line}: {cause}")]
+    IoAtLine {
+        /// The file's path as given.
+        file: String,
+        /// 1-based number of the line being read.
+        line: u64,
+        /// The underlying error (part of the message, as for `Io`).
+        cause: std::io::Error,
+    },
+    /// A trace from which no request was read (an empty file, comments
+    /// only, or only malformed lines skipped with `skip_bad`): replaying
+    /// or converting it is refused, as it is most likely not the file
+    /// meant.
+    #[error("{file}: no requests in this trace{}", skipped_note(*.bad_records_skipped))]
+    NoRequests {
+        /// The file's path as given.
+        file: String,
+        /// Malformed lines skipped (with `skip_bad`).
+        bad_records_skipped: u64,
+    },
     /// A malformed text line (skipped and counted instead with `skip_bad`).
     #[error("{file}:{line}: {msg}")]
     BadLine {
@@ -56,8 +79,30 @@ impl From<dedupd_engine::EngineError> for TraceError {
     }
 }
 
+/// ` (N malformed lines skipped)`, or nothing for none.
+fn skipped_note(n: u64) -> String {
+    match n {
+        0 => String::new(),
+        1 => " (1 malformed line skipped)".into(),
+        n => format!(" ({n} malformed lines skipped)"),
+    }
+}
+
 /// Result with [`TraceError`].
 pub type Result<T> = std::result::Result<T, TraceError>;
+
+/// Wraps an I/O error with the file and the line being read when it
+/// happened (nothing is allocated unless it is called).
+pub(crate) fn io_err_at_line(
+    file: &str,
+    line: u64,
+) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
+    move |cause| TraceError::IoAtLine {
+        file: file.to_string(),
+        line,
+        cause,
+    }
+}
 
 /// Wraps an I/O error with the file it happened on.
 pub(crate) fn io_err(file: &str) -> impl FnOnce(std::io::Error) -> TraceError + '_ {

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use crate::error::{io_err, Result, TraceError};
+use crate::error::{io_err, io_err_at_line, Result, TraceError};
 use crate::input;
 use crate::native::{NativeReader, MAGIC};
 use crate::request::{Request, Source};
@@ -257,16 +257,19 @@ impl TraceReader {
                 layout,
             } => loop {
                 line.clear();
+                // (an error names the line being read, as a parse error
+                // does: a truncated .gz fails part way through the file)
                 let n = (&mut **input)
                     .take(MAX_LINE_BYTES as u64 + 1)
                     .read_until(b'\n', line)
-                    .map_err(io_err(&self.name))?;
+                    .map_err(io_err_at_line(&self.name, *line_no + 1))?;
                 if n == 0 {
                     return Ok(false);
                 }
                 *line_no += 1;
                 if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
-                    skip_rest_of_line(&mut **input).map_err(io_err(&self.name))?;
+                    skip_rest_of_line(&mut **input)
+                        .map_err(io_err_at_line(&self.name, *line_no))?;
                     if self.skip_bad {
                         self.bad += 1;
                         continue;

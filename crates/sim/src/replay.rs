@@ -10,12 +10,16 @@
 //! on two devices is two blocks. Stream labels name the device
 //! (`name@major,minor`) for every device but the first of a file.
 //! Several files are interleaved by time stamp (a k-way merge; ties go to
-//! the file named first). Writes go through
-//! [`Engine::write_fingerprinted`], so the inline dedup measured is the
-//! engine's own. Alongside, the set of distinct non-zero digests written
-//! gives the duplicates an exact, unbounded dedup would find. Memory is
-//! independent of the trace length apart from that set, the engine's
-//! metadata and the stream table.
+//! the file named first). A time stamp before an earlier one of its file
+//! is taken as that file's largest so far (counted as
+//! [`Report::timestamps_clamped`]), so each file's clock, which the merge
+//! and the idle gaps of [`OutOfLine::IdleGapMs`] follow, never runs back.
+//! Writes go through [`Engine::write_fingerprinted`], so the inline dedup
+//! measured is the engine's own. Alongside, the set of distinct non-zero
+//! digests written gives the duplicates an exact, unbounded dedup would
+//! find. Memory is independent of the trace length apart from that set,
+//! the engine's metadata, the stream table and each file's table of
+//! sources.
 //!
 //! Trace digests become engine fingerprints through [`fingerprint_of`]
 //! (a 64-bit mix in front, so the index's prefixes and keys are uniform).
@@ -38,7 +42,7 @@ use dedupd_engine::{
     Engine, EngineConfig, Fingerprint, HashAlgorithm, Lba, Stats, VolumeId, BLOCK_SIZE,
 };
 
-use crate::digest_set::{digest_hash, DigestSet};
+use crate::digest_set::DigestSet;
 use crate::error::{Result, TraceError};
 use crate::reader::{Format, TraceReader};
 use crate::request::{device_label, Digest, Op, Request, SECTOR_SIZE};
@@ -386,6 +390,10 @@ pub struct Report {
     pub trims: u64,
     /// Malformed lines or refused requests skipped (with `skip_bad`).
     pub bad_records_skipped: u64,
+    /// Requests whose time stamp was before an earlier request's of the
+    /// same file, replayed as at the largest earlier one (for the
+    /// interleaving of files and the idle gaps of [`OutOfLine::IdleGapMs`]).
+    pub timestamps_clamped: u64,
     /// 4 KiB blocks read.
     pub blocks_read: u64,
     /// 4 KiB blocks written (zero blocks included), as the engine counts.
@@ -471,17 +479,30 @@ pub struct Report {
 /// assume uniformly random fingerprints; MD5 digests are, but synthetic or
 /// structured digests (fixtures, counters) need not be. The digest is kept
 /// whole, so distinct digests stay distinct fingerprints.
-pub fn fingerprint_of(d: &Digest) -> Fingerprint {
-    fingerprint_with(d, digest_hash(d))
-}
-
-/// [`fingerprint_of`] given the digest's [`digest_hash`] (its 64-bit mix).
 #[inline]
-fn fingerprint_with(d: &Digest, hash: u64) -> Fingerprint {
+pub fn fingerprint_of(d: &Digest) -> Fingerprint {
     let mut b = [0u8; FINGERPRINT_SIZE];
-    b[..8].copy_from_slice(&hash.to_le_bytes());
+    b[..8].copy_from_slice(&digest_hash(d).to_le_bytes());
     b[8..24].copy_from_slice(d);
     Fingerprint(b)
+}
+
+/// The 64-bit mix in front of a digest's engine fingerprint: one
+/// splitmix64 step over each half. Fixed (not keyed per run), so that the
+/// index's groups, and with them every figure of a bounded policy, are the
+/// same from run to run.
+fn digest_hash(d: &Digest) -> u64 {
+    let lo = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
+    let hi = u64::from_le_bytes(d[8..].try_into().expect("8 bytes"));
+    splitmix64(lo ^ splitmix64(hi))
+}
+
+/// One step of splitmix64 (Steele, Lea & Flood), a 64-bit bijective mix.
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 fn pct(part: u64, whole: u64) -> f64 {
@@ -526,6 +547,10 @@ struct Input {
     /// [`TraceReader::position`] of `head`.
     head_position: u64,
     live: bool,
+    /// Largest time stamp read from the file so far (the file's clock).
+    clock_ns: u64,
+    /// Requests whose time stamp was below `clock_ns`, raised to it.
+    timestamps_clamped: u64,
     /// Stream index per source id of this reader.
     stream_of: Vec<Option<usize>>,
     /// Device of the file's first stream: its streams are labelled without
@@ -533,8 +558,57 @@ struct Input {
     first_device: Option<u64>,
 }
 
+impl Input {
+    /// Opens `path` and reads its first request.
+    ///
+    /// Errors: as [`TraceReader::open`] and [`TraceReader::next_into`], and
+    /// [`TraceError::NoRequests`] when the file holds no request.
+    fn open(path: &std::path::Path, cfg: &ReplayConfig, consumed: Arc<AtomicU64>) -> Result<Self> {
+        let reader = TraceReader::open(path, cfg.format, cfg.skip_bad, consumed)?;
+        let mut inp = Input {
+            head_position: 0,
+            reader,
+            head: Request::default(),
+            live: false,
+            clock_ns: 0,
+            timestamps_clamped: 0,
+            stream_of: Vec::new(),
+            first_device: None,
+        };
+        if !inp.advance()? {
+            return Err(TraceError::NoRequests {
+                file: inp.reader.name().to_string(),
+                bad_records_skipped: inp.reader.bad_records(),
+            });
+        }
+        Ok(inp)
+    }
+
+    /// Reads the file's next request into `head`; false at its end. A time
+    /// stamp before an earlier one of the same file is raised to the
+    /// largest so far, and counted: the merge of several files and the
+    /// idle gaps of `--out-of-line idle:MS` follow each file's clock, which
+    /// never runs backwards.
+    ///
+    /// Errors: as [`TraceReader::next_into`] (the input is then done).
+    fn advance(&mut self) -> Result<bool> {
+        self.live = false;
+        self.live = self.reader.next_into(&mut self.head)?;
+        self.head_position = self.reader.position();
+        if self.live {
+            if self.head.ts_ns < self.clock_ns {
+                self.head.ts_ns = self.clock_ns;
+                self.timestamps_clamped += 1;
+            }
+            self.clock_ns = self.head.ts_ns;
+        }
+        Ok(self.live)
+    }
+}
+
 /// A request read ahead of its turn, with its blocks' fingerprints and
-/// digest hashes (computed once, for the prefetch and for the write).
+/// their hashes in the exact set (computed once, for the prefetch and for
+/// the write).
 #[derive(Default)]
 struct Pending {
     input: usize,
@@ -577,7 +651,7 @@ impl Lookahead {
 
     /// Reads requests until the window is full, the inputs end, or one
     /// fails to read.
-    fn fill(&mut self, inputs: &mut [Input]) {
+    fn fill(&mut self, inputs: &mut [Input], exact: &DigestSet) {
         while self.len < LOOKAHEAD_REQUESTS && self.read_error.is_none() {
             let mut pick: Option<usize> = None;
             for (i, inp) in inputs.iter().enumerate() {
@@ -597,23 +671,15 @@ impl Lookahead {
                 for b in &p.req.blocks {
                     match b {
                         Some(d) => {
-                            let h = digest_hash(d);
-                            p.hashes.push(h);
-                            p.fps.push(Some(fingerprint_with(d, h)));
+                            p.hashes.push(exact.hash(d));
+                            p.fps.push(Some(fingerprint_of(d)));
                         }
                         None => p.fps.push(None),
                     }
                 }
             }
-            match inp.reader.next_into(&mut inp.head) {
-                Ok(live) => {
-                    inp.live = live;
-                    inp.head_position = inp.reader.position();
-                }
-                Err(e) => {
-                    inp.live = false;
-                    self.read_error = Some(e);
-                }
+            if let Err(e) = inp.advance() {
+                self.read_error = Some(e);
             }
             self.len += 1;
         }
@@ -664,8 +730,9 @@ struct Stream {
 /// `progress` now and then (and once at the end).
 ///
 /// Errors: a policy that is not available ([`build_engine`]), I/O, a
-/// malformed line (unless `skip_bad`), or a request the engine refuses
-/// (beyond 1 PiB; skipped and counted with `skip_bad`).
+/// malformed line (unless `skip_bad`), a file without any request
+/// ([`TraceError::NoRequests`]), or a request the engine refuses (beyond
+/// 1 PiB; skipped and counted with `skip_bad`).
 pub fn replay(
     paths: &[PathBuf],
     cfg: &ReplayConfig,
@@ -681,17 +748,7 @@ pub fn replay(
     let mut inputs = Vec::with_capacity(paths.len());
     for p in paths {
         bytes_total += std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-        let mut reader = TraceReader::open(p, cfg.format, cfg.skip_bad, consumed.clone())?;
-        let mut head = Request::default();
-        let live = reader.next_into(&mut head)?;
-        inputs.push(Input {
-            head_position: reader.position(),
-            reader,
-            head,
-            live,
-            stream_of: Vec::new(),
-            first_device: None,
-        });
+        inputs.push(Input::open(p, cfg, consumed.clone())?);
     }
     let mut streams: Vec<Stream> = Vec::new();
     let mut keys: HashMap<StreamKey, usize> = HashMap::new();
@@ -710,7 +767,7 @@ pub fn replay(
     let mut last_ts_ns: Option<u64> = None;
     let mut ahead = Lookahead::new();
     loop {
-        ahead.fill(&mut inputs);
+        ahead.fill(&mut inputs, &exact);
         ahead.prefetch(&engine, &exact);
         let Some(pending) = ahead.pop() else {
             break;
@@ -877,6 +934,7 @@ pub fn replay(
         blocks_written: st.blocks_written,
     });
     r.bad_records_skipped = inputs.iter().map(|i| i.reader.bad_records()).sum();
+    r.timestamps_clamped = inputs.iter().map(|i| i.timestamps_clamped).sum();
     r.blocks_written = st.blocks_written;
     r.zero_blocks_written = st.zero_blocks_written;
     r.duplicate_blocks_inline = st.duplicate_writes_eliminated;

@@ -55,12 +55,21 @@ pub struct TraceStats {
     pub lba_end_sectors: Option<u64>,
     /// First time stamp in nanoseconds.
     pub first_ts_ns: Option<u64>,
-    /// Last time stamp in nanoseconds.
+    /// Last request's time stamp in nanoseconds.
     pub last_ts_ns: Option<u64>,
+    /// Largest time stamp in nanoseconds (the trace's duration is
+    /// `max_ts_ns − first_ts_ns`: replay raises a time stamp that steps
+    /// back to the largest before it).
+    pub max_ts_ns: Option<u64>,
+    /// Requests whose time stamp is below an earlier one's (replay
+    /// counts them as `timestamps_clamped` too).
+    pub timestamps_clamped: u64,
 }
 
 /// Reads the whole trace at `path` and computes its figures. Memory grows
-/// with the distinct digests (a map digest → last position).
+/// with the distinct digests (a map digest → last position). A trace
+/// without requests (an empty file, say) is not an error here: its
+/// figures are zeros, without time stamps or LBA range.
 ///
 /// Errors: as [`TraceReader::open`] and [`TraceReader::next_into`].
 pub fn trace_stats(path: &Path, format: Option<Format>, skip_bad: bool) -> Result<TraceStats> {
@@ -95,6 +104,10 @@ pub fn trace_stats_counting(
         s.lba_end_sectors = Some(s.lba_end_sectors.map_or(end, |m| m.max(end)));
         s.first_ts_ns.get_or_insert(req.ts_ns);
         s.last_ts_ns = Some(req.ts_ns);
+        match s.max_ts_ns {
+            Some(m) if req.ts_ns < m => s.timestamps_clamped += 1,
+            _ => s.max_ts_ns = Some(req.ts_ns),
+        }
         match req.op {
             Some(Op::Read) => {
                 s.reads += 1;

@@ -38,7 +38,8 @@ pub struct SweepConfig {
 /// One point of the grid. Percentages are of blocks written unless said.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SweepRow {
-    /// Trace file name (without directories).
+    /// The trace's name: its file name, or its path as given where
+    /// another trace of the sweep has the same file name ([`trace_names`]).
     pub trace: String,
     /// Policy name as given.
     pub policy: String,
@@ -46,6 +47,10 @@ pub struct SweepRow {
     pub index_memory_bytes: Option<u64>,
     /// Requests replayed.
     pub requests: u64,
+    /// Malformed lines and refused requests skipped (with `skip_bad`; 0
+    /// without).
+    #[serde(default)]
+    pub bad_records_skipped: u64,
     /// 4 KiB blocks written.
     pub blocks_written: u64,
     /// Duplicates an exact dedup finds (blocks).
@@ -87,6 +92,7 @@ impl SweepRow {
             policy: r.policy.clone(),
             index_memory_bytes: r.index_memory_bytes,
             requests: r.requests,
+            bad_records_skipped: r.bad_records_skipped,
             blocks_written: r.blocks_written,
             exact_duplicate_blocks: r.exact_duplicate_blocks,
             duplicate_blocks_inline: r.duplicate_blocks_inline,
@@ -191,8 +197,12 @@ pub fn run_sweep(
     std::thread::scope(|s| {
         for _ in 0..cfg.jobs.clamp(1, total.max(1)) {
             s.spawn(|| loop {
+                // (checked before a point is taken: a point taken runs)
+                if failed.load(Ordering::Relaxed) {
+                    break;
+                }
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= total || failed.load(Ordering::Relaxed) {
+                if i >= total {
                     break;
                 }
                 let (trace, name, policy, budget) = &points[i];
@@ -214,14 +224,29 @@ pub fn run_sweep(
             });
         }
     });
-    results
-        .into_inner()
-        .expect("results lock")
-        .into_iter()
-        // the first failure in grid order (points after a failure did
-        // not run)
-        .map(|r| r.unwrap_or_else(|| Err(TraceError::Config("a sweep point did not run".into()))))
-        .collect::<Result<Vec<_>>>()
+    collect_results(results.into_inner().expect("results lock"))
+}
+
+/// The rows of a sweep's points in grid order (`None`: a point that did
+/// not run, as none starts after a failure), or its first error in grid
+/// order — an error of a point that ran, never that of a point left out
+/// because of it.
+fn collect_results(results: Vec<Option<Result<SweepRow>>>) -> Result<Vec<SweepRow>> {
+    let mut rows = Vec::with_capacity(results.len());
+    let mut skipped = false;
+    for r in results {
+        match r {
+            Some(Ok(row)) => rows.push(row),
+            Some(Err(e)) => return Err(e),
+            None => skipped = true,
+        }
+    }
+    if skipped {
+        // (only a failure stops points from running, and it is returned
+        // above: not reached)
+        return Err(TraceError::Config("a sweep point did not run".into()));
+    }
+    Ok(rows)
 }
 
 fn csv_field(s: &str) -> String {
@@ -235,16 +260,17 @@ fn csv_field(s: &str) -> String {
 /// The rows as CSV (a header line, then one line per row).
 pub fn to_csv(rows: &[SweepRow]) -> String {
     let mut out = String::from(
-        "trace,policy,index_memory_bytes,requests,blocks_written,exact_duplicate_blocks,duplicate_blocks_inline,duplicate_percent,of_exact_percent,eviction_reads,eviction_writes,eviction_ios,entries_evicted,groups_evicted,peak_index_bytes,extents,blocks_fingerprinted,hashing_seconds_modelled,elapsed_seconds,requests_per_second\n",
+        "trace,policy,index_memory_bytes,requests,bad_records_skipped,blocks_written,exact_duplicate_blocks,duplicate_blocks_inline,duplicate_percent,of_exact_percent,eviction_reads,eviction_writes,eviction_ios,entries_evicted,groups_evicted,peak_index_bytes,extents,blocks_fingerprinted,hashing_seconds_modelled,elapsed_seconds,requests_per_second\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{:.4},{:.4},{},{},{},{},{},{},{},{},{:.6},{:.3},{:.0}\n",
+            "{},{},{},{},{},{},{},{},{:.4},{:.4},{},{},{},{},{},{},{},{},{:.6},{:.3},{:.0}\n",
             csv_field(&r.trace),
             csv_field(&r.policy),
             r.index_memory_bytes
                 .map_or(String::new(), |b| b.to_string()),
             r.requests,
+            r.bad_records_skipped,
             r.blocks_written,
             r.exact_duplicate_blocks,
             r.duplicate_blocks_inline,
@@ -366,10 +392,66 @@ mod tests {
     #[test]
     fn traces_sharing_a_file_name_keep_their_paths() {
         let t = |s: &str| PathBuf::from(s);
+        let names = trace_names(&[t("a/t.fiu"), t("b/t.fiu"), t("c/u.fiu"), t("a_t.fiu")]);
+        assert_eq!(names, ["a/t.fiu", "b/t.fiu", "u.fiu", "a_t.fiu"]);
+        // figure stems: the names made file names, told apart if need be
         assert_eq!(
-            trace_names(&[t("a/t.fiu"), t("b/t.fiu"), t("c/u.fiu")]),
-            ["a/t.fiu", "b/t.fiu", "u.fiu"]
+            figure_stems(&names),
+            ["a_t.fiu", "b_t.fiu", "u.fiu", "a_t.fiu-2"]
         );
+    }
+
+    #[test]
+    fn rows_count_the_bad_records_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.fiu");
+        let good = |i: u64| format!("{i} 1 p {} 8 W 6 0 {:032x}\n", i * 8, i + 1);
+        std::fs::write(
+            &t,
+            format!("{}nonsense\n{}x\n{}", good(1), good(2), good(3)),
+        )
+        .unwrap();
+        let cfg = SweepConfig {
+            traces: vec![t],
+            policies: vec!["exact".into(), "lru".into()],
+            budgets: vec![1 << 20],
+            jobs: 1,
+            base: ReplayConfig {
+                skip_bad: true,
+                ..ReplayConfig::default()
+            },
+        };
+        let rows = run_sweep(&cfg, &|_, _, _| {}).unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert_eq!((r.requests, r.bad_records_skipped), (3, 2), "{r:?}");
+        }
+        let csv = to_csv(&rows);
+        let mut lines = csv.lines();
+        let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+        let col = header
+            .iter()
+            .position(|&c| c == "bad_records_skipped")
+            .expect("a bad_records_skipped column");
+        for line in lines {
+            let fields: Vec<&str> = line.split(',').collect();
+            assert_eq!(fields.len(), header.len(), "{line}");
+            assert_eq!(fields[col], "2", "{line}");
+        }
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(json[0]["bad_records_skipped"], 2);
+    }
+
+    #[test]
+    fn the_error_returned_is_a_real_one_though_earlier_points_did_not_run() {
+        // a worker took point 0 and, seeing point 1 fail, never ran it
+        let ok = || Some(Ok(SweepRow::default()));
+        let failed = || Some(Err(TraceError::Config("point 1 failed".into())));
+        for results in [vec![None, failed(), None], vec![ok(), None, failed()]] {
+            let e = collect_results(results).unwrap_err();
+            assert_eq!(e.to_string(), "point 1 failed");
+        }
+        assert_eq!(collect_results(vec![ok(), ok()]).unwrap().len(), 2);
     }
 
     #[test]

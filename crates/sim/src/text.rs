@@ -53,40 +53,100 @@ pub enum Layout {
 }
 
 /// The (pid, process, device) → id table of a text trace, looked up
-/// without allocating when the source was seen before.
+/// without allocating when the source was seen before. One hash-map entry
+/// per distinct source (its name stored twice: in the map's key and in
+/// [`SourceTable::sources`]), so a lookup costs the same however many
+/// sources there are.
 #[derive(Debug, Default)]
 pub struct SourceTable {
     /// Sources in order of first appearance; a request's `source` indexes it.
     pub sources: Vec<Source>,
-    by_pid: HashMap<u32, Vec<u32>>,
+    ids: HashMap<SourceKey, u32>,
     last: Option<u32>,
 }
+
+/// A source's key in [`SourceTable`]: (pid, device, process name), owned.
+/// It hashes and compares through [`SourceParts`], so the table can be
+/// looked up with borrowed parts (a `&str` name, no allocation).
+#[derive(Debug)]
+struct SourceKey(u32, u64, String);
+
+/// (pid, device, process name) of a source, owned ([`SourceKey`]) or
+/// borrowed.
+trait SourceParts {
+    fn parts(&self) -> (u32, u64, &str);
+}
+
+impl SourceParts for SourceKey {
+    fn parts(&self) -> (u32, u64, &str) {
+        (self.0, self.1, &self.2)
+    }
+}
+
+impl SourceParts for (u32, u64, &str) {
+    fn parts(&self) -> (u32, u64, &str) {
+        *self
+    }
+}
+
+impl<'a> std::borrow::Borrow<dyn SourceParts + 'a> for SourceKey {
+    fn borrow(&self) -> &(dyn SourceParts + 'a) {
+        self
+    }
+}
+
+impl std::hash::Hash for dyn SourceParts + '_ {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.parts().hash(h)
+    }
+}
+
+impl PartialEq for dyn SourceParts + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn SourceParts + '_ {}
+
+// (the owned key hashes and compares as its borrowed form, as `Borrow`
+// requires)
+impl std::hash::Hash for SourceKey {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self as &dyn SourceParts).hash(h)
+    }
+}
+
+impl PartialEq for SourceKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for SourceKey {}
 
 impl SourceTable {
     /// The id of (pid, process, device), adding it if new. `device` as
     /// [`Source::device`] (0: none).
     pub fn id(&mut self, pid: u32, process: &str, device: u64) -> u32 {
-        let same = |s: &Source| s.pid == pid && s.device == device && s.process == process;
         if let Some(l) = self.last {
-            if same(&self.sources[l as usize]) {
+            let s = &self.sources[l as usize];
+            if s.pid == pid && s.device == device && s.process == process {
                 return l;
             }
         }
-        let ids = self.by_pid.entry(pid).or_default();
-        let found = ids
-            .iter()
-            .copied()
-            .find(|&i| same(&self.sources[i as usize]));
-        let id = match found {
-            Some(i) => i,
+        let key = (pid, device, process);
+        let id = match self.ids.get(&key as &dyn SourceParts) {
+            Some(&i) => i,
             None => {
-                let i = self.sources.len() as u32;
+                let i = u32::try_from(self.sources.len()).expect("fewer than 2^32 sources");
                 self.sources.push(Source {
                     pid,
                     process: process.to_string(),
                     device,
                 });
-                ids.push(i);
+                self.ids
+                    .insert(SourceKey(pid, device, process.to_string()), i);
                 i
             }
         };
@@ -354,4 +414,51 @@ pub fn parse_mobile(
     // (only a line found good adds its source)
     req.source = sources.id(pid, &process, 0);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_differ_by_pid_device_and_name() {
+        let mut t = SourceTable::default();
+        let a = t.id(1, "p", 0);
+        let ids = [t.id(2, "p", 0), t.id(1, "q", 0), t.id(1, "p", 5)];
+        assert_eq!(ids, [1, 2, 3]);
+        assert_eq!(a, 0);
+        // seen before: the same ids, whatever came last
+        assert_eq!(t.id(1, "q", 0), 2);
+        assert_eq!(t.id(1, "p", 0), 0);
+        assert_eq!(t.id(1, "p", 5), 3);
+        assert_eq!(t.sources.len(), 4);
+        assert_eq!(
+            (
+                t.sources[3].pid,
+                t.sources[3].process.as_str(),
+                t.sources[3].device
+            ),
+            (1, "p", 5)
+        );
+    }
+
+    /// Many sources sharing a pid (a pid reused by process after process
+    /// over weeks of trace, or a trace without real pids): each lookup
+    /// takes the same time however many there are. Scanning them instead
+    /// takes minutes here.
+    #[test]
+    fn many_sources_of_one_pid_keep_their_ids() {
+        // (looked up by hash: a table of one pid's many process names is
+        // not searched entry by entry)
+        const N: u32 = 20_000;
+        let names: Vec<String> = (0..N).map(|i| format!("kworker/{i}")).collect();
+        let mut t = SourceTable::default();
+        for (i, name) in names.iter().enumerate() {
+            assert_eq!(t.id(7, name, 0), i as u32);
+        }
+        // again, in another order (the last-source shortcut never hits)
+        for (i, name) in names.iter().enumerate().rev() {
+            assert_eq!(t.id(7, name, 0), i as u32);
+        }
+    }
 }
