@@ -200,7 +200,12 @@ fn to_export_error(e: EngineError) -> ExportError {
         | EngineError::InvalidArgument(_)
         | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),
         other => {
-            eprintln!("dedupd: I/O error: {other}");
+            {
+                // (a terminal that hung up: the line is dropped, the
+                // request answered all the same)
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "dedupd: I/O error: {other}");
+            }
             ExportError::Io(other.to_string())
         }
     }

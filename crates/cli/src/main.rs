@@ -244,11 +244,11 @@ const STORE_FILES: [&str; 9] = [
 ];
 
 /// For a directory refused as a store that has store files but no
-/// superblock, what to do about it: remove it if a `dedupd init` was
-/// interrupted, else `fsck --repair`, which rebuilds the superblock when the
-/// store's `state.json` is there. `None` for any other error, and for a
-/// directory without store files (not a store at all: nothing to suggest
-/// removing).
+/// superblock, what to do about it: `fsck --repair`, which rebuilds the
+/// superblock when the store's `state.json` is there; removing the
+/// directory only when it holds nothing but what an interrupted `dedupd
+/// init` leaves (store files, all empty). `None` for any other error, and
+/// for a directory without store files (not a store at all).
 fn no_superblock_hint(e: &EngineError) -> Option<String> {
     let EngineError::NotAStore { path, .. } = e else {
         return None;
@@ -260,20 +260,50 @@ fn no_superblock_hint(e: &EngineError) -> Option<String> {
         return None;
     }
     let quoted = serve::shell_quote(&path.display().to_string());
-    Some(if path.join("state.json").is_file() {
+    if path.join("state.json").is_file() {
+        return Some(format!(
+            "{quoted} holds a store's files but no superblock: \
+             `dedupd --store {quoted} fsck --repair` rebuilds the superblock from the rest \
+             of the store"
+        ));
+    }
+    Some(if only_an_empty_start(path) {
         format!(
-            "{quoted} holds a store's files but no superblock: if a `dedupd init` (or the \
-             first `dedupd serve`) was interrupted, remove the directory and start again; \
-             otherwise `dedupd --store {quoted} fsck --repair` rebuilds the superblock from \
-             the rest of the store"
+            "{quoted} holds only the empty files a `dedupd init` (or the first `dedupd \
+             serve`) interrupted early leaves, without a superblock: remove the directory and \
+             start again"
         )
     } else {
         format!(
             "{quoted} holds some of a store's files but neither its superblock nor its \
-             state.json (which `fsck --repair` would need to rebuild it): a `dedupd init` (or \
-             the first `dedupd serve`) interrupted early leaves this; remove the directory and \
-             start again"
+             state.json (which `fsck --repair` would need to rebuild it); check that --store \
+             names the store you mean"
         )
+    })
+}
+
+/// True if every entry of `dir` is a store file (or the lock) holding
+/// nothing: empty files, an empty `maps` directory.
+fn only_an_empty_start(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.into_iter().all(|entry| {
+        let Ok(entry) = entry else { return false };
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        if name != "lock" && !STORE_FILES.contains(&name) {
+            return false;
+        }
+        match entry.metadata() {
+            Ok(m) if m.is_dir() => std::fs::read_dir(entry.path())
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false),
+            Ok(m) => m.len() == 0,
+            Err(_) => false,
+        }
     })
 }
 
@@ -994,8 +1024,17 @@ mod tests {
         // not a store at all: nothing suggests removing it
         std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
         assert_eq!(no_superblock_hint(&err(dir.path())), None);
-        // an init cut short before its state was written
+        // store files beside others, or holding data: not to be removed
         std::fs::write(dir.path().join("journal"), "").unwrap();
+        let hint = no_superblock_hint(&err(dir.path())).unwrap();
+        assert!(!hint.contains("remove"), "{hint}");
+        std::fs::remove_file(dir.path().join("notes.txt")).unwrap();
+        std::fs::write(dir.path().join("data"), "blocks").unwrap();
+        let hint = no_superblock_hint(&err(dir.path())).unwrap();
+        assert!(!hint.contains("remove"), "{hint}");
+        // an init cut short before its state was written: empty files
+        std::fs::write(dir.path().join("data"), "").unwrap();
+        std::fs::create_dir(dir.path().join("maps")).unwrap();
         let hint = no_superblock_hint(&err(dir.path())).unwrap();
         assert!(hint.contains("remove the directory"), "{hint}");
         assert!(!hint.contains("rebuilds the superblock"), "{hint}");

@@ -3,6 +3,24 @@
 //! SIGINT, SIGTERM or SIGHUP stop accepting, finish in-flight requests,
 //! make everything durable and exit 0.
 
+/// A line to stderr, as `eprintln!` but dropped if it cannot be written
+/// (to a terminal that hung up, say) instead of panicking: the server must
+/// go on to stop cleanly.
+macro_rules! err_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+/// A line to stdout, dropped if it cannot be written (see `err_line!`).
+macro_rules! out_line {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 use crate::sockpath::SocketPath;
 use std::net::TcpListener;
 use std::os::unix::net::UnixListener;
@@ -235,7 +253,7 @@ fn open_or_create(
         // opening reads every metadata page once (checksums) and rebuilds
         // the fingerprint index: seconds to minutes on a large store
         let started = std::time::Instant::now();
-        eprintln!(
+        err_line!(
             "dedupd: opening store {}: checking metadata, rebuilding the fingerprint index",
             store.display()
         );
@@ -248,13 +266,13 @@ fn open_or_create(
             other => Ok(other?),
         };
         if let Ok(e) = &opened {
-            eprintln!(
+            err_line!(
                 "dedupd: store opened in {:.1} s",
                 started.elapsed().as_secs_f64()
             );
             let has_default = e.volume("default").is_some();
             for w in ignored_creation_options(given, args, e.hash_algorithm(), has_default) {
-                eprintln!("dedupd: warning: {w}");
+                err_line!("dedupd: warning: {w}");
             }
         }
         return opened;
@@ -285,14 +303,14 @@ fn open_or_create(
             std::fs::remove_dir_all(store)
         };
         if let Err(u) = undone {
-            eprintln!(
+            err_line!(
                 "dedupd: warning: could not remove the store just created at {}: {u}",
                 store.display()
             );
         }
         return Err(e).with_context(|| format!("creating volume default in {}", store.display()));
     }
-    println!(
+    out_line!(
         "created store {} with volume default ({})",
         store.display(),
         human(size_bytes)
@@ -408,17 +426,17 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         .or(names.first())
         .cloned()
         .unwrap_or_default();
-    println!(
+    out_line!(
         "dedupd: store {} ({} volumes: {})",
         store.display(),
         names.len(),
         names.join(", ")
     );
     for n in engine.notes() {
-        eprintln!("dedupd: warning: {n}");
+        err_line!("dedupd: warning: {n}");
     }
     for d in engine.damage() {
-        eprintln!(
+        err_line!(
             "dedupd: warning: {}; its volume is served read-only \
              until `dedupd --store {} fsck --repair`",
             d.describe(),
@@ -426,16 +444,16 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         );
     }
     if names.is_empty() {
-        println!(
+        out_line!(
             "dedupd: no volumes: create one with `dedupd --store {} volume create NAME SIZE`",
             shell_quote(&store.display().to_string())
         );
     }
     if let Some(l) = &tcp {
         let addr = l.local_addr()?;
-        println!("dedupd: listening on nbd://{addr}");
+        out_line!("dedupd: listening on nbd://{addr}");
         if !names.is_empty() {
-            println!(
+            out_line!(
                 "dedupd: try: nbdinfo nbd://{addr}/{}",
                 uri_encode(first.as_ref())
             );
@@ -443,9 +461,9 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     }
     if let Some((_, p)) = &unix {
         let socket = uri_encode(p.as_os_str());
-        println!("dedupd: listening on nbd+unix:///?socket={socket}");
+        out_line!("dedupd: listening on nbd+unix:///?socket={socket}");
         if p.as_os_str().len() > 107 {
-            eprintln!(
+            err_line!(
                 "dedupd: warning: --socket {} is longer than a Unix socket address \
                  (107 bytes): clients connecting by this path will fail; give them \
                  a shorter path (a symbolic link to its directory)",
@@ -454,10 +472,10 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         }
         if !names.is_empty() {
             let uri = format!("nbd+unix:///{}?socket={socket}", uri_encode(first.as_ref()));
-            println!("dedupd: try: nbdinfo {}", shell_quote(&uri));
+            out_line!("dedupd: try: nbdinfo {}", shell_quote(&uri));
         }
     }
-    println!(
+    out_line!(
         "dedupd: stats: dedupd --store {} stats",
         shell_quote(&store.display().to_string())
     );
@@ -489,10 +507,15 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
                 stop.store(true, Ordering::Relaxed);
                 handle.shutdown();
             }
-            // a second one (the operator will not wait, say for a long
-            // volume delete): exit now, as a crash would, which the
-            // journal covers
-            if let Some(sig) = received.next() {
+            // a second SIGINT or SIGTERM (the operator will not wait, say
+            // for a long volume delete): exit now, as a crash would, which
+            // the journal covers. Not a SIGHUP: a closing terminal sends
+            // it twice (the shell passes its own on, then the kernel hangs
+            // the session's foreground group up)
+            for sig in received {
+                if sig == signal_hook::consts::SIGHUP {
+                    continue;
+                }
                 say(format!(
                     "dedupd: signal {sig} again: exiting now; the next start recovers from the journal (writes not flushed may read back old)"
                 ));
@@ -526,7 +549,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
                     if waited >= interval {
                         waited = Duration::ZERO;
                         if let Err(e) = engine.flush() {
-                            eprintln!("dedupd: periodic commit failed: {e}");
+                            err_line!("dedupd: periodic commit failed: {e}");
                         }
                     }
                 }
@@ -568,7 +591,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         // command still running (a long delete or offline pass) ends: the
         // periodic commit has stopped, and the operator may not wait
         if let Err(e) = engine.flush() {
-            eprintln!("dedupd: commit at shutdown failed: {e}");
+            err_line!("dedupd: commit at shutdown failed: {e}");
         }
         result
     });
@@ -584,7 +607,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         .flush()
         .context("making the store durable at shutdown")?;
     if let Err(e) = engine.checkpoint() {
-        eprintln!(
+        err_line!(
             "dedupd: warning: checkpoint at shutdown failed ({e}); \
              the journal keeps every change and the next start replays it"
         );

@@ -5,14 +5,24 @@
 /// A fraction (`1.5G`) is refused with the whole number of a smaller unit
 /// to give instead (`1536M`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
+    parse_size_in(s, false)
+}
+
+/// [`parse_size`]; with `blocks`, a fraction's suggested replacement is a
+/// whole number of 4 KiB blocks.
+fn parse_size_in(s: &str, blocks: bool) -> Result<u64, String> {
     let t = s.trim();
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(digits_end);
     if let Some(fraction) = suffix.strip_prefix(['.', ',']) {
-        return Err(fractional(s, num, fraction));
+        return Err(fractional(s, num, fraction, blocks));
     }
-    let n: u64 = num.parse().map_err(|_| {
-        format!("invalid size {s:?}: expected a whole number with an optional K/M/G/T/P suffix")
+    let n: u64 = num.parse().map_err(|e: std::num::ParseIntError| {
+        if matches!(e.kind(), std::num::IntErrorKind::PosOverflow) {
+            format!("size {s:?} is too large")
+        } else {
+            format!("invalid size {s:?}: expected a whole number with an optional K/M/G/T/P suffix")
+        }
     })?;
     let (shift, _) = unit_shift(s, suffix)?;
     n.checked_mul(1u64 << shift)
@@ -45,8 +55,9 @@ fn unit_shift(s: &str, suffix: &str) -> Result<(u32, &'static str), String> {
 /// The error for a size written with a fraction (`whole`.`rest`, `rest`
 /// holding the fraction's digits and the suffix): what to write instead,
 /// in the largest unit that makes it a whole number (`1.5G`: `1536M`), or
-/// rounded to the unit below the one given (`1.3G`: about `1331M`).
-fn fractional(s: &str, whole: &str, rest: &str) -> String {
+/// rounded to the unit below the one given (`1.3G`: about `1331M`); with
+/// `blocks`, a whole number of 4 KiB blocks (`1.3M`: about `1332K`).
+fn fractional(s: &str, whole: &str, rest: &str, blocks: bool) -> String {
     const NOT_ACCEPTED: &str = "fractional sizes are not accepted";
     let digits_end = rest
         .find(|c: char| !c.is_ascii_digit())
@@ -85,20 +96,32 @@ fn fractional(s: &str, whole: &str, rest: &str) -> String {
         (10, "K"),
         (0, ""),
     ];
-    if exact % scale == 0 {
+    let granule: u32 = if blocks { 12 } else { 0 };
+    if exact % scale == 0 && (exact / scale) % (1u128 << granule) == 0 {
         let bytes = exact / scale;
         if let Some((u, letter)) = units.iter().find(|(u, _)| bytes % (1u128 << u) == 0) {
             return format!("{s:?}: {NOT_ACCEPTED}; use {}{letter}", bytes >> u);
         }
     }
-    // not a whole number of bytes, or of the unit below: round in that unit
+    // not a whole number of bytes (or blocks), or of the unit below: round
+    // in that unit (in blocks of 4K at least)
     let (u, letter) = units
         .iter()
         .find(|(u, _)| *u + 10 <= shift)
         .copied()
         .unwrap_or((0, ""));
-    let unit = scale << u;
-    let rounded = (exact + unit / 2) / unit;
+    let (step, letter, per_step) = if u < granule {
+        (granule, "K", 1u128 << (granule - 10))
+    } else {
+        (u, letter, 1)
+    };
+    let unit = scale << step;
+    let rest = exact % unit;
+    let mut rounded = exact / unit + u128::from(rest >= unit - rest);
+    if blocks {
+        rounded = rounded.max(1);
+    }
+    let rounded = rounded * per_step;
     format!("{s:?}: {NOT_ACCEPTED}; use a whole number, such as {rounded}{letter} (rounded)")
 }
 
@@ -116,7 +139,7 @@ pub fn parse_index_memory(s: &str) -> Result<u64, String> {
 /// multiple of 4 KiB (a whole number of blocks), at most 1 PiB
 /// ([`dedupd_engine::engine::MAX_VOLUME_BYTES`]).
 pub fn parse_volume_size(s: &str) -> Result<u64, String> {
-    let v = parse_size(s)?;
+    let v = parse_size_in(s, true)?;
     if v == 0 || !v.is_multiple_of(4096) {
         return Err(format!(
             "{s:?} is not a positive multiple of 4K (a volume holds whole 4 KiB blocks)"
@@ -192,6 +215,22 @@ mod tests {
             assert!(e.contains(instead), "{frac}: {e}");
         }
         let e = parse_size("1.5X").unwrap_err();
+        assert!(e.contains("fractional sizes are not accepted"), "{e}");
+        // a volume's size is suggested in whole 4K blocks
+        for (frac, instead) in [
+            ("1.3M", "such as 1332K (rounded)"),
+            ("4.5K", "such as 4K (rounded)"),
+            ("0.5K", "such as 4K (rounded)"),
+            ("1.5M", "use 1536K"),
+            ("1.5G", "use 1536M"),
+        ] {
+            let e = parse_volume_size(frac).unwrap_err();
+            assert!(e.contains(instead), "{frac}: {e}");
+        }
+        // huge values: said to be too large, no overflow in the hint
+        let e = parse_size("99999999999999999999G").unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+        let e = parse_size("302231.454903657293676543P").unwrap_err();
         assert!(e.contains("fractional sizes are not accepted"), "{e}");
     }
 }

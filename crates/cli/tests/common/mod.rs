@@ -117,6 +117,14 @@ impl Server {
         self.stop_inner(libc::SIGTERM, true);
     }
 
+    /// Sends `signal` to the server (it keeps running, or stops).
+    pub fn signal(&self, signal: i32) {
+        if let Some(c) = &self.child {
+            // SAFETY: sending a signal to our own child process.
+            unsafe { libc::kill(c.id() as i32, signal) };
+        }
+    }
+
     /// Sends `signal` and waits; asserts a clean exit (status 0) within 60 s.
     pub fn stop_with(mut self, signal: i32) {
         self.stop_inner(signal, true);
