@@ -655,6 +655,7 @@ impl Engine {
         let load = |file: MetaFile,
                     group: &std::sync::Arc<CacheGroup>,
                     damage: &mut Vec<Damage>,
+                    max_len: Option<u64>,
                     visit: &mut dyn FnMut(u64, &[u8])|
          -> Result<CachedArray> {
             let path = dir.path(file);
@@ -707,7 +708,7 @@ impl Engine {
                 }
             }
             let name = path.display().to_string();
-            let opened = crate::metaopen::open_paged(f, file, ops, &name, group, visit)
+            let opened = crate::metaopen::open_paged(f, file, ops, &name, group, max_len, visit)
                 .map_err(|e| EngineError::io(format!("reading {name}"), e))?;
             if !opened.damaged.is_empty() {
                 damage.push(Damage {
@@ -722,7 +723,13 @@ impl Engine {
         let mut meta = Meta {
             next_volume_id: state.next_volume_id,
             counters: counter_state.counters.clone(),
-            refcounts: load(MetaFile::Refcounts, &map_cache, &mut damage, &mut |_, _| {})?,
+            refcounts: load(
+                MetaFile::Refcounts,
+                &map_cache,
+                &mut damage,
+                None,
+                &mut |_, _| {},
+            )?,
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             map_cache: map_cache.clone(),
             reverse_cache: reverse_cache.clone(),
@@ -736,6 +743,7 @@ impl Engine {
             MetaFile::Fingerprints,
             &reverse_cache,
             &mut damage,
+            None,
             &mut |page, payload| meta.collect_index_pairs(&mut index_pairs, page, payload),
         )?;
         meta.fingerprints = crate::reverse::ReverseIndex::from_cached(fingerprints);
@@ -775,7 +783,16 @@ impl Engine {
                 meta.change_count += 1;
             }
             let mut mine = Vec::new();
-            let map = load(MetaFile::Map(rec.id), &map_cache, &mut mine, &mut |_, _| {})?;
+            // (a length past what the volume's size needs is damage of
+            // no consequence: the map is read as cut there)
+            let map_len = crate::paged::disk_len(rec.size_bytes / BLOCK_SIZE_U64 * 8);
+            let map = load(
+                MetaFile::Map(rec.id),
+                &map_cache,
+                &mut mine,
+                Some(map_len),
+                &mut |_, _| {},
+            )?;
             let damaged_pages = mine.first().map(|d| d.pages.clone()).unwrap_or_default();
             let map_missing = mine.first().is_some_and(|d| d.missing);
             // a map shorter than its volume (every creation and resize
@@ -1486,8 +1503,15 @@ impl Engine {
                     if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
                         v.shrinking_to.swap_remove(k);
                     }
-                    if v.record.shrinking_to_bytes != mark_before {
-                        v.record.shrinking_to_bytes = mark_before;
+                    // the mark as it was, or as another shrink running
+                    // meanwhile set it (never lifted from under one)
+                    let running = v.shrinking_to.iter().min().map(|&b| b * BLOCK_SIZE_U64);
+                    let mark = match (mark_before, running) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                    if v.record.shrinking_to_bytes != mark {
+                        v.record.shrinking_to_bytes = mark;
                         m.state_dirty = true;
                         m.change_count += 1;
                     }

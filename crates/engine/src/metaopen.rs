@@ -122,18 +122,28 @@ impl Overlay {
 /// passes its check, once, in no particular order (so a caller can derive
 /// state from the file without reading it again).
 ///
-/// Errors: reading the file; `InvalidData` if it (with the journal's
-/// changes) is longer than [`crate::journal::MAX_FILE_BYTES`].
+/// A file (with the journal's changes) longer than `max_len` bytes, where
+/// given (a volume map: what its volume's size needs), is read as cut
+/// there: what lies past it cannot be in use.
+///
+/// Errors: reading the file; `InvalidData` if it is longer than
+/// [`crate::journal::MAX_FILE_BYTES`].
 pub fn open_paged(
     file: Option<File>,
     which: MetaFile,
     ops: &[&Op],
     name: &str,
     group: &Arc<CacheGroup>,
+    max_len: Option<u64>,
     visit: &mut dyn FnMut(u64, &[u8]),
 ) -> io::Result<OpenedArray> {
     let tag = which.page_tag();
-    let overlay = Overlay::build(file.as_ref(), which, ops)?;
+    let mut overlay = Overlay::build(file.as_ref(), which, ops)?;
+    if let Some(max) = max_len.filter(|&m| overlay.len_bytes > m) {
+        overlay.pages.retain(|&p, _| p < max.div_ceil(PS));
+        overlay.base_len = overlay.base_len.min(max);
+        overlay.len_bytes = max;
+    }
     // (the page table follows the length: a damaged length far past what
     // any store can write would take that much memory, or abort the open)
     const MAX_META_FILE_BYTES: u64 = crate::journal::MAX_FILE_BYTES;
@@ -250,6 +260,7 @@ mod tests {
             &ops.iter().collect::<Vec<_>>(),
             "rc",
             &group,
+            None,
             &mut |p, payload| visited.push((p, payload[0])),
         )
         .unwrap();
@@ -297,6 +308,7 @@ mod tests {
             &shrink.iter().collect::<Vec<_>>(),
             "map",
             &group,
+            None,
             &mut |_, _| {},
         )
         .unwrap();
@@ -313,6 +325,7 @@ mod tests {
             &[&Op::Remove { file: which }],
             "map",
             &group,
+            None,
             &mut |_, _| {},
         )
         .unwrap();

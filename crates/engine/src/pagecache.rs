@@ -529,7 +529,8 @@ impl CachedArray {
     /// checkpoint that covers commit generation `generation`.
     pub fn take_dirty(&mut self, generation: u64) -> Vec<DirtyPage> {
         let i = self.inner.get_mut();
-        let out = i.array.take_dirty();
+        // (a chunk that held only dirty marks is freed)
+        let out = i.counted(|a| a.take_dirty());
         for d in &out {
             if i.pinned.insert(d.page, generation).is_none() {
                 i.group.pinned_pages.fetch_add(1, Relaxed);
@@ -542,7 +543,7 @@ impl CachedArray {
     /// pinning nothing; `changed(page, bytes)` as in
     /// [`PagedArray::clear_dirty`].
     pub fn clear_dirty(&mut self, changed: impl FnMut(u64, usize)) {
-        self.inner.get_mut().array.clear_dirty(changed);
+        self.inner.get_mut().counted(|a| a.clear_dirty(changed));
     }
 
     /// True if a commit since the last checkpoint carried page `page`'s
@@ -589,7 +590,8 @@ impl CachedArray {
     pub fn redirty(&mut self, page: u64) {
         let i = self.inner.get_mut();
         if i.load(page) {
-            i.array.redirty(page);
+            // (a hole's chunk may be allocated for the mark)
+            i.counted(|a| a.redirty(page));
         }
     }
 
@@ -658,6 +660,20 @@ impl Drop for Inner {
 }
 
 impl Inner {
+    /// Runs `f` on the array, charging the group for the pages and chunks
+    /// it allocated or freed.
+    fn counted<R>(&mut self, f: impl FnOnce(&mut PagedArray) -> R) -> R {
+        let before = self.array.resident_units();
+        let r = f(&mut self.array);
+        let after = self.array.resident_units();
+        if after > before {
+            self.group.resident_pages.fetch_add(after - before, Relaxed);
+        } else {
+            self.group.resident_pages.fetch_sub(before - after, Relaxed);
+        }
+        r
+    }
+
     /// Loads `page` and applies `change` (which writes within it) to the
     /// array, counting the page as resident if the change allocated it.
     /// A page that cannot be loaded in a group that faults, or after an
@@ -1007,6 +1023,33 @@ mod tests {
                 assert!(held <= budget + 2 * 4096, "{held} bytes held");
             }
         }
+    }
+
+    #[test]
+    fn marking_a_hole_dirty_and_taking_it_keeps_the_group_count_exact() {
+        let group = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let chunk = crate::paged::CHUNK_PAGES as u64;
+        let (mut a, _f) = paged_at([0, (chunk + 10) * PER_PAGE], &group);
+        a.unpin_through(1);
+        let units = |a: &CachedArray| a.inner.borrow().array.resident_units();
+        let charged = |g: &Arc<CacheGroup>| g.stats().resident_bytes / PAYLOAD_SIZE as u64;
+        assert_eq!(charged(&group), units(&a));
+        // a hole in a chunk not in memory, marked dirty (as a repair
+        // rewrites a damaged page), then committed
+        a.redirty(chunk + 3);
+        assert_eq!(charged(&group), units(&a));
+        a.take_dirty(2);
+        assert_eq!(charged(&group), units(&a));
+        a.redirty(chunk + 4);
+        a.clear_dirty(|_, _| {});
+        assert_eq!(charged(&group), units(&a));
+        // loads and evictions after it stay exact
+        assert_eq!(
+            a.get_u64((chunk + 10) * PER_PAGE),
+            (chunk + 10) * PER_PAGE + 1
+        );
+        assert_eq!(a.get_u64(0), 1);
+        assert_eq!(charged(&group), units(&a));
     }
 
     #[test]

@@ -316,6 +316,30 @@ fn flipped_reverse_index_page_is_rehashed() {
 }
 
 #[test]
+fn a_map_far_longer_than_its_volume_is_read_as_cut_at_the_volume_s_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = build(dir.path());
+    // a damaged length: 8 TiB, sparse (the page table of such a map would
+    // take 64 MiB if it followed the length)
+    let map = first_map_file(&path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&map)
+        .unwrap()
+        .set_len(8 << 40)
+        .unwrap();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let metadata = e.stats().metadata_bytes_in_memory;
+    assert!(
+        metadata < 16 << 20,
+        "{metadata} bytes of metadata in memory"
+    );
+    assert!(e.volumes().iter().all(|v| !v.read_only));
+    drop(e);
+    assert_intact(&path, &[("a", 600), ("b", 100)]);
+}
+
+#[test]
 fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
