@@ -142,8 +142,16 @@ impl CacheGroup {
         }
     }
 
+    /// Over the budget, with more than a quarter of it in pages that may
+    /// leave: pages pinned until a checkpoint cannot, and when they alone
+    /// fill the budget the clean ones still keep that quarter (else every
+    /// access to a clean page would read it from its file again, until the
+    /// checkpoint).
     fn over_budget(&self) -> bool {
-        self.budget_pages > 0 && self.resident_pages.load(Relaxed) > self.budget_pages
+        let resident = self.resident_pages.load(Relaxed);
+        self.budget_pages > 0
+            && resident > self.budget_pages
+            && resident.saturating_sub(self.pinned_pages.load(Relaxed)) > self.budget_pages / 4
     }
 }
 
@@ -1050,6 +1058,36 @@ mod tests {
         );
         assert_eq!(a.get_u64(0), 1);
         assert_eq!(charged(&group), units(&a));
+    }
+
+    #[test]
+    fn pinned_pages_over_the_budget_leave_room_for_clean_ones() {
+        // a budget of 16 pages; 64 pages on file
+        let group = CacheGroup::new(16 * PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let (mut a, _f) = paged(64, &group);
+        a.unpin_through(1);
+        // 24 pages changed and committed: pinned until the checkpoint,
+        // more than the budget
+        for p in 0..24 {
+            a.set_u64(p * PER_PAGE, 7);
+        }
+        a.take_dirty(2);
+        assert!(group.stats().pinned_pages >= 24);
+        // a clean page read again and again comes from memory after the
+        // first read
+        let loaded = group.stats().pages_loaded;
+        for _ in 0..10 {
+            assert_eq!(a.get_u64(40 * PER_PAGE + 1), 40 * PER_PAGE + 2);
+            assert_eq!(a.get_u64(41 * PER_PAGE + 1), 41 * PER_PAGE + 2);
+        }
+        assert!(
+            group.stats().pages_loaded <= loaded + 2,
+            "{} loads",
+            group.stats().pages_loaded - loaded
+        );
+        // and the clean pages held stay within a quarter of the budget
+        let clean = group.stats().resident_bytes / PAYLOAD_SIZE as u64 - group.stats().pinned_pages;
+        assert!(clean <= 16 / 4 + 1, "{clean} clean pages");
     }
 
     #[test]
