@@ -3607,29 +3607,42 @@ mod tests {
         (e, armed, entered, release)
     }
 
-    #[test]
-    fn a_write_caught_behind_a_delete_s_release_maps_nothing() {
+    /// Writes new content at LBA `lba` of a 1 MiB volume holding one
+    /// other block, holds the write between its lookup and its mapping,
+    /// and lets it go from the progress of `op` (a delete or shrink, once
+    /// its release of blocks has passed that LBA). Returns the engine and
+    /// the write's outcome.
+    fn write_caught_behind(
+        lba: u64,
+        op: impl FnOnce(&Engine, &mut dyn FnMut(u64, u64)) -> Result<()>,
+    ) -> (std::sync::Arc<Engine>, Result<()>) {
         let (e, armed, entered, release) = gated_engine();
         let v = e.create_volume("v", 1 << 20).unwrap();
         e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
-        // a write of new content, held between its lookup and its mapping
         armed.store(true, Ordering::SeqCst);
         let writer = {
             let e = e.clone();
-            std::thread::spawn(move || e.write(v, 5 * 4096, &[2u8; BLOCK_SIZE], false))
+            std::thread::spawn(move || e.write(v, lba * 4096, &[2u8; BLOCK_SIZE], false))
         };
         entered.recv().unwrap();
-        // let it go once the delete's release has passed its LBA
         let mut writer = Some(writer);
         let mut outcome = None;
-        e.delete_volume_with_progress("v", &mut |_, _| {
+        op(&e, &mut |_, _| {
             if let Some(w) = writer.take() {
                 release.send(()).unwrap();
                 outcome = Some(w.join().unwrap());
             }
         })
         .unwrap();
-        let err = outcome.unwrap().unwrap_err();
+        (e, outcome.expect("the operation reported progress"))
+    }
+
+    #[test]
+    fn a_write_caught_behind_a_delete_s_release_maps_nothing() {
+        let (e, outcome) = write_caught_behind(5, |e, progress| {
+            e.delete_volume_with_progress("v", progress).map(|_| ())
+        });
+        let err = outcome.unwrap_err();
         assert!(matches!(err, EngineError::ReadOnly(_)), "{err:?}");
         assert!(e.check().is_empty(), "{:?}", e.check());
         assert_eq!(e.stats().physical_blocks_stored, 0);
@@ -3637,28 +3650,12 @@ mod tests {
 
     #[test]
     fn a_write_caught_behind_a_shrink_s_release_maps_nothing() {
-        let (e, armed, entered, release) = gated_engine();
-        let v = e.create_volume("v", 1 << 20).unwrap();
-        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
-        armed.store(true, Ordering::SeqCst);
-        let writer = {
-            let e = e.clone();
-            std::thread::spawn(move || e.write(v, 200 * 4096, &[2u8; BLOCK_SIZE], false))
-        };
-        entered.recv().unwrap();
-        let mut writer = Some(writer);
-        let mut outcome = None;
-        e.resize_volume_with_progress("v", 64 * 4096, &mut |_, _| {
-            if let Some(w) = writer.take() {
-                release.send(()).unwrap();
-                outcome = Some(w.join().unwrap());
-            }
-        })
-        .unwrap();
-        let err = outcome.unwrap().unwrap_err();
+        let (e, outcome) = write_caught_behind(200, |e, progress| {
+            e.resize_volume_with_progress("v", 64 * 4096, progress)
+        });
+        let err = outcome.unwrap_err();
         assert!(matches!(err, EngineError::OutOfRange { .. }), "{err:?}");
-        // and while the shrink runs, writes past its new end are refused
-        // at once
+        let (v, _) = e.volume("v").unwrap();
         assert!(e.check().is_empty(), "{:?}", e.check());
         assert_eq!(e.stats().physical_blocks_stored, 1);
         let mut buf = vec![0u8; BLOCK_SIZE];

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Client, Harness, DISK_SIZE};
+use common::{request_bytes, Client, Harness, DISK_SIZE};
 use dedupd_nbd::proto::{self, *};
 use dedupd_nbd::ServerConfig;
 
@@ -592,19 +592,9 @@ fn a_reply_is_not_held_behind_a_slow_flush_or_fua_write() {
     c.connect_go("stall");
     // (all in one send: the reader never waits for the client between
     // them)
-    let request = |flags: u16, cmd: u16, handle: u64, offset: u64, len: u32, payload: &[u8]| {
-        let mut b = proto::REQUEST_MAGIC.to_be_bytes().to_vec();
-        b.extend_from_slice(&flags.to_be_bytes());
-        b.extend_from_slice(&cmd.to_be_bytes());
-        b.extend_from_slice(&handle.to_be_bytes());
-        b.extend_from_slice(&offset.to_be_bytes());
-        b.extend_from_slice(&len.to_be_bytes());
-        b.extend_from_slice(payload);
-        b
-    };
-    let mut all = request(CMD_FLAG_FUA, CMD_WRITE, 1, 0, 4, b"slow");
-    all.extend(request(0, CMD_FLUSH, 2, 0, 0, &[]));
-    all.extend(request(0, CMD_WRITE, 3, 4096, 8, b"half"));
+    let mut all = request_bytes(CMD_FLAG_FUA, CMD_WRITE, 1, 0, 4, b"slow");
+    all.extend(request_bytes(0, CMD_FLUSH, 2, 0, 0, &[]));
+    all.extend(request_bytes(0, CMD_WRITE, 3, 4096, 8, b"half"));
     let start = Instant::now();
     c.s.write_all(&all).unwrap();
     assert_eq!(c.reply(), (0, 2));

@@ -279,6 +279,25 @@ pub struct OptReply {
     pub data: Vec<u8>,
 }
 
+/// The bytes of one request: header, then `payload`.
+pub fn request_bytes(
+    flags: u16,
+    cmd: u16,
+    handle: u64,
+    offset: u64,
+    len: u32,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut b = proto::REQUEST_MAGIC.to_be_bytes().to_vec();
+    b.extend_from_slice(&flags.to_be_bytes());
+    b.extend_from_slice(&cmd.to_be_bytes());
+    b.extend_from_slice(&handle.to_be_bytes());
+    b.extend_from_slice(&offset.to_be_bytes());
+    b.extend_from_slice(&len.to_be_bytes());
+    b.extend_from_slice(payload);
+    b
+}
+
 /// A minimal NBD client speaking fixed newstyle and simple replies.
 pub struct Client<S: Read + Write> {
     pub s: S,
@@ -377,14 +396,9 @@ impl<S: Read + Write> Client<S> {
         len: u32,
         payload: &[u8],
     ) {
-        let mut b = proto::REQUEST_MAGIC.to_be_bytes().to_vec();
-        b.extend_from_slice(&flags.to_be_bytes());
-        b.extend_from_slice(&cmd.to_be_bytes());
-        b.extend_from_slice(&handle.to_be_bytes());
-        b.extend_from_slice(&offset.to_be_bytes());
-        b.extend_from_slice(&len.to_be_bytes());
-        b.extend_from_slice(payload);
-        self.s.write_all(&b).unwrap();
+        self.s
+            .write_all(&request_bytes(flags, cmd, handle, offset, len, payload))
+            .unwrap();
     }
 
     /// Reads a simple reply header: (error, handle).
