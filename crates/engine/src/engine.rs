@@ -1500,9 +1500,7 @@ impl Engine {
             if let Err(e) = self.flush() {
                 let mut m = lock(&self.meta);
                 if let Some(v) = m.volumes.get_mut(&id) {
-                    if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
-                        v.shrinking_to.swap_remove(k);
-                    }
+                    v.end_shrink(new_blocks);
                     // the mark as it was, or as another shrink running
                     // meanwhile set it (never lifted from under one)
                     let running = v.shrinking_to.iter().min().map(|&b| b * BLOCK_SIZE_U64);
@@ -1521,15 +1519,17 @@ impl Engine {
             // (on an error the mark stays: the volume is written only
             // below the new end until a resize finishes the shrink)
             self.release_range(id, new_blocks, old_blocks, progress)
-                .inspect_err(|_| self.end_shrink(id, new_blocks))?;
+                .inspect_err(|_| {
+                    if let Some(v) = lock(&self.meta).volumes.get_mut(&id) {
+                        v.end_shrink(new_blocks);
+                    }
+                })?;
         }
         {
             let mut m = lock(&self.meta);
             if shrinking {
                 if let Some(v) = m.volumes.get_mut(&id) {
-                    if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
-                        v.shrinking_to.swap_remove(k);
-                    }
+                    v.end_shrink(new_blocks);
                 }
             }
             // the volume released above, not another one that took its name
@@ -1572,16 +1572,6 @@ impl Engine {
             m.change_count += 1;
         }
         self.flush()
-    }
-
-    /// Ends the shrink of volume `id` to `new_blocks` blocks in memory
-    /// (failed: its mark in the volume table stays).
-    fn end_shrink(&self, id: VolumeId, new_blocks: u64) {
-        if let Some(v) = lock(&self.meta).volumes.get_mut(&id) {
-            if let Some(k) = v.shrinking_to.iter().position(|&b| b == new_blocks) {
-                v.shrinking_to.swap_remove(k);
-            }
-        }
     }
 
     /// Sets a volume's sequence threshold T in blocks (iDedup; SmartDedup
@@ -3516,23 +3506,10 @@ mod tests {
 
     #[test]
     fn a_write_in_flight_while_t_is_lowered_to_1_is_left_for_the_background_pass() {
-        let (entered_tx, entered) = std::sync::mpsc::channel();
-        let (release, release_rx) = std::sync::mpsc::channel();
-        let armed = std::sync::Arc::new(AtomicBool::new(false));
-        let backend = GatedBackend {
-            inner: crate::backend::MemoryBackend::default(),
-            armed: armed.clone(),
-            entered: Mutex::new(entered_tx),
-            release: Mutex::new(release_rx),
-        };
-        let e = std::sync::Arc::new(Engine::in_memory_over(
-            HashAlgorithm::Sha256,
-            EngineConfig {
-                sequence_threshold_blocks: 4,
-                ..EngineConfig::default()
-            },
-            Box::new(backend),
-        ));
+        let (e, armed, entered, release) = gated_engine(EngineConfig {
+            sequence_threshold_blocks: 4,
+            ..EngineConfig::default()
+        });
         let v = e.create_volume("v", 1 << 20).unwrap();
         let content = [6u8; BLOCK_SIZE];
         e.write(v, 10 * 4096, &content, false).unwrap();
@@ -3582,9 +3559,11 @@ mod tests {
         assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
     }
 
-    /// An in-memory engine over a [`GatedBackend`]: (engine, the gate's
-    /// arming flag, "a write entered the gate", "let it go").
-    fn gated_engine() -> (
+    /// An in-memory engine with `config` over a [`GatedBackend`]: (engine,
+    /// the gate's arming flag, "a write entered the gate", "let it go").
+    fn gated_engine(
+        config: EngineConfig,
+    ) -> (
         std::sync::Arc<Engine>,
         std::sync::Arc<AtomicBool>,
         std::sync::mpsc::Receiver<()>,
@@ -3601,7 +3580,7 @@ mod tests {
         };
         let e = std::sync::Arc::new(Engine::in_memory_over(
             HashAlgorithm::Sha256,
-            EngineConfig::default(),
+            config,
             Box::new(backend),
         ));
         (e, armed, entered, release)
@@ -3616,7 +3595,7 @@ mod tests {
         lba: u64,
         op: impl FnOnce(&Engine, &mut dyn FnMut(u64, u64)) -> Result<()>,
     ) -> (std::sync::Arc<Engine>, Result<()>) {
-        let (e, armed, entered, release) = gated_engine();
+        let (e, armed, entered, release) = gated_engine(EngineConfig::default());
         let v = e.create_volume("v", 1 << 20).unwrap();
         e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
         armed.store(true, Ordering::SeqCst);

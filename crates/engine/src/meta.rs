@@ -60,6 +60,12 @@ impl Volume {
     pub fn size_blocks(&self) -> u64 {
         self.record.size_bytes / BLOCK_SIZE_U64
     }
+    /// Forgets one running shrink to `new_blocks` (done or failed).
+    pub fn end_shrink(&mut self, new_blocks: u64) {
+        if let Some(k) = self.shrinking_to.iter().position(|&b| b == new_blocks) {
+            self.shrinking_to.swap_remove(k);
+        }
+    }
     /// Blocks that may be written: the size, or less while a shrink runs
     /// or after one was cut short.
     pub fn writable_blocks(&self) -> u64 {

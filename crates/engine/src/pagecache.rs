@@ -621,12 +621,7 @@ impl CachedArray {
             // its tail is zeroed in memory: bring it back first
             i.load(keep - 1);
         }
-        // truncating only drops pages (zeroing the tail allocates none)
-        let before = i.array.resident_units();
-        i.array.truncate(len_bytes);
-        i.group
-            .resident_pages
-            .fetch_sub(before - i.array.resident_units(), Relaxed);
+        i.counted(|a| a.truncate(len_bytes));
         i.evicted.truncate(keep);
         i.queued.truncate(keep);
         // a page cut and grown again is logged whole again
@@ -691,15 +686,9 @@ impl Inner {
         if !self.load(page) {
             self.group.writes_dropped.fetch_add(1, Relaxed);
         } else {
-            let before = self.array.resident_units();
-            change(&mut self.array);
-            let after = self.array.resident_units();
-            if after > before {
-                // a new page (and maybe its chunk): dirty, queued once a
-                // checkpoint releases it (or by `page_from`, before paging
-                // starts)
-                self.group.resident_pages.fetch_add(after - before, Relaxed);
-            }
+            // (a new page is dirty, queued once a checkpoint releases it,
+            // or by `page_from` before paging starts)
+            self.counted(change);
         }
     }
 
@@ -745,11 +734,7 @@ impl Inner {
         };
         self.evicted.set(page, false);
         if let Some(p) = payload {
-            let before = self.array.resident_units();
-            self.array.put_page(page, p);
-            self.group
-                .resident_pages
-                .fetch_add(self.array.resident_units() - before, Relaxed);
+            self.counted(|a| a.put_page(page, p));
             self.enqueue(page);
             // never the page being read
             self.enforce_budget(Some(page));
@@ -793,12 +778,8 @@ impl Inner {
             if self.array.is_dirty(p) || self.pinned.contains_key(&p) {
                 continue; // queued again when a checkpoint releases it
             }
-            let before = self.array.resident_units();
-            self.array.drop_page(p);
+            self.counted(|a| a.drop_page(p));
             self.evicted.set(p, true);
-            self.group
-                .resident_pages
-                .fetch_sub(before - self.array.resident_units(), Relaxed);
             self.group.pages_evicted.fetch_add(1, Relaxed);
         }
     }
