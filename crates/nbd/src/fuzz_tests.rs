@@ -107,13 +107,7 @@ fn run_transmission(input: &[u8]) -> Vec<u8> {
 }
 
 fn request(flags: u16, cmd: u16, handle: u64, offset: u64, len: u32) -> Vec<u8> {
-    let mut b = proto::REQUEST_MAGIC.to_be_bytes().to_vec();
-    b.extend_from_slice(&flags.to_be_bytes());
-    b.extend_from_slice(&cmd.to_be_bytes());
-    b.extend_from_slice(&handle.to_be_bytes());
-    b.extend_from_slice(&offset.to_be_bytes());
-    b.extend_from_slice(&len.to_be_bytes());
-    b
+    proto::encode_request(flags, cmd, handle, offset, len).to_vec()
 }
 
 fn arb_request() -> impl Strategy<Value = Vec<u8>> {

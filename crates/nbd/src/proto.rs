@@ -490,6 +490,26 @@ pub struct Request {
     pub length: u32,
 }
 
+/// Encodes a 28-byte request header (a client's side: test clients and
+/// fuzzers build requests with it): `flags` (`NBD_CMD_FLAG_*`), command
+/// type `cmd` (`NBD_CMD_*`), `handle`, `offset` and `length` in bytes.
+pub fn encode_request(
+    flags: u16,
+    cmd: u16,
+    handle: u64,
+    offset: u64,
+    length: u32,
+) -> [u8; REQUEST_HEADER_LEN] {
+    let mut b = [0u8; REQUEST_HEADER_LEN];
+    b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    b[4..6].copy_from_slice(&flags.to_be_bytes());
+    b[6..8].copy_from_slice(&cmd.to_be_bytes());
+    b[8..16].copy_from_slice(&handle.to_be_bytes());
+    b[16..24].copy_from_slice(&offset.to_be_bytes());
+    b[24..28].copy_from_slice(&length.to_be_bytes());
+    b
+}
+
 /// Decodes a 28-byte request header.
 ///
 /// Errors: [`ProtoError::Short`], [`ProtoError::BadMagic`] (the server then
@@ -669,12 +689,8 @@ mod tests {
 
     #[test]
     fn request() {
-        let mut b = REQUEST_MAGIC.to_be_bytes().to_vec();
-        b.extend_from_slice(&CMD_FLAG_FUA.to_be_bytes());
-        b.extend_from_slice(&CMD_WRITE.to_be_bytes());
-        b.extend_from_slice(&0x1122_3344_5566_7788u64.to_be_bytes());
-        b.extend_from_slice(&4096u64.to_be_bytes());
-        b.extend_from_slice(&512u32.to_be_bytes());
+        let mut b = encode_request(CMD_FLAG_FUA, CMD_WRITE, 0x1122_3344_5566_7788, 4096, 512);
+        assert_eq!(b[..4], REQUEST_MAGIC.to_be_bytes());
         assert_eq!(
             decode_request(&b),
             Ok(Request {

@@ -498,21 +498,16 @@ fn pipelined_writes_then_flush<S: std::io::Read + Write>(mut c: Client<S>, n: u6
     let limit = Duration::from_secs(2);
     let mut requests = Vec::new();
     for i in 0..n {
-        let mut b = REQUEST_MAGIC.to_be_bytes().to_vec();
-        b.extend_from_slice(&0u16.to_be_bytes());
-        b.extend_from_slice(&CMD_WRITE.to_be_bytes());
-        b.extend_from_slice(&i.to_be_bytes());
-        b.extend_from_slice(&(i * 4096).to_be_bytes());
-        b.extend_from_slice(&4096u32.to_be_bytes());
-        b.extend_from_slice(&vec![(i + round) as u8; 4096]);
-        requests.push(b);
+        requests.push(request_bytes(
+            0,
+            CMD_WRITE,
+            i,
+            i * 4096,
+            4096,
+            &vec![(i + round) as u8; 4096],
+        ));
     }
-    let mut flush = REQUEST_MAGIC.to_be_bytes().to_vec();
-    flush.extend_from_slice(&0u16.to_be_bytes());
-    flush.extend_from_slice(&CMD_FLUSH.to_be_bytes());
-    flush.extend_from_slice(&u64::MAX.to_be_bytes());
-    flush.extend_from_slice(&[0u8; 12]);
-    requests.push(flush);
+    requests.push(request_bytes(0, CMD_FLUSH, u64::MAX, 0, 0, &[]));
     c.s.write_all(&requests.concat()).unwrap();
     let mut seen = std::collections::HashSet::new();
     let mut last = Instant::now();

@@ -288,12 +288,7 @@ pub fn request_bytes(
     len: u32,
     payload: &[u8],
 ) -> Vec<u8> {
-    let mut b = proto::REQUEST_MAGIC.to_be_bytes().to_vec();
-    b.extend_from_slice(&flags.to_be_bytes());
-    b.extend_from_slice(&cmd.to_be_bytes());
-    b.extend_from_slice(&handle.to_be_bytes());
-    b.extend_from_slice(&offset.to_be_bytes());
-    b.extend_from_slice(&len.to_be_bytes());
+    let mut b = proto::encode_request(flags, cmd, handle, offset, len).to_vec();
     b.extend_from_slice(payload);
     b
 }
