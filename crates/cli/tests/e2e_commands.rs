@@ -54,6 +54,14 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Runs `dedupd --store STORE ARGS…` and asserts it succeeds.
+fn succeeds(store: &Path, args: &[&str]) -> Output {
+    run(Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(store)
+        .args(args))
+}
+
 /// Asserts `out` failed with a message containing `want`.
 fn fails_with(out: &Output, want: &str) {
     assert!(!out.status.success(), "succeeded: {}", stderr(out));
@@ -61,10 +69,7 @@ fn fails_with(out: &Output, want: &str) {
 }
 
 fn volume_size(store: &Path, name: &str) -> u64 {
-    let out = run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(store)
-        .args(["volume", "list", "--json"]));
+    let out = succeeds(store, &["volume", "list", "--json"]);
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     list.as_array()
         .unwrap()
@@ -79,10 +84,7 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
     let server = Server::start(&store, &["--default-volume-size", "64M"]);
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "create", "vm1", "8M"]));
+    succeeds(&store, &["volume", "create", "vm1", "8M"]);
     let a = connect(server.port, "vm1");
     let b = connect(server.port, "vm1");
     // a client of another volume does not count
@@ -101,10 +103,7 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
     fails_with(&out, "pass --shrink");
     assert_eq!(volume_size(&store, "vm1"), 8 << 20);
     // growing takes nothing away from the clients
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "resize", "vm1", "16M"]));
+    succeeds(&store, &["volume", "resize", "vm1", "16M"]);
     assert_eq!(volume_size(&store, "vm1"), 16 << 20);
 
     disconnect(a, &store, 2);
@@ -114,18 +113,12 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
         "volume vm1 has 1 NBD connection open; disconnect it or pass --force",
     );
     disconnect(b, &store, 1);
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "resize", "vm1", "4M", "--shrink"]));
+    succeeds(&store, &["volume", "resize", "vm1", "4M", "--shrink"]);
     assert_eq!(volume_size(&store, "vm1"), 4 << 20);
 
     // --force goes ahead with a client connected
     let c = connect(server.port, "vm1");
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "delete", "vm1", "--force"]));
+    succeeds(&store, &["volume", "delete", "vm1", "--force"]);
     drop(c);
     drop(other);
     server.stop();
@@ -135,29 +128,17 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
 fn a_shrink_without_a_server_needs_shrink_too() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .arg("init"));
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "create", "vm1", "80G"]));
+    succeeds(&store, &["init"]);
+    succeeds(&store, &["volume", "create", "vm1", "80G"]);
     // the typo of `80G`
     let out = dedupd(&store, &["volume", "resize", "vm1", "80M"]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     fails_with(&out, "from 80.00 GiB to 80.00 MiB would discard");
     assert_eq!(volume_size(&store, "vm1"), 80 << 30);
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "resize", "vm1", "80M", "--shrink"]));
+    succeeds(&store, &["volume", "resize", "vm1", "80M", "--shrink"]);
     assert_eq!(volume_size(&store, "vm1"), 80 << 20);
     // --force allows a shrink as well (no client can be connected)
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "resize", "vm1", "40M", "--force"]));
+    succeeds(&store, &["volume", "resize", "vm1", "40M", "--force"]);
     assert_eq!(volume_size(&store, "vm1"), 40 << 20);
 }
 
@@ -297,10 +278,7 @@ fn creation_options_given_for_an_existing_store_are_warned_of() {
 fn a_volume_command_whose_output_nobody_reads_succeeds() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .arg("init"));
+    succeeds(&store, &["init"]);
     for args in [
         &["volume", "create", "v", "4M"][..],
         &["volume", "resize", "v", "8M"],
@@ -329,10 +307,7 @@ fn a_volume_command_whose_output_nobody_reads_succeeds() {
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
     }
-    let out = run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "list", "--json"]));
+    let out = succeeds(&store, &["volume", "list", "--json"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
 }
 
@@ -340,10 +315,7 @@ fn a_volume_command_whose_output_nobody_reads_succeeds() {
 fn a_store_without_its_superblock_gets_a_hint() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .arg("init"));
+    succeeds(&store, &["init"]);
     std::fs::remove_file(store.join("superblock")).unwrap();
     let out = dedupd(&store, &["volume", "list"]);
     fails_with(&out, "no superblock");
@@ -351,10 +323,7 @@ fn a_store_without_its_superblock_gets_a_hint() {
     // as fsck --repair does
     let out = dedupd(&store, &["fsck", "--repair"]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    run(Command::new(dedupd_bin())
-        .arg("--store")
-        .arg(&store)
-        .args(["volume", "list"]));
+    succeeds(&store, &["volume", "list"]);
     // an init cut short before its state was written: only removing helps
     let early = tmp.path().join("early");
     std::fs::create_dir(&early).unwrap();
