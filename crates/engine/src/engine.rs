@@ -823,6 +823,8 @@ impl Engine {
                 deletes_running: 0,
                 before_deletes: (false, false),
                 shrinking_to: Vec::new(),
+                shrinks_begun: 0,
+                recent_shrinks: Default::default(),
             });
         }
         // a missing map's journaled pages are not written in place: a file
@@ -1270,6 +1272,8 @@ impl Engine {
                 deletes_running: 0,
                 before_deletes: (false, false),
                 shrinking_to: Vec::new(),
+                shrinks_begun: 0,
+                recent_shrinks: Default::default(),
             });
             // the map cut to nothing marks it as created here: until a
             // checkpoint writes it, its file may be missing (see `open`).
@@ -1482,7 +1486,7 @@ impl Engine {
             // (in this critical section, so a grow meanwhile cannot let
             // one be), and the shrink is marked in the volume table
             if new_blocks < old_blocks {
-                v.shrinking_to.push(new_blocks);
+                v.begin_shrink(new_blocks);
                 if mark_before.is_none_or(|b| b > size_bytes) {
                     v.record.shrinking_to_bytes = Some(size_bytes);
                     m.state_dirty = true;
@@ -2351,6 +2355,7 @@ impl Engine {
             return Err(EngineError::NoSuchVolume(format!("#{}", vol.0)));
         };
         let size_blocks = volume.writable_blocks();
+        let shrinks_seen = volume.shrinks_begun;
         if first
             .checked_add(n as u64)
             .is_none_or(|end| end > size_blocks)
@@ -2381,6 +2386,16 @@ impl Engine {
         let mut only_block_is_new = false;
         let mut cands: SmallVec<[Candidate; 4]> = SmallVec::with_capacity(n);
         m.counters.blocks_written += n as u64;
+        if n > 1 {
+            // (the cache misses of a large request's lookups overlap)
+            let looked_up: Vec<Fingerprint> = fps
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| inline.is_none_or(|on| on[i]))
+                .filter_map(|(_, fp)| fp.filter(|fp| *fp != UNHASHED))
+                .collect();
+            m.prefetch_lookups(&looked_up);
+        }
         for (i, fp) in fps.iter().enumerate() {
             let cand = match fp {
                 None => Candidate::Other,
@@ -2524,7 +2539,13 @@ impl Engine {
             let gone = match m.volumes.get(&vol) {
                 None => Some(EngineError::NoSuchVolume(format!("#{}", vol.0))),
                 Some(v) if v.deleting => Some(EngineError::ReadOnly(v.record.name.clone())),
-                Some(v) if first + n as u64 > v.writable_blocks() => {
+                // (or shrunk past it and grown back: the blocks phase 1
+                // mapped there were released)
+                Some(v)
+                    if first + n as u64 > v.writable_blocks()
+                        || v.lowest_shrink_since(shrinks_seen)
+                            .is_some_and(|low| first + n as u64 > low) =>
+                {
                     Some(EngineError::OutOfRange {
                         offset: first * BLOCK_SIZE_U64,
                         len: n as u64 * BLOCK_SIZE_U64,
@@ -2561,6 +2582,18 @@ impl Engine {
         // stored the same content meanwhile: then share its copy)
         // where each new block ended up, for the copies of it in this
         // request (only kept if there are any)
+        if n > 1 && any_new {
+            let indexed: Vec<Fingerprint> = placement
+                .iter()
+                .filter_map(|p| match p {
+                    Placement::New {
+                        fp, indexed: true, ..
+                    } => Some(*fp),
+                    _ => None,
+                })
+                .collect();
+            m.prefetch_write(vol, first, n as u64, &indexed);
+        }
         let has_copies = placement.iter().any(|p| matches!(p, Placement::SameAs(_)));
         let threshold_now = m.volumes.get(&vol).map_or(threshold, |v| {
             v.record
@@ -3640,6 +3673,39 @@ mod tests {
         let mut buf = vec![0u8; BLOCK_SIZE];
         e.read(v, 0, &mut buf).unwrap();
         assert!(buf.iter().all(|&b| b == 1));
+    }
+
+    #[test]
+    fn a_write_caught_behind_a_shrink_and_a_grow_maps_nothing() {
+        // block 200 shares stored content (mapped before the data write),
+        // block 201 is new (mapped after it); the volume shrinks past both
+        // and grows back meanwhile
+        let (e, armed, entered, release) = gated_engine(EngineConfig::default());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        armed.store(true, Ordering::SeqCst);
+        let writer = {
+            let e = e.clone();
+            let mut data = vec![1u8; 2 * BLOCK_SIZE];
+            data[BLOCK_SIZE..].fill(2);
+            std::thread::spawn(move || e.write(v, 200 * 4096, &data, false))
+        };
+        entered.recv().unwrap();
+        e.resize_volume("v", 64 * 4096).unwrap();
+        e.resize_volume("v", 1 << 20).unwrap();
+        release.send(()).unwrap();
+        let err = writer.join().unwrap().unwrap_err();
+        assert!(matches!(err, EngineError::OutOfRange { .. }), "{err:?}");
+        assert!(e.check().is_empty(), "{:?}", e.check());
+        let mut buf = vec![7u8; 2 * BLOCK_SIZE];
+        e.read(v, 200 * 4096, &mut buf).unwrap();
+        assert!(
+            buf.iter().all(|&b| b == 0),
+            "a refused write left blocks mapped"
+        );
+        // a write that saw no shrink begin goes through
+        e.write(v, 200 * 4096, &[3u8; 2 * BLOCK_SIZE], false)
+            .unwrap();
     }
 
     #[test]

@@ -53,12 +53,47 @@ pub struct Volume {
     /// the smallest is written or mapped meanwhile, so none appears behind
     /// a shrink's release of the blocks there.
     pub shrinking_to: Vec<u64>,
+    /// Shrinks of this volume begun since the store opened, and the new
+    /// sizes (blocks) of the last [`RECENT_SHRINKS`] of them, oldest
+    /// first: a write mapped in two steps checks, before its second, that
+    /// no shrink begun since its first passed its blocks (a shrink and a
+    /// grow back would leave no other trace; see
+    /// [`Volume::lowest_shrink_since`]).
+    pub shrinks_begun: u64,
+    pub recent_shrinks: std::collections::VecDeque<u64>,
 }
+
+/// Shrink targets a [`Volume`] remembers (older ones count as shrinks to
+/// nothing, see [`Volume::lowest_shrink_since`]).
+pub const RECENT_SHRINKS: usize = 16;
 
 impl Volume {
     /// Size in 4 KiB blocks.
     pub fn size_blocks(&self) -> u64 {
         self.record.size_bytes / BLOCK_SIZE_U64
+    }
+    /// Records a shrink to `new_blocks` beginning (see
+    /// [`Volume::shrinks_begun`]).
+    pub fn begin_shrink(&mut self, new_blocks: u64) {
+        self.shrinking_to.push(new_blocks);
+        self.shrinks_begun += 1;
+        if self.recent_shrinks.len() == RECENT_SHRINKS {
+            self.recent_shrinks.pop_front();
+        }
+        self.recent_shrinks.push_back(new_blocks);
+    }
+    /// The smallest new size (blocks) of the shrinks begun since
+    /// [`Volume::shrinks_begun`] was `seen`; `None` if none began, 0 if
+    /// more began than are remembered.
+    pub fn lowest_shrink_since(&self, seen: u64) -> Option<u64> {
+        let k = usize::try_from(self.shrinks_begun.checked_sub(seen)?).unwrap_or(usize::MAX);
+        if k == 0 {
+            return None;
+        }
+        if k > self.recent_shrinks.len() {
+            return Some(0);
+        }
+        self.recent_shrinks.iter().rev().take(k).copied().min()
     }
     /// Forgets one running shrink to `new_blocks` (done or failed).
     pub fn end_shrink(&mut self, new_blocks: u64) {
@@ -317,6 +352,30 @@ impl Meta {
             self.refcounts.prefetch(p.0 * 4);
             self.fingerprints.prefetch(p.0);
         }
+    }
+
+    /// [`Meta::prefetch_lookups`] for a write of `n` blocks at LBA `first`
+    /// of `vol` that will look up or insert `fps`, adding the fingerprints
+    /// its remaps will take out of the index: those of blocks the LBAs map
+    /// to now whose only reference they hold. Reads only metadata pages
+    /// already in memory (it never loads one). Only a hint.
+    pub fn prefetch_write(&self, vol: VolumeId, first: u64, n: u64, fps: &[Fingerprint]) {
+        let mut all = Vec::with_capacity(fps.len() + n as usize);
+        all.extend_from_slice(fps);
+        if let Some(v) = self.volumes.get(&vol) {
+            for lba in first..first.saturating_add(n).min(v.size_blocks()) {
+                let Some(p) = v.map.peek_array::<8>(lba * 8).map(u64::from_le_bytes) else {
+                    continue;
+                };
+                let Some(p) = p.checked_sub(1) else { continue };
+                if self.refcounts.peek_array::<4>(p * 4) == Some(1u32.to_le_bytes()) {
+                    if let Some(fp) = self.fingerprints.peek(p) {
+                        all.push(fp);
+                    }
+                }
+            }
+        }
+        self.prefetch_lookups(&all);
     }
 
     /// The fingerprint recorded for a PBA.

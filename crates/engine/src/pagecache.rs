@@ -377,6 +377,16 @@ impl CachedArray {
         i.array.get_array(off)
     }
 
+    /// The `N` bytes at logical byte offset `off` (one element, as
+    /// [`CachedArray::get_array`] reads it) if their page is in memory or a
+    /// hole; `None` if reading them would load the page. Never loads, so
+    /// nothing resident or counted changes: for hints.
+    #[inline]
+    pub fn peek_array<const N: usize>(&self, off: u64) -> Option<[u8; N]> {
+        let i = self.inner.borrow();
+        (!i.evicted.get(off / PAYLOAD_SIZE as u64)).then(|| i.array.get_array(off))
+    }
+
     /// Hints that the bytes at logical offset `off` will be read soon
     /// (nothing if their page is not in memory: it is not loaded).
     #[inline]

@@ -59,6 +59,15 @@ impl ReverseIndex {
         u64::from_be_bytes(self.array.get_array(pba * FINGERPRINT_SIZE as u64))
     }
 
+    /// [`ReverseIndex::get`] if `pba`'s page is in memory; `None` if
+    /// reading it would load the page (see [`CachedArray::peek_array`]).
+    #[inline]
+    pub fn peek(&self, pba: u64) -> Option<Fingerprint> {
+        self.array
+            .peek_array(pba * FINGERPRINT_SIZE as u64)
+            .map(Fingerprint)
+    }
+
     /// Hints that `pba`'s fingerprint will be read soon.
     #[inline]
     pub fn prefetch(&self, pba: u64) {
