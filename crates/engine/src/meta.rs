@@ -534,7 +534,12 @@ impl Meta {
             "releasing PBA {} with reference count 0",
             p.0
         );
-        let rc = rc.saturating_sub(1);
+        if rc == 0 {
+            // an unreadable count (a metadata fault, which stops every
+            // commit): nothing is freed, counted or taken out of the index
+            return;
+        }
+        let rc = rc - 1;
         self.refcounts.set_u32(p.0, rc);
         if rc == 0 {
             self.stored_blocks -= 1;

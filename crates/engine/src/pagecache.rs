@@ -720,11 +720,15 @@ impl Inner {
         };
         self.group.pages_loaded.fetch_add(1, Relaxed);
         let payload = match read.map(|()| decode_page(&buf, self.array.tag(), page)) {
-            Ok(Ok(p)) => p,
+            Ok(Ok(Some(p))) => Some(p),
             failed => {
                 let io_error = failed.is_err();
+                // (only a page holding entries leaves memory, and only once
+                // its image is on file: all zeros there, or a file cut
+                // short before it, is damage, not an empty page)
                 let why = match failed {
                     Err(e) => e.to_string(),
+                    Ok(Ok(None)) => "all zeros on file (zeroed or cut short)".to_string(),
                     _ => "checksum mismatch".to_string(),
                 };
                 self.group
@@ -967,6 +971,39 @@ mod tests {
         z.unpin_through(1);
         f.as_file()
             .write_all_at(&[0xff; 8], PAGE_SIZE as u64 + 40)
+            .unwrap();
+        z.get_u64(0);
+        assert_eq!(z.get_u64(PER_PAGE + 1), 0);
+        z.set_u64(PER_PAGE + 2, 7);
+        assert_eq!(z.get_u64(PER_PAGE + 2), 7);
+        assert_eq!(zeros.load_errors(), 1);
+    }
+
+    #[test]
+    fn a_page_zeroed_or_cut_on_disk_while_out_of_memory_faults() {
+        // an evicted page held entries: all zeros on disk (zeroed in
+        // place, or past a file cut short) is damage, not an empty page
+        let group = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::Fault);
+        let (mut a, f) = paged(3, &group);
+        a.unpin_through(1);
+        f.as_file()
+            .write_all_at(&[0u8; PAGE_SIZE], PAGE_SIZE as u64)
+            .unwrap();
+        f.as_file().set_len(2 * PAGE_SIZE as u64).unwrap();
+        a.get_u64(0);
+        assert_eq!(a.get_u64(PER_PAGE + 1), 0);
+        assert_eq!(a.get_u64(2 * PER_PAGE + 1), 0);
+        assert_eq!(group.load_errors(), 2);
+        assert!(group.first_error().unwrap().contains("page 1 of test"));
+        a.set_u64(PER_PAGE + 2, 7);
+        assert_eq!(a.dirty_count(), 0, "a write to a faulted page is dropped");
+        // with zeros as the policy it is counted, reads as zeros and
+        // takes writes
+        let zeros = CacheGroup::new(PAYLOAD_SIZE as u64, OnLoadError::ReadAsZeros);
+        let (mut z, f) = paged(3, &zeros);
+        z.unpin_through(1);
+        f.as_file()
+            .write_all_at(&[0u8; PAGE_SIZE], PAGE_SIZE as u64)
             .unwrap();
         z.get_u64(0);
         assert_eq!(z.get_u64(PER_PAGE + 1), 0);

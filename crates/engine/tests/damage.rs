@@ -803,6 +803,24 @@ fn map_page_damaged_while_paged_out_fails_the_access_and_stops_commits() {
 /// fsck rebuilds it.
 #[test]
 fn refcount_page_damaged_while_paged_out_stops_writes_until_repaired() {
+    refcount_page_damaged_while_paged_out(|p| flip(p, 10));
+}
+
+#[test]
+fn refcount_page_zeroed_while_paged_out_stops_writes_until_repaired() {
+    // zeros read back for a page that held counts are damage too, not
+    // counts of 0 (which would free blocks other LBAs share)
+    refcount_page_damaged_while_paged_out(|p| {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+        f.write_all_at(&[0u8; 4096], 0).unwrap();
+    });
+}
+
+/// Pages the reference counts out, damages their file with `damage`, and
+/// checks that a write releasing a block counted there fails, commits
+/// stop, the store then refuses to open, and fsck repairs it.
+fn refcount_page_damaged_while_paged_out(damage: impl Fn(&Path)) {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
     let cfg = EngineConfig {
@@ -819,7 +837,7 @@ fn refcount_page_damaged_while_paged_out_stops_writes_until_repaired() {
     e.read(b, 0, &mut buf).unwrap();
     e.checkpoint().unwrap();
     assert!(e.stats().map_cache.pages_evicted > 0);
-    flip(&path.join("refcounts"), 10);
+    damage(&path.join("refcounts"));
     // overwriting LBA 1 of b releases its block: its count is on the bad page
     let err = e.write(b, 4096, &pattern(900), false).unwrap_err();
     assert!(matches!(err, EngineError::MetadataUnreadable(_)), "{err}");
