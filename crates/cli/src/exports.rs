@@ -89,13 +89,15 @@ impl VolumeExports {
     ///
     /// Errors: the volume has connections open and `force` is false.
     pub fn hold(&self, name: &str, force: bool) -> anyhow::Result<Held> {
+        // (looked up under the lock, as `open` does, so that neither sees
+        // the volume as it was before the other)
+        let mut st = self.users.lock();
         let Some((id, _)) = self.engine.volume(name) else {
             return Ok(Held {
                 users: self.users.clone(),
                 id: None,
             });
         };
-        let mut st = self.users.lock();
         let open = st.open.get(&id).copied().unwrap_or(0);
         if open > 0 && !force {
             anyhow::bail!(
@@ -134,15 +136,19 @@ impl ExportProvider for VolumeExports {
 
     fn open(&self, name: &str) -> Option<Arc<dyn Export>> {
         let name = self.resolve(name)?;
-        let (id, size_bytes) = self.engine.volume(&name)?;
-        {
+        let (id, size_bytes) = {
             let mut st = self.users.lock();
+            // under the lock: a delete or shrink held and done between the
+            // lookup and the count would have passed this connection by
+            // (its size the one before the shrink)
+            let (id, size_bytes) = self.engine.volume(&name)?;
             // a volume being deleted or shrunk is not opened meanwhile
             if st.held.contains_key(&id) {
                 return None;
             }
             *st.open.entry(id).or_insert(0) += 1;
-        }
+            (id, size_bytes)
+        };
         Some(Arc::new(VolumeExport {
             engine: self.engine.clone(),
             id,

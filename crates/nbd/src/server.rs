@@ -111,7 +111,16 @@ pub const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// Unanswered keepalive probes after which the connection is closed.
 pub const TCP_KEEPALIVE_PROBES: u32 = 6;
 
-/// Turns on TCP keepalive for `stream` with the timings above.
+/// Longest a TCP connection's sent data may stay unacknowledged before it
+/// is closed (`TCP_USER_TIMEOUT`): keepalive alone never probes while
+/// replies wait for an acknowledgement, so a peer that vanished with
+/// replies in flight would hold its connection (and its volume open)
+/// until the kernel's retransmissions give up, about 15 minutes. The same
+/// two minutes as the keepalive timings above.
+pub const TCP_UNACKED_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Turns on TCP keepalive for `stream` with the timings above, and bounds
+/// unacknowledged data by [`TCP_UNACKED_TIMEOUT`].
 fn set_keepalive(stream: &TcpStream) -> io::Result<()> {
     let fd = stream.as_raw_fd();
     let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| -> io::Result<()> {
@@ -147,6 +156,11 @@ fn set_keepalive(stream: &TcpStream) -> io::Result<()> {
         libc::IPPROTO_TCP,
         libc::TCP_KEEPCNT,
         TCP_KEEPALIVE_PROBES as libc::c_int,
+    )?;
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        TCP_UNACKED_TIMEOUT.as_millis() as libc::c_int,
     )
 }
 
@@ -800,6 +814,28 @@ mod tests {
         fn flush_covers_all_connections(&self) -> bool {
             true
         }
+    }
+
+    #[test]
+    fn accepted_tcp_sockets_bound_unacknowledged_data() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server_end, _) = listener.accept().unwrap();
+        set_keepalive(&server_end).unwrap();
+        let mut ms: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt on a live socket into a c_int of `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                server_end.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_USER_TIMEOUT,
+                (&mut ms as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0);
+        assert_eq!(ms as u128, TCP_UNACKED_TIMEOUT.as_millis());
     }
 
     #[test]
