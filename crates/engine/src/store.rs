@@ -422,20 +422,41 @@ impl StoreDir {
         self.root.join(file.relative_path())
     }
 
-    /// An anonymous scratch file in the store's directory (created and
-    /// unlinked at once: nothing is left behind after a crash); `None` if
-    /// it cannot be created (read-only or full file system).
+    /// An anonymous scratch file in the store's directory, its own for
+    /// each call (passes running at once never share one), with no name
+    /// (`O_TMPFILE`; where the file system lacks it, a unique name
+    /// unlinked at once), so nothing is left behind after a crash; `None`
+    /// if it cannot be created (read-only or full file system).
     pub fn scratch_file(&self) -> Option<File> {
-        let p = self.root.join("scratch.tmp");
-        let f = OpenOptions::new()
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Ok(f) = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&p)
-            .ok()?;
-        fs::remove_file(&p).ok()?;
-        Some(f)
+            .custom_flags(libc::O_TMPFILE)
+            .mode(0o600)
+            .open(&self.root)
+        {
+            return Some(f);
+        }
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        for _ in 0..16 {
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let p = self
+                .root
+                .join(format!("scratch.{}.{n}.tmp", std::process::id()));
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&p)
+            {
+                Ok(f) => return fs::remove_file(&p).ok().map(|()| f),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(_) => return None,
+            }
+        }
+        None
     }
 
     /// An unlinked file standing in for the store's missing `what` (a
@@ -805,6 +826,24 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_files_are_each_their_own_and_leave_nothing_behind() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = StoreDir::create(&d.path().join("s"), HashAlgorithm::Sha256, 16).unwrap();
+        let before: Vec<_> = fs::read_dir(dir.root()).unwrap().collect();
+        let (a, b) = (dir.scratch_file().unwrap(), dir.scratch_file().unwrap());
+        a.write_all_at(&[1u8; 4096], 0).unwrap();
+        b.write_all_at(&[2u8; 100], 0).unwrap();
+        let mut back = [0u8; 4096];
+        a.read_exact_at(&mut back, 0).unwrap();
+        assert!(
+            back.iter().all(|&x| x == 1),
+            "two scratch files share one inode"
+        );
+        assert_eq!(b.metadata().unwrap().len(), 100);
+        assert_eq!(fs::read_dir(dir.root()).unwrap().count(), before.len());
+    }
 
     #[test]
     fn checked_json_detects_damage() {
