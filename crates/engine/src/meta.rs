@@ -438,6 +438,25 @@ impl Meta {
         self.with_index(|index, live, rc| index.insert_with_refcount(&fp, pba, live, rc))
     }
 
+    /// Indexes `fp` → `pba` (a live block holding it, fingerprint
+    /// recorded or not yet) unless the index already finds a live copy
+    /// of `fp`; otherwise only records the fingerprint. An index that
+    /// cannot be read or written is counted (`index_errors`), not an
+    /// error: the block stays a copy of its own, which a later pass finds.
+    pub fn index_if_absent(&mut self, pba: Pba, fp: Fingerprint) {
+        if self.fingerprint_of(pba) != fp {
+            self.record_unindexed(pba, fp);
+        }
+        let indexed = match self.lookup(&fp) {
+            Ok(None) => self.index_insert(fp, pba),
+            Ok(Some(_)) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if indexed.is_err() {
+            self.counters.index_errors += 1;
+        }
+    }
+
     /// Runs `f` on the index with the reverse-index liveness check.
     /// Also passes reference counts, which the reference-count eviction
     /// policy (CAFTL) evicts by.

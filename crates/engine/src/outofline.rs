@@ -625,21 +625,48 @@ impl Engine {
                         if !merges.contains_key(&p.0) || scan.differ.contains(&p.0) {
                             continue;
                         }
-                        let target = Pba(resolve(p.0));
                         // merge only onto a live copy of the same content
                         // (a block stored unhashed since the merge was
-                        // planned has no fingerprint to compare)
+                        // planned has no fingerprint to compare): the
+                        // chain's last such copy
                         let fp = m.fingerprint_of(p);
-                        if target == p
-                            || fp == crate::engine::UNHASHED
-                            || !m.shareable(target.0)
-                            || m.fingerprint_of(target) != fp
-                        {
+                        if fp == crate::engine::UNHASHED {
                             continue;
                         }
+                        let deepest = Pba(resolve(p.0));
+                        let holds = |m: &crate::meta::Meta, t: Pba| {
+                            t != p && m.shareable(t.0) && m.fingerprint_of(t) == fp
+                        };
+                        let target = if holds(&m, deepest) {
+                            deepest
+                        } else {
+                            let mut found = None;
+                            let mut q = p.0;
+                            for _ in 0..64 {
+                                let Some(&next) = merges.get(&q) else { break };
+                                q = next;
+                                if holds(&m, Pba(q)) {
+                                    found = Some(Pba(q));
+                                }
+                            }
+                            match found {
+                                Some(t) => t,
+                                None => {
+                                    // every copy it was to join is gone: it
+                                    // stays, and is indexed if no copy is
+                                    // (the one indexed may have been one of
+                                    // those gone)
+                                    m.index_if_absent(p, fp);
+                                    continue;
+                                }
+                            }
+                        };
                         // `verify`: compared again (under this hold of the
-                        // lock) if a freed block was reused since
-                        if self.config.verify && scan.same_at.get(&p.0) != Some(&m.reuse_epoch) {
+                        // lock) if a freed block was reused since, or if
+                        // the copy compared with is gone
+                        if self.config.verify
+                            && (target != deepest || scan.same_at.get(&p.0) != Some(&m.reuse_epoch))
+                        {
                             let same = self
                                 .same_bytes(&mut m, p, vec![target])
                                 .is_ok_and(|kept| !kept.is_empty());
@@ -652,6 +679,11 @@ impl Engine {
                         m.remap(vol, Lba(l), Some(target));
                         m.counters.out_of_line_duplicates += 1;
                         applied += 1;
+                        if m.refcounts.get_u32(p.0) == 0 {
+                            // the copy's last reference: had the index held
+                            // it, the content is now unindexed
+                            m.index_if_absent(target, fp);
+                        }
                     }
                 }
                 self.note_change(&m);
@@ -743,7 +775,9 @@ impl Engine {
                         continue;
                     }
                     fp = self.hash.fingerprint(&block);
-                    m.record_unindexed(Pba(q), fp);
+                    // indexed unless a live copy is (the merges below
+                    // fold them), so inline dedup finds it from now on
+                    m.index_if_absent(Pba(q), fp);
                     r.blocks_hashed += 1;
                 }
                 sorter.push(crate::index::key_of(&fp), q);
@@ -947,6 +981,39 @@ mod tests {
         e.read(v, 4096, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 2), "LBA 1 reads another block");
         assert!(e.check().is_empty());
+    }
+
+    #[test]
+    fn a_copy_whose_merge_target_died_is_indexed_again() {
+        // copy b of content X was to merge onto a, which the index then
+        // held instead of b; a lost its last reference before the merge
+        // scan: b stays, and is indexed, so X is found inline again
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let x = [5u8; BLOCK_SIZE];
+        let fp = HashAlgorithm::Sha256.fingerprint(&x);
+        e.write(v, 0, &x, false).unwrap();
+        let pba = |e: &Engine, lba: u64| lock(&e.meta).volumes[&v].get(Lba(lba)).unwrap();
+        let a = pba(&e, 0);
+        lock(&e.meta).index.remove(&fp, a);
+        e.write(v, 4096, &x, false).unwrap();
+        let b = pba(&e, 1);
+        assert_ne!(a, b);
+        {
+            let mut m = lock(&e.meta);
+            m.index_insert(fp, a).unwrap();
+            m.pending_merges.insert(b.0, a.0);
+        }
+        e.write(v, 0, &[6u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        assert_eq!(lock(&e.meta).lookup(&fp).unwrap(), None);
+        assert_eq!(e.apply_pending_merges(&|| false).unwrap(), 0);
+        assert_eq!(lock(&e.meta).lookup(&fp).unwrap(), Some(b));
+        let stored = e.stats().physical_blocks_stored;
+        e.write(v, 5 * 4096, &x, false).unwrap();
+        assert_eq!(pba(&e, 5), b);
+        assert_eq!(e.stats().physical_blocks_stored, stored);
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
     #[test]

@@ -82,3 +82,41 @@ fn offline_pass_with_a_spilled_sort_is_exact() {
         0
     );
 }
+
+#[test]
+fn blocks_the_offline_pass_fingerprints_are_indexed_for_inline_dedup() {
+    // stored unhashed (inline dedup off), then fingerprinted by the full
+    // pass: a later write of one of their contents finds it inline
+    // instead of storing another copy
+    let cfg = EngineConfig {
+        selectivity: SelectivityConfig {
+            adaptive: true,
+            load_aware: false,
+            power: PowerSource::Battery(5.0),
+        },
+        ..EngineConfig::default()
+    };
+    let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+    let v = e.create_volume("v", 64 * 4096).unwrap();
+    for k in 0..8 {
+        e.write(v, k * 4096, &block(k), false).unwrap();
+    }
+    // and one copy, which the pass merges onto the lower PBA
+    e.write(v, 8 * 4096, &block(3), false).unwrap();
+    assert_eq!(e.stats().index_entries, 0);
+    let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    assert_eq!((r.blocks_hashed, r.lbas_remapped), (9, 1));
+    assert_eq!(e.stats().physical_blocks_stored, 8);
+    assert_eq!(e.stats().index_entries, 8);
+    for k in [0, 3, 7] {
+        let fp = HashAlgorithm::Sha256.fingerprint(&block(k));
+        e.write_fingerprinted(v, dedupd_engine::block::Lba(20 + k), &[Some(fp)])
+            .unwrap();
+    }
+    assert_eq!(
+        e.stats().physical_blocks_stored,
+        8,
+        "a pass-hashed block was stored again"
+    );
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
