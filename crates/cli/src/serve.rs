@@ -134,9 +134,9 @@ pub struct ServeArgs {
     /// do as many bytes of metadata pages changed since the last one).
     #[arg(long, default_value = "32M", value_parser = parse_size)]
     pub journal_size: u64,
-    /// Disk space allocated ahead for the journal, so TRIMs can be
-    /// committed on a full file system.
-    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    /// Disk space kept allocated ahead of the journal, so TRIMs can be
+    /// committed on a full file system; at least twice --max-dirty.
+    #[arg(long, default_value = "40M", value_parser = parse_size)]
     pub journal_reserve: u64,
     /// Changed metadata that triggers a journal commit from the write path.
     #[arg(long, default_value = "16M", value_parser = parse_size)]

@@ -550,10 +550,19 @@ fn full_backing_file_system_gives_enospc_and_keeps_data() {
     let fs = Tmpfs::mount(&tmp.path().join("small"), "48M");
     let store = fs.0.join("store");
     // (no periodic commit: released blocks wait for one until a write
-    // finds the file system full)
+    // finds the file system full; a journal reserve for a small device)
     let server = Server::start(
         &store,
-        &["--default-volume-size", "1G", "--commit-interval-ms", "0"],
+        &[
+            "--default-volume-size",
+            "1G",
+            "--commit-interval-ms",
+            "0",
+            "--journal-reserve",
+            "8M",
+            "--max-dirty",
+            "4M",
+        ],
     );
     let uri = server.uri("default");
     run(Command::new("qemu-io").args([

@@ -114,8 +114,12 @@ pub struct EngineConfig {
     /// full file system (ENOSPC) while blocks wait commits at once and
     /// reuses them, whatever the bound.
     pub max_pending_free_bytes: u64,
-    /// Disk space allocated ahead for the journal (default 8 MiB), so the
-    /// TRIMs that free space can be committed on a full file system.
+    /// Disk space kept allocated ahead of the journal's next transaction
+    /// (default 40 MiB), so the TRIMs that free space can be committed on
+    /// a full file system. At least twice `max_dirty_bytes` (the write
+    /// path forces a commit there: a transaction on a full file system is
+    /// about that large, its pages logged whole after the checkpoint that
+    /// empties the journal).
     pub journal_reserve_bytes: u64,
     /// Open a store whose reference counts or reverse index fail their
     /// checksums instead of refusing (for `fsck`). Default false.
@@ -176,7 +180,7 @@ impl Default for EngineConfig {
             journal_size_bytes: 32 << 20,
             max_dirty_bytes: 16 << 20,
             max_pending_free_bytes: 256 << 20,
-            journal_reserve_bytes: 8 << 20,
+            journal_reserve_bytes: 40 << 20,
             allow_damaged_metadata: false,
             verify: false,
             index: crate::index::IndexConfig::default(),
@@ -456,6 +460,14 @@ fn check_config(config: &EngineConfig) -> Result<()> {
             "skipped buffer of {} bytes: at most {} MiB",
             config.skipped_buffer_bytes,
             crate::skipped::MAX_CAPACITY_BYTES >> 20
+        )));
+    }
+    if config.journal_reserve_bytes < config.max_dirty_bytes.saturating_mul(2) {
+        return Err(EngineError::InvalidArgument(format!(
+            "a journal reserve of {} bytes (--journal-reserve) is less than twice the \
+             {} bytes of changed metadata that trigger a commit (--max-dirty): a commit \
+             on a full file system would not fit in it; raise the reserve or lower --max-dirty",
+            config.journal_reserve_bytes, config.max_dirty_bytes
         )));
     }
     Ok(())

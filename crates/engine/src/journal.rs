@@ -486,6 +486,9 @@ pub struct Journal {
     /// Bytes the last [`Journal::reserve`] asked for, asked for again
     /// after a cut (which frees the space past the file's end).
     reserve_bytes: u64,
+    /// End of the space allocated for certain (0 after a cut): a commit
+    /// that leaves less than `reserve_bytes` before it allocates further.
+    reserved_end_bytes: u64,
     observer: crate::observe::Observer,
 }
 
@@ -502,6 +505,7 @@ impl Journal {
             reset_pending: false,
             cut_pending,
             reserve_bytes: 0,
+            reserved_end_bytes: 0,
             file,
             write_offset_bytes,
             written_bytes: 0,
@@ -516,22 +520,35 @@ impl Journal {
         self
     }
 
-    /// Allocates `bytes` of disk space for the journal without changing its
-    /// length, so commits within that space never fail with ENOSPC (a full
-    /// file system can still record the TRIMs that free space).
+    /// Allocates `bytes` of disk space for the journal from its start
+    /// without changing its length, and keeps that much allocated ahead of
+    /// where the next transaction goes as commits advance (best effort),
+    /// so commits within that space never fail with ENOSPC (a full file
+    /// system can still record the TRIMs that free space).
     pub fn reserve(&mut self, bytes: u64) -> io::Result<()> {
-        use std::os::unix::io::AsRawFd;
         self.reserve_bytes = bytes;
+        self.allocate(0, bytes.max(self.write_offset_bytes + bytes))
+    }
+
+    /// Allocates `[start, end)` (keeping the length), and notes it.
+    fn allocate(&mut self, start: u64, end: u64) -> io::Result<()> {
+        use std::os::unix::io::AsRawFd;
+        if end <= start {
+            return Ok(());
+        }
         // SAFETY: fallocate on a file descriptor we own.
         let rc = unsafe {
             libc::fallocate(
                 self.file.as_raw_fd(),
                 libc::FALLOC_FL_KEEP_SIZE,
-                0,
-                bytes as libc::off_t,
+                start as libc::off_t,
+                (end - start) as libc::off_t,
             )
         };
         if rc == 0 {
+            if start <= self.reserved_end_bytes {
+                self.reserved_end_bytes = self.reserved_end_bytes.max(end);
+            }
             Ok(())
         } else {
             Err(io::Error::last_os_error())
@@ -576,6 +593,14 @@ impl Journal {
         self.write_offset_bytes += bytes.len() as u64;
         self.written_bytes += bytes.len() as u64;
         self.next_seq += 1;
+        // the reserve ahead of the next transaction, extended a reserve's
+        // worth at a time (a full file system: what is left of it)
+        if self.reserve_bytes > 0
+            && self.write_offset_bytes + self.reserve_bytes > self.reserved_end_bytes
+        {
+            let end = self.write_offset_bytes + 2 * self.reserve_bytes;
+            let _ = self.allocate(self.reserved_end_bytes, end);
+        }
         Ok(seq)
     }
 
@@ -624,6 +649,7 @@ impl Journal {
     /// again (best effort, as at open).
     fn cut_at(&mut self, len_bytes: u64) -> io::Result<()> {
         self.file.set_len(len_bytes)?;
+        self.reserved_end_bytes = self.reserved_end_bytes.min(len_bytes);
         self.observer.emit(crate::observe::IoEvent::SetLen {
             file: "journal",
             len_bytes,
@@ -700,6 +726,40 @@ mod tests {
                 data: vec![5u8; 32],
             },
         ]
+    }
+
+    #[test]
+    fn the_reserve_stays_ahead_of_the_next_transaction() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(d.path().join("journal"))
+            .unwrap();
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 1).unwrap();
+        let reserve = 64 << 10;
+        j.reserve(reserve).unwrap();
+        let page = |k: u64| Op::Write {
+            file: MetaFile::Refcounts,
+            offset: k * 4096,
+            data: vec![k as u8 + 1; 4096],
+        };
+        for k in 0..64 {
+            j.commit(&[page(k)]).unwrap();
+            let allocated = f.metadata().unwrap().blocks() * 512;
+            assert!(
+                allocated >= j.used_bytes() + reserve,
+                "after {} bytes of transactions only {allocated} allocated",
+                j.used_bytes()
+            );
+        }
+        assert!(j.used_bytes() > 3 * reserve);
+        // and again after a cut of the file
+        j.truncate().unwrap();
+        assert!(f.metadata().unwrap().blocks() * 512 >= reserve);
     }
 
     #[test]
