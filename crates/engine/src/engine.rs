@@ -3585,17 +3585,37 @@ mod tests {
 
     #[test]
     fn a_skipped_buffer_past_its_bound_is_refused_before_anything_is_created() {
+        refused_before_anything_is_created(
+            || EngineConfig {
+                skipped_buffer_bytes: crate::skipped::MAX_CAPACITY_BYTES + 1,
+                ..EngineConfig::default()
+            },
+            "skipped buffer",
+        );
+    }
+
+    #[test]
+    fn a_journal_reserve_a_forced_commit_would_not_fit_is_refused() {
+        refused_before_anything_is_created(
+            || EngineConfig {
+                journal_reserve_bytes: 8 << 20,
+                max_dirty_bytes: 5 << 20,
+                ..EngineConfig::default()
+            },
+            "--journal-reserve",
+        );
+    }
+
+    /// Checks that `config` is refused (an error naming `what`) by create,
+    /// which then creates nothing, and by open.
+    fn refused_before_anything_is_created(config: impl Fn() -> EngineConfig, what: &str) {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("s");
-        let config = || EngineConfig {
-            skipped_buffer_bytes: crate::skipped::MAX_CAPACITY_BYTES + 1,
-            ..EngineConfig::default()
-        };
         let Err(err) = Engine::create(&path, HashAlgorithm::Sha256, config()) else {
             panic!("created");
         };
         assert!(matches!(err, EngineError::InvalidArgument(_)), "{err:?}");
-        assert!(err.to_string().contains("skipped buffer"), "{err}");
+        assert!(err.to_string().contains(what), "{err}");
         assert!(!path.exists());
         drop(Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap());
         let Err(err) = Engine::open(&path, config()) else {
