@@ -413,12 +413,18 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     // the stop signals are caught from here on, before the server says it
     // is ready (one sent as soon as it has would otherwise kill it); they
     // are acted on once it serves. SIGHUP too: the terminal or session
-    // going away stops the server cleanly instead of killing it
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGHUP,
-    ])?;
+    // going away stops the server cleanly instead of killing it. A signal
+    // the caller set to be ignored (`nohup` SIGHUP, SIGINT for a shell's
+    // background job) stays ignored.
+    let mut signals = signal_hook::iterator::Signals::new(
+        [
+            signal_hook::consts::SIGINT,
+            signal_hook::consts::SIGTERM,
+            signal_hook::consts::SIGHUP,
+        ]
+        .into_iter()
+        .filter(|&sig| sig == signal_hook::consts::SIGTERM || !signal_ignored(sig)),
+    )?;
     let names: Vec<String> = engine.volume_names().into_iter().map(|(n, _)| n).collect();
     let first = names
         .iter()
@@ -763,6 +769,16 @@ fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))
+}
+
+/// True if signal `sig` is set to be ignored (as `nohup` leaves SIGHUP).
+fn signal_ignored(sig: libc::c_int) -> bool {
+    // SAFETY: sigaction with a null new action only reads the current
+    // disposition into `old`, a zeroed sigaction we own.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
 }
 
 #[cfg(test)]

@@ -205,6 +205,22 @@ fn sighup_stops_the_server_cleanly() {
     assert_eq!(stats(&store)["logical_bytes_mapped"], 4096);
 }
 
+#[test]
+fn serve_under_nohup_ignores_sighup() {
+    common::require("nohup");
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start_via(
+        &["nohup"],
+        &tmp.path().join("store"),
+        &["--default-volume-size", "16M"],
+    );
+    server.signal(libc::SIGHUP);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // still serving: a client negotiates, and the stop is the clean one
+    drop(connect(server.port, "default"));
+    server.stop();
+}
+
 /// Runs `dedupd serve` on `store` with `args` until it is ready, stops it,
 /// and returns what it wrote to stderr.
 fn serve_stderr(store: &Path, args: &[&str]) -> String {

@@ -70,7 +70,21 @@ impl Server {
     /// Starts `dedupd serve` on 127.0.0.1 (a free port) with extra `args`,
     /// and waits until it listens.
     pub fn start(store: &Path, args: &[&str]) -> Server {
-        let mut child = Command::new(dedupd_bin())
+        Server::start_via(&[], store, args)
+    }
+
+    /// [`Server::start`] run by the command `launcher` (e.g. `nohup`)
+    /// given dedupd's command line, if not empty.
+    pub fn start_via(launcher: &[&str], store: &Path, args: &[&str]) -> Server {
+        let mut command = match launcher.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(dedupd_bin());
+                c
+            }
+            None => Command::new(dedupd_bin()),
+        };
+        let mut child = command
             .arg("--store")
             .arg(store)
             .arg("serve")
