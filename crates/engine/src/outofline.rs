@@ -870,7 +870,9 @@ impl Engine {
                     Err(e) => {
                         let msg = e.to_string();
                         if msg != last_error {
-                            eprintln!("dedupd: out-of-line dedup: {msg}");
+                            // (a closed stderr must not stop the worker)
+                            use std::io::Write as _;
+                            let _ = writeln!(std::io::stderr(), "dedupd: out-of-line dedup: {msg}");
                             last_error = msg;
                         }
                     }
