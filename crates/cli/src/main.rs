@@ -196,13 +196,7 @@ fn main() {
     };
     if matches!(
         cli.command,
-        Some(
-            Command::Replay(_)
-                | Command::Trace(_)
-                | Command::Sweep(_)
-                | Command::Stats { .. }
-                | Command::Fsck { .. }
-        )
+        Some(Command::Replay(_) | Command::Trace(_) | Command::Sweep(_) | Command::Stats { .. })
     ) {
         // a report piped into `head` ends quietly when the reader goes
         // (the server, and commands talking to it, keep ignoring SIGPIPE)
@@ -678,9 +672,14 @@ fn fsck(
             std::process::exit(8);
         }
     };
+    // (a reader that goes early, `| grep -q`, does not take the exit code
+    // e2fsck's conventions give: SIGPIPE stays ignored for fsck)
+    let out = |line: &str| {
+        let _ = say(line);
+    };
     if json {
         match serde_json::to_string_pretty(&report) {
-            Ok(text) => println!("{text}"),
+            Ok(text) => out(&text),
             Err(e) => {
                 // an operational error, as e2fsck's 8 (the check itself ran)
                 eprintln!("dedupd: error: writing the report as JSON: {e}");
@@ -689,12 +688,12 @@ fn fsck(
         }
     } else {
         for p in &report.problems {
-            println!("problem: {p}");
+            out(&format!("problem: {p}"));
         }
         for l in &report.data_lost {
-            println!("data lost: {l}");
+            out(&format!("data lost: {l}"));
         }
-        println!(
+        out(&format!(
             "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked, {} corrupted, {} unreadable, {} LBAs past the data file; {}",
             store.display(),
             report.volumes,
@@ -725,7 +724,7 @@ fn fsck(
                     report.problem_count()
                 ),
             }
-        );
+        ));
     }
     if let Some(e) = &report.close_error {
         eprintln!(

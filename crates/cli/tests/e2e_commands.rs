@@ -355,3 +355,22 @@ fn a_store_without_its_superblock_gets_a_hint() {
     fails_with(&out, "not a dedupd store");
     assert!(!stderr(&out).contains("remove"), "{}", stderr(&out));
 }
+
+#[test]
+fn fsck_keeps_its_exit_code_when_the_reader_goes_early() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    Server::start(&store, &["--default-volume-size", "16M"]).stop();
+    // (`dedupd fsck | grep -q …`: the reader closes its end first)
+    let mut child = Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .arg("fsck")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
