@@ -483,8 +483,10 @@ impl Engine {
     /// algorithm and opens it. Fails if `path` exists and is not empty.
     pub fn create(path: &Path, hash: HashAlgorithm, config: EngineConfig) -> Result<Engine> {
         check_config(&config)?;
-        drop(StoreDir::create(path, hash, config.index.prefix_bits)?);
-        Engine::open(path, config)
+        // (locked throughout: no other process opens it half made)
+        let dir = StoreDir::create(path, hash, config.index.prefix_bits)?;
+        let sb = dir.superblock()?;
+        Engine::open_dir(path, dir, sb, config)
     }
 
     /// Opens the store at `path`: replays the journal, loads the metadata and

@@ -298,6 +298,7 @@ impl StoreDir {
     /// Opens and locks the existing store at `root`, checking its superblock.
     pub fn open(root: &Path) -> Result<(StoreDir, Superblock)> {
         Self::check_dir(root)?;
+        let early = Self::lock_if_any(root)?;
         let sb = match read_superblock(root) {
             Ok(sb) => sb,
             Err(SuperblockError::Unreadable(detail)) => {
@@ -316,7 +317,34 @@ impl StoreDir {
             }
             Err(SuperblockError::Other(e)) => return Err(e),
         };
-        Ok((Self::lock_dir(root)?, sb))
+        Ok((early.map_or_else(|| Self::lock_dir(root), Ok)?, sb))
+    }
+
+    /// The store's lock, taken before anything of the store is read, if
+    /// its lock file exists: a store another process is creating (or
+    /// repairing) is then reported as in use ([`EngineError::Locked`]),
+    /// not as missing its superblock. (A directory without one gets no
+    /// lock file from a look at it.)
+    fn lock_if_any(root: &Path) -> Result<Option<StoreDir>> {
+        if root.join("lock").is_file() {
+            Self::lock_dir(root).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Reads the superblock of the store this holds locked (as
+    /// [`StoreDir::open`] checks it).
+    ///
+    /// Errors: as [`StoreDir::open`].
+    pub fn superblock(&self) -> Result<Superblock> {
+        read_superblock(&self.root).map_err(|e| match e {
+            SuperblockError::Unreadable(detail) => EngineError::NotAStore {
+                path: self.root.clone(),
+                detail,
+            },
+            SuperblockError::Other(e) => e,
+        })
     }
 
     /// Opens and locks the store at `root` for fsck: as [`StoreDir::open`],
@@ -330,6 +358,7 @@ impl StoreDir {
         root: &Path,
     ) -> Result<(StoreDir, std::result::Result<Superblock, String>)> {
         Self::check_dir(root)?;
+        let early = Self::lock_if_any(root)?;
         let sb = match read_superblock(root) {
             Ok(sb) => Ok(sb),
             Err(SuperblockError::Unreadable(detail))
@@ -337,9 +366,12 @@ impl StoreDir {
             {
                 Err(detail)
             }
-            Err(_) => return Self::open(root).map(|(dir, sb)| (dir, Ok(sb))),
+            Err(_) => {
+                drop(early);
+                return Self::open(root).map(|(dir, sb)| (dir, Ok(sb)));
+            }
         };
-        Ok((Self::lock_dir(root)?, sb))
+        Ok((early.map_or_else(|| Self::lock_dir(root), Ok)?, sb))
     }
 
     fn check_dir(root: &Path) -> Result<()> {
@@ -826,6 +858,26 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_another_process_is_creating_is_in_use_not_broken() {
+        // its lock taken, its superblock not written yet
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("s");
+        fs::create_dir_all(root.join("maps")).unwrap();
+        let held = lock(&root).unwrap();
+        for r in [
+            StoreDir::open(&root).map(|_| ()),
+            StoreDir::open_for_repair(&root).map(|_| ()),
+        ] {
+            assert!(matches!(r, Err(EngineError::Locked(_))), "{r:?}");
+        }
+        drop(held);
+        assert!(matches!(
+            StoreDir::open(&root),
+            Err(EngineError::NotAStore { .. })
+        ));
+    }
 
     #[test]
     fn scratch_files_are_each_their_own_and_leave_nothing_behind() {
