@@ -64,7 +64,14 @@ impl Overlay {
             let in_page = (pos % PS) as usize;
             let n = (PS - in_page as u64).min(end - pos) as usize;
             let src = &data[(pos - offset) as usize..(pos - offset) as usize + n];
-            self.seed(file, pos / PS)?[in_page..in_page + n].copy_from_slice(src);
+            if n == PS as usize {
+                // a whole page: nothing of the file's copy is kept (nor
+                // read: an unreadable copy must not stop the replay)
+                self.pages
+                    .insert(pos / PS, Box::new(src.try_into().expect("a whole page")));
+            } else {
+                self.seed(file, pos / PS)?[in_page..in_page + n].copy_from_slice(src);
+            }
             pos += n as u64;
         }
         self.len_bytes = self.len_bytes.max(end);
@@ -169,7 +176,16 @@ pub fn open_paged(
             while page < last {
                 let n = (last - page).min(SCAN_PAGES);
                 let bytes = &mut buf[..(n * PS) as usize];
-                read_padded(f, bytes, page * PS)?;
+                if read_padded(f, bytes, page * PS).is_err() {
+                    // page by page, leaving out those the journal replaces
+                    // whole (their copies here are never needed)
+                    for (k, img) in bytes.chunks_exact_mut(PAGE_SIZE).enumerate() {
+                        let p = page + k as u64;
+                        if !overlay.pages.contains_key(&p) {
+                            read_padded(f, img, p * PS)?;
+                        }
+                    }
+                }
                 for (k, img) in bytes.chunks_exact(PAGE_SIZE).enumerate() {
                     let p = page + k as u64;
                     if overlay.pages.contains_key(&p) {
@@ -279,6 +295,40 @@ mod tests {
         assert_eq!(a.get_u32(7 * per_page + 3), u32::from_le_bytes([7; 4]));
         assert_eq!(a.get_u32(3 * per_page), 0);
         assert!(a.page_is_hole(3) && a.page_is_hole(1) && !a.page_is_hole(5));
+    }
+
+    #[test]
+    fn a_whole_page_in_the_journal_needs_nothing_of_the_file_s_copy() {
+        // the file's copy cannot be read at all (opened write-only, as a
+        // bad sector would fail): the journal's image replaces it
+        let which = MetaFile::Refcounts;
+        let tag = which.page_tag();
+        let named = tempfile::NamedTempFile::new().unwrap();
+        named
+            .as_file()
+            .write_all_at(&page_with(tag, 0, 1), 0)
+            .unwrap();
+        let unreadable = std::fs::OpenOptions::new()
+            .write(true)
+            .open(named.path())
+            .unwrap();
+        let ops = [Op::Write {
+            file: which,
+            offset: 0,
+            data: page_with(tag, 0, 9),
+        }];
+        let group = CacheGroup::new(4 * PS, OnLoadError::Fault);
+        let opened = open_paged(
+            Some(unreadable),
+            which,
+            &ops.iter().collect::<Vec<_>>(),
+            "rc",
+            &group,
+            None,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(opened.array.get_u32(0), u32::from_le_bytes([9; 4]));
     }
 
     #[test]
