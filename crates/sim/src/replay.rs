@@ -556,6 +556,9 @@ struct Input {
     /// Device of the file's first stream: its streams are labelled without
     /// a device, those of other devices with `@major,minor`.
     first_device: Option<u64>,
+    /// Requests of the file replayed (not skipped as past the volume
+    /// limit).
+    replayed: u64,
 }
 
 impl Input {
@@ -574,6 +577,7 @@ impl Input {
             timestamps_clamped: 0,
             stream_of: Vec::new(),
             first_device: None,
+            replayed: 0,
         };
         if !inp.advance()? {
             return Err(TraceError::NoRequests {
@@ -792,6 +796,7 @@ pub fn replay(
             }
             continue;
         }
+        inp.replayed += 1;
 
         // the request's stream and volume
         let src = req.source as usize;
@@ -923,6 +928,13 @@ pub fn replay(
     }
     if let Some(e) = ahead.read_error {
         return Err(e);
+    }
+    // (a file whose every request was skipped, past 1 PiB, says nothing)
+    if let Some(inp) = inputs.iter().find(|inp| inp.replayed == 0) {
+        return Err(TraceError::NoRequests {
+            file: inp.reader.name().to_string(),
+            bad_records_skipped: inp.reader.bad_records(),
+        });
     }
     // as a store's shutdown: flush, then a (modelled) checkpoint
     engine.close()?;

@@ -176,6 +176,19 @@ fn a_trace_without_requests_is_refused_by_replay_and_convert() {
     );
     let s = trace_stats(&bad, None, true).unwrap();
     assert_eq!((s.requests, s.bad_records_skipped), (0, 2));
+    // requests past the 1 PiB volume limit only, skipped: the same
+    let far = write(
+        dir.path(),
+        "far.blkparse",
+        format!(
+            "1 1 p {} 8 W 0 0 0123456789abcdef0123456789abcdef\n",
+            1u64 << 51
+        )
+        .as_bytes(),
+    );
+    let e = replay(std::slice::from_ref(&far), &cfg, &mut |_| {}).unwrap_err();
+    assert!(matches!(e, TraceError::NoRequests { .. }), "{e:?}");
+    assert!(e.to_string().contains("far.blkparse: no requests"), "{e}");
 }
 
 #[test]
