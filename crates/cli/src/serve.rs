@@ -446,7 +446,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
             "dedupd: warning: {}; its volume is served read-only \
              until `dedupd --store {} fsck --repair`",
             d.describe(),
-            store.display()
+            shell_quote(&store.display().to_string())
         );
     }
     if names.is_empty() {
@@ -718,20 +718,7 @@ fn uri_encode(s: &std::ffi::OsStr) -> String {
     out
 }
 
-/// `s` as one word for a POSIX shell: as is if it holds only characters a
-/// shell leaves alone (and does not start with `~` or `=`, which shells
-/// expand there), else in single quotes.
-pub(crate) fn shell_quote(s: &str) -> String {
-    let plain = !s.is_empty()
-        && !s.starts_with(['~', '='])
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-._~/+,:=@%".contains(&b));
-    if plain {
-        s.to_string()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
-    }
-}
+pub(crate) use dedupd_engine::error::shell_quote;
 
 /// Removes a socket left at `path` by a server that is gone, so the Unix
 /// listener can bind there. Anything else at `path` is left alone.
@@ -786,18 +773,6 @@ mod tests {
     use super::*;
     use std::ffi::OsStr;
     use std::os::unix::ffi::OsStrExt;
-
-    #[test]
-    fn printed_words_are_quoted_where_a_shell_would_change_them() {
-        assert_eq!(shell_quote("dedupd-store"), "dedupd-store");
-        assert_eq!(shell_quote("/tmp/a_b/c.d"), "/tmp/a_b/c.d");
-        assert_eq!(shell_quote("sp ace"), "'sp ace'");
-        assert_eq!(shell_quote("it's"), "'it'\\''s'");
-        assert_eq!(shell_quote("~/x"), "'~/x'");
-        assert_eq!(shell_quote("=x"), "'=x'");
-        assert_eq!(shell_quote("a?b*"), "'a?b*'");
-        assert_eq!(shell_quote(""), "''");
-    }
 
     #[test]
     fn uri_parts_are_percent_encoded_byte_by_byte() {

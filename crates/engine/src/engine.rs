@@ -521,7 +521,7 @@ impl Engine {
                     "missing: the commits since the last checkpoint are lost with it; the \
                      store is not served. Run `dedupd --store {} fsck --repair --rehash` to \
                      check the store without them and create the journal anew",
-                    path.display()
+                    crate::error::store_word(path)
                 ),
             });
         }
@@ -588,7 +588,7 @@ impl Engine {
                         detail: format!(
                             "{detail}; the store is not served. Run `dedupd --store {} fsck \
                              --repair` to write it anew (its counters restart at zero)",
-                            path.display()
+                            crate::error::store_word(path)
                         ),
                     })
                 }
@@ -639,7 +639,7 @@ impl Engine {
                              its commit, and the commits from it on cannot be replayed; the \
                              store is not served. Run `dedupd --store {} fsck --repair \
                              --rehash` to rebuild the store without them",
-                            path.display()
+                            crate::error::store_word(path)
                         ),
                     });
                 }
@@ -779,7 +779,7 @@ impl Engine {
                 detail: format!(
                     "{what}; the store is not served. \
                      Run `dedupd --store {} fsck --repair` to rebuild it from the volume maps",
-                    path.display()
+                    crate::error::store_word(path)
                 ),
             });
         }
@@ -994,7 +994,7 @@ impl Engine {
                          to list the LBAs that lost their data, and `fsck --repair` to unmap \
                          them",
                         meta.high_water_blocks - 1,
-                        path.display()
+                        crate::error::store_word(path)
                     ),
                 });
             }
@@ -1006,7 +1006,7 @@ impl Engine {
                         "the reference counts add up to {references} but the volume maps \
                          map {mapped} LBAs; the store is not served. Run `dedupd --store {} \
                          fsck --repair` to rebuild them from the volume maps",
-                        path.display()
+                        crate::error::store_word(path)
                     ),
                 });
             }
@@ -1015,7 +1015,7 @@ impl Engine {
                     "the reference counts add up to {references} but the volume maps map \
                      {mapped} LBAs: blocks are held that no LBA maps (`dedupd --store {} \
                      fsck --repair` reclaims them)",
-                    path.display()
+                    crate::error::store_word(path)
                 ));
             }
         }

@@ -121,9 +121,42 @@ impl EngineError {
 /// Result of engine operations.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
+/// `s` as one word for a POSIX shell: as is if it holds only characters a
+/// shell leaves alone (and does not start with `~` or `=`, which shells
+/// expand there), else in single quotes. For the commands messages
+/// suggest (`dedupd --store PATH fsck --repair`).
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && !s.starts_with(['~', '='])
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~/+,:=@%".contains(&b));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// A store path as a shell word ([`shell_quote`]).
+pub(crate) fn store_word(path: &std::path::Path) -> String {
+    shell_quote(&path.display().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printed_words_are_quoted_where_a_shell_would_change_them() {
+        assert_eq!(shell_quote("dedupd-store"), "dedupd-store");
+        assert_eq!(shell_quote("/tmp/a_b/c.d"), "/tmp/a_b/c.d");
+        assert_eq!(shell_quote("sp ace"), "'sp ace'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote("~/x"), "'~/x'");
+        assert_eq!(shell_quote("=x"), "'=x'");
+        assert_eq!(shell_quote("a?b*"), "'a?b*'");
+        assert_eq!(shell_quote(""), "''");
+    }
 
     #[test]
     fn a_full_file_system_or_file_is_no_space() {

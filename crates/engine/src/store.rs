@@ -310,7 +310,7 @@ impl StoreDir {
                         format!(
                             "superblock unreadable ({detail}); `dedupd --store {} fsck --repair` \
                              rebuilds it from the rest of the store",
-                            root.display()
+                            crate::error::store_word(root)
                         )
                     },
                 })
