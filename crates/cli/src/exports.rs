@@ -247,6 +247,9 @@ impl Export for VolumeExport {
             .write_zeroes(self.id, offset, len, fua)
             .map_err(to_write_error)
     }
+    fn writes_may_wait_for_disk(&self) -> bool {
+        self.engine.commit_due()
+    }
 }
 
 #[cfg(test)]

@@ -1931,6 +1931,16 @@ impl Engine {
         Ok(())
     }
 
+    /// True while the next write, TRIM or zeroing will commit (or
+    /// checkpoint) before it returns: a bound on uncommitted changes was
+    /// passed ([`Engine::note_change`]). One atomic load each; a hint for
+    /// a front end (that request waits for the disk).
+    pub fn commit_due(&self) -> bool {
+        self.commit_wanted.load(Ordering::Relaxed)
+            || self.over_commit_bound.load(Ordering::Relaxed)
+            || self.checkpoint_behind.load(Ordering::Relaxed)
+    }
+
     /// Before a change: while uncommitted metadata or blocks waiting to be
     /// freed are past twice their bounds (`max_dirty_bytes`,
     /// `max_pending_free_bytes`: commits fail, or changes pile up while a

@@ -47,6 +47,13 @@ pub trait Export: Send + Sync {
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError>;
     /// Makes `len` bytes at `offset` read back as zeros.
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError>;
+    /// True while a plain (not FUA) write, TRIM or zeroing may itself wait
+    /// for the disk (a store that commits its metadata from the write path
+    /// once enough has changed). Only a hint: a reply is not made to wait
+    /// for such a request's company. Default false.
+    fn writes_may_wait_for_disk(&self) -> bool {
+        false
+    }
 }
 
 /// One entry of the export list (`NBD_OPT_LIST`).

@@ -10,7 +10,8 @@
 //!
 //! Replies are coalesced: while another request of the connection is in
 //! flight (its reply will follow soon; a FLUSH or FUA write, which waits
-//! for the disk, does not count), a reply is sent with `MSG_MORE`, so
+//! for the disk, does not count, nor a write while the export says writes
+//! may wait for it: [`Export::writes_may_wait_for_disk`]), a reply is sent with `MSG_MORE`, so
 //! the kernel may put several replies in one TCP segment. The reply that
 //! leaves the connection with nothing in flight is sent without it, which
 //! pushes everything queued; and while a worker waits for the client's
@@ -165,7 +166,8 @@ pub(crate) struct ReplyWriter {
     dead: AtomicBool,
     /// Requests counted by [`ReplyWriter::begin`] whose reply is not sent.
     in_flight: AtomicUsize,
-    /// Those of them that may take long (FLUSH, FUA): a reply waits with
+    /// Those of them that may take long (FLUSH, FUA, writes while the
+    /// export says they may wait for the disk): a reply waits with
     /// `MSG_MORE` only for company that will follow it soon.
     slow_in_flight: AtomicUsize,
     /// A reply went out with `MSG_MORE` and nothing has pushed it since.
@@ -407,6 +409,8 @@ const SHARE_HEADROOM_BYTES: usize = 4096;
 /// A request read whole, ready to execute.
 struct Job {
     req: Request,
+    /// Counted as slow ([`ReplyWriter::begin`]).
+    slow: bool,
     /// The worker's buffer: a WRITE's payload in its first `req.length`
     /// bytes; space for a READ's reply.
     buf: Vec<u8>,
@@ -705,9 +709,15 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
                         return Next::Stop;
                     }
                 }
-                writer.begin(is_slow(&req));
+                let slow = is_slow(&req)
+                    || (matches!(
+                        req.command,
+                        Command::Write | Command::Trim | Command::WriteZeroes
+                    ) && self.export.writes_may_wait_for_disk());
+                writer.begin(slow);
                 Next::Job(Job {
                     req,
+                    slow,
                     buf,
                     _budget: guard,
                     _share: share,
@@ -728,6 +738,7 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ExportError>) -> Result<T, ExportErr
 fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
     let Job {
         req,
+        slow,
         mut buf,
         _budget,
         _share,
@@ -746,7 +757,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
             };
             if r.is_ok() {
                 proto::write_simple_reply_header(&mut buf[..total], 0, req.handle);
-                writer.reply(&buf[..total], is_slow(&req));
+                writer.reply(&buf[..total], slow);
                 return buf;
             }
             r
@@ -764,7 +775,7 @@ fn execute(job: Job, export: &dyn Export, writer: &ReplyWriter) -> Vec<u8> {
         Ok(()) => 0,
         Err(e) => proto::error_code(e),
     };
-    writer.reply(&proto::encode_simple_reply(code, req.handle), is_slow(&req));
+    writer.reply(&proto::encode_simple_reply(code, req.handle), slow);
     buf
 }
 

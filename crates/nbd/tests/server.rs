@@ -582,12 +582,25 @@ fn a_reply_is_not_held_behind_a_slow_flush_or_fua_write() {
     // is busy reading a payload the client sends slowly (not waiting for
     // the client): the FLUSH reply must go out at once, not wait as if
     // the slow write's reply would soon follow it.
+    reply_not_held_behind_a_slow_write(CMD_FLAG_FUA);
+}
+
+#[test]
+fn a_reply_is_not_held_behind_a_write_that_may_wait_for_the_disk() {
+    // the same with a plain write the export says may wait for the disk
+    // (a store committing from its write path)
+    reply_not_held_behind_a_slow_write(0);
+}
+
+/// Sends a 3 s write with `flags` to the "stall" export, a FLUSH, and a
+/// WRITE whose payload comes later; the FLUSH's reply must not wait.
+fn reply_not_held_behind_a_slow_write(flags: u16) {
     let h = Harness::start(ServerConfig::default());
     let mut c = h.tcp();
     c.connect_go("stall");
     // (all in one send: the reader never waits for the client between
     // them)
-    let mut all = request_bytes(CMD_FLAG_FUA, CMD_WRITE, 1, 0, 4, b"slow");
+    let mut all = request_bytes(flags, CMD_WRITE, 1, 0, 4, b"slow");
     all.extend(request_bytes(0, CMD_FLUSH, 2, 0, 0, &[]));
     all.extend(request_bytes(0, CMD_WRITE, 3, 4096, 8, b"half"));
     let start = Instant::now();

@@ -22,6 +22,8 @@ pub struct MemExport {
     pub read_only: bool,
     pub delay: Duration,
     pub flushes: Mutex<u64>,
+    /// Says its writes may wait for the disk (they sleep `delay`).
+    pub writes_wait: bool,
 }
 
 impl MemExport {
@@ -31,6 +33,7 @@ impl MemExport {
             read_only,
             delay: Duration::ZERO,
             flushes: Mutex::new(0),
+            writes_wait: false,
         })
     }
 
@@ -40,6 +43,7 @@ impl MemExport {
             read_only: false,
             delay,
             flushes: Mutex::new(0),
+            writes_wait: delay >= Duration::from_secs(1),
         })
     }
 
@@ -84,11 +88,14 @@ impl Export for MemExport {
         d[offset as usize..(offset + len) as usize].fill(0);
         Ok(())
     }
+    fn writes_may_wait_for_disk(&self) -> bool {
+        self.writes_wait
+    }
 }
 
 /// Exports: "disk" (default, 8 MiB), "ro" (read-only, 1 MiB), "slow"
 /// (1 MiB, every I/O sleeps 300 ms), "stall" (1 MiB, every I/O sleeps
-/// 3 s), "full" (every request fails), "null" (1 GiB, no storage).
+/// 3 s; it says its writes may wait for the disk), "full" (every request fails), "null" (1 GiB, no storage).
 pub struct Provider {
     pub disk: Arc<MemExport>,
     pub ro: Arc<MemExport>,
