@@ -933,7 +933,9 @@ impl Engine {
         }
         let data_path = dir.root().join("data");
         let data_blocks = match std::fs::metadata(&data_path) {
-            Ok(m) => Some(m.len().div_ceil(BLOCK_SIZE_U64)),
+            // (whole blocks only: every write is of whole blocks, so a
+            // partial last one is damage, its block lost)
+            Ok(m) => Some(m.len() / BLOCK_SIZE_U64),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(EngineError::io("reading the data file size", e)),
         };

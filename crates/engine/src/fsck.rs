@@ -400,7 +400,8 @@ impl Engine {
             .backend
             .len_bytes()
             .map_err(|e| crate::error::EngineError::io("reading the data file size", e))?
-            .div_ceil(BLOCK_SIZE_U64);
+            // (whole blocks: a partial last one is damage, see Engine::open)
+            / BLOCK_SIZE_U64;
         let mut m = lock(&self.meta);
         let faults_before = m.paging_faults();
         // (sorted: looked up for every referenced block)

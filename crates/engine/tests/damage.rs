@@ -913,13 +913,26 @@ fn rehash_reports_rotten_data_as_lost_and_a_repair_stops_sharing_it() {
 
 #[test]
 fn a_truncated_data_file_is_reported_and_its_missing_blocks_unmapped() {
+    truncated_data_file(300 * 4096);
+}
+
+#[test]
+fn a_data_file_cut_inside_a_block_loses_that_block() {
+    // the last 3096 bytes of block 300 gone: lost as the blocks past it
+    truncated_data_file(300 * 4096 + 1000);
+}
+
+/// Cuts the data file of the store [`build`] makes to `len_bytes` (in
+/// block 300 or at its start) and checks it is refused, reported, and
+/// repaired by unmapping the 300 LBAs of volume a past the cut.
+fn truncated_data_file(len_bytes: u64) {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
     let data = std::fs::OpenOptions::new()
         .write(true)
         .open(path.join("data"))
         .unwrap();
-    data.set_len(300 * 4096).unwrap();
+    data.set_len(len_bytes).unwrap();
     drop(data);
     // not served: the free space below the blocks lost cannot be told
     match Engine::open(&path, EngineConfig::default()) {
