@@ -1836,9 +1836,20 @@ impl Engine {
                     i += 1;
                 }
                 Some(p) => {
-                    // coalesce a run of consecutive PBAs into one read
+                    // coalesce a run of consecutive PBAs into one read, up
+                    // to the first block the cache holds (each looked up:
+                    // a miss is counted per block read)
                     let mut j = i + 1;
+                    let mut cached_next = false;
                     while j < n && pbas[j] == Some(Pba(p.0 + (j - i) as u64)) {
+                        let at = Pba(p.0 + (j - i) as u64);
+                        if self
+                            .cache
+                            .get(at, &mut buf[j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE])
+                        {
+                            cached_next = true;
+                            break;
+                        }
                         j += 1;
                     }
                     self.backend
@@ -1850,7 +1861,7 @@ impl Engine {
                             &buf[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE],
                         );
                     }
-                    i = j;
+                    i = if cached_next { j + 1 } else { j };
                 }
             }
         }

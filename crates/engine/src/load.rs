@@ -85,8 +85,11 @@ impl LoadMonitor {
                 disks: std::fs::read_to_string("/proc/diskstats")
                     .map(|t| {
                         disk_io_ticks(&t, |name| {
+                            // (nor an NBD client's device: dedupd's own
+                            // clients may be behind it)
                             !name.starts_with("loop")
                                 && !name.starts_with("ram")
+                                && !name.starts_with("nbd")
                                 && Path::new("/sys/block").join(name).exists()
                         })
                     })

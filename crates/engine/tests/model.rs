@@ -368,6 +368,28 @@ fn out_of_line_dedup_finds_what_a_tiny_memory_budget_missed() {
 }
 
 #[test]
+fn a_long_read_counts_a_miss_per_block_read_and_uses_cached_blocks() {
+    let e = Engine::in_memory(HashAlgorithm::Sha256);
+    let v = e.create_volume("v", 1 << 20).unwrap();
+    let data: Vec<u8> = (0..16 * BLOCK_SIZE)
+        .map(|i| (i / BLOCK_SIZE * 7 + i % 251) as u8)
+        .collect();
+    e.write(v, 0, &data, false).unwrap();
+    // block 8 cached first; then all 16 in one read
+    let mut one = vec![0u8; BLOCK_SIZE];
+    e.read(v, 8 * 4096, &mut one).unwrap();
+    let mut all = vec![0u8; 16 * BLOCK_SIZE];
+    e.read(v, 0, &mut all).unwrap();
+    assert!(all == data);
+    let s = e.stats().read_cache;
+    assert_eq!((s.misses, s.hits), (16, 1), "{s:?}");
+    // all cached now
+    e.read(v, 0, &mut all).unwrap();
+    assert!(all == data);
+    assert_eq!(e.stats().read_cache.hits, 17);
+}
+
+#[test]
 fn read_cache_serves_shared_content_once() {
     let e = Engine::in_memory(HashAlgorithm::Sha256);
     let v = e.create_volume("v", 1 << 20).unwrap();
