@@ -1467,6 +1467,12 @@ impl FingerprintIndex {
         l.disk_page = 0;
         l.disk_pages = 0;
         l.disk_count = 0;
+        // what memory holds of the prefix (clean: on disk until now) is
+        // all the store has of it: written out at its eviction
+        let mem = l.mem;
+        if let Some(g) = self.groups.get_mut(mem as usize) {
+            g.dirty = true;
+        }
     }
 
     /// Writes `entries` as the on-disk group of `prefix` at `page`
@@ -1672,10 +1678,13 @@ impl FingerprintIndex {
         Ok(())
     }
 
-    /// Ends a rebuild.
+    /// Ends a rebuild: trims memory to the budget.
     ///
-    /// Errors: none in practice (loaded groups are clean, trimming them to
-    /// the budget writes nothing); the signature follows eviction's.
+    /// Errors: none (under G-LRU the loaded groups are clean and trimming
+    /// them writes nothing; the per-entry policies merge each evicted
+    /// entry into its on-disk group, which already holds it, and a failed
+    /// write is counted in [`IndexStats::eviction_errors`]); the signature
+    /// follows eviction's.
     pub fn finish_rebuild(&mut self) -> io::Result<()> {
         self.enforce_budget(&|_, _| true, None);
         Ok(())
@@ -1915,6 +1924,36 @@ mod tests {
             assert!(s.eviction_writes > 0 && s.promotions > 0);
             assert!(s.entries_in_memory < 20_000);
         }
+    }
+
+    #[test]
+    fn entries_in_memory_outlive_their_damaged_on_disk_group() {
+        let mut idx = index(8 << 10, EvictionPolicy::GroupLru, LookupMode::Disk);
+        let live = |_: u64, _: Pba| true;
+        for i in 0..4_000u64 {
+            idx.insert(&fp(i), Pba(i), &live).unwrap();
+        }
+        while idx.tail != NONE {
+            idx.evict_group(idx.tail, &live).unwrap();
+        }
+        // fp(0) promoted (clean in memory), then its group damaged on disk
+        assert_eq!(idx.lookup(&fp(0), &live).unwrap(), Some(Pba(0)));
+        let p = idx.prefix_of(key_of(&fp(0)));
+        let leaf = *idx.leaf(p).unwrap();
+        idx.store
+            .write_at(&[0xa5; 64], leaf.disk_page as u64 * GROUP_PAGE as u64 + 40)
+            .unwrap();
+        let other = (1..4_000u64)
+            .find(|&j| idx.prefix_of(key_of(&fp(j))) == p)
+            .expect("another fingerprint of the prefix");
+        assert!(
+            idx.lookup(&fp(other), &live).is_err(),
+            "read a damaged group"
+        );
+        // evicted, the group in memory is written: fp(0) stays findable
+        let g = idx.leaf(p).unwrap().mem;
+        idx.evict_group(g, &live).unwrap();
+        assert_eq!(idx.lookup(&fp(0), &live).unwrap(), Some(Pba(0)));
     }
 
     #[test]
