@@ -2642,6 +2642,17 @@ impl Engine {
         } else {
             Vec::new()
         };
+        // copies in this request of each block (counted once, not per
+        // block: a 32 MiB request holds 8192)
+        let mut copies_of: Vec<u32> = Vec::new();
+        if has_copies {
+            copies_of.resize(n, 0);
+            for p in &placement {
+                if let Placement::SameAs(j) = p {
+                    copies_of[*j] += 1;
+                }
+            }
+        }
         for (i, p) in placement.iter().enumerate() {
             if let Placement::New {
                 pba, fp, indexed, ..
@@ -2682,15 +2693,8 @@ impl Engine {
                 // copies in this request is not shared: this block becomes
                 // the indexed copy instead)
                 let raced = raced.filter(|p| {
-                    let copies = if has_copies {
-                        placement
-                            .iter()
-                            .filter(|q| matches!(q, Placement::SameAs(j) if *j == i))
-                            .count() as u64
-                    } else {
-                        0
-                    };
-                    m.shareable_by(p.0, 1 + copies)
+                    let copies = copies_of.get(i).copied().unwrap_or(0);
+                    m.shareable_by(p.0, 1 + u64::from(copies))
                 });
                 let target = match raced {
                     Some(existing) if self.verified(existing, block(i), &mut m) => {
