@@ -3680,6 +3680,31 @@ mod tests {
         (e, armed, entered, release)
     }
 
+    /// A 1 MiB volume `v` holding one block (content 1s at LBA 0) and a
+    /// write of `data` at LBA `lba` on another thread, held once its data
+    /// write began: (engine, volume, the writer, "let it go").
+    #[allow(clippy::type_complexity)]
+    fn held_write(
+        lba: u64,
+        data: Vec<u8>,
+    ) -> (
+        std::sync::Arc<Engine>,
+        VolumeId,
+        std::thread::JoinHandle<Result<()>>,
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let (e, armed, entered, release) = gated_engine(EngineConfig::default());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
+        armed.store(true, Ordering::SeqCst);
+        let writer = {
+            let e = e.clone();
+            std::thread::spawn(move || e.write(v, lba * 4096, &data, false))
+        };
+        entered.recv().unwrap();
+        (e, v, writer, release)
+    }
+
     /// Writes new content at LBA `lba` of a 1 MiB volume holding one
     /// other block, holds the write between its lookup and its mapping,
     /// and lets it go from the progress of `op` (a delete or shrink, once
@@ -3689,15 +3714,7 @@ mod tests {
         lba: u64,
         op: impl FnOnce(&Engine, &mut dyn FnMut(u64, u64)) -> Result<()>,
     ) -> (std::sync::Arc<Engine>, Result<()>) {
-        let (e, armed, entered, release) = gated_engine(EngineConfig::default());
-        let v = e.create_volume("v", 1 << 20).unwrap();
-        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
-        armed.store(true, Ordering::SeqCst);
-        let writer = {
-            let e = e.clone();
-            std::thread::spawn(move || e.write(v, lba * 4096, &[2u8; BLOCK_SIZE], false))
-        };
-        entered.recv().unwrap();
+        let (e, _, writer, release) = held_write(lba, vec![2u8; BLOCK_SIZE]);
         let mut writer = Some(writer);
         let mut outcome = None;
         op(&e, &mut |_, _| {
@@ -3741,17 +3758,9 @@ mod tests {
         // block 200 shares stored content (mapped before the data write),
         // block 201 is new (mapped after it); the volume shrinks past both
         // and grows back meanwhile
-        let (e, armed, entered, release) = gated_engine(EngineConfig::default());
-        let v = e.create_volume("v", 1 << 20).unwrap();
-        e.write(v, 0, &[1u8; BLOCK_SIZE], false).unwrap();
-        armed.store(true, Ordering::SeqCst);
-        let writer = {
-            let e = e.clone();
-            let mut data = vec![1u8; 2 * BLOCK_SIZE];
-            data[BLOCK_SIZE..].fill(2);
-            std::thread::spawn(move || e.write(v, 200 * 4096, &data, false))
-        };
-        entered.recv().unwrap();
+        let mut data = vec![1u8; 2 * BLOCK_SIZE];
+        data[BLOCK_SIZE..].fill(2);
+        let (e, v, writer, release) = held_write(200, data);
         e.resize_volume("v", 64 * 4096).unwrap();
         e.resize_volume("v", 1 << 20).unwrap();
         release.send(()).unwrap();
