@@ -47,6 +47,20 @@ pub enum EngineError {
     /// Another process holds the store open.
     #[error("store {0} is in use by another dedupd process")]
     Locked(PathBuf),
+    /// dedupd runs as root on a store another user owns: the files it
+    /// would create there (maps, journal, state) would belong to root,
+    /// and the store's owner could no longer open them.
+    #[error(
+        "store {path} belongs to user {owner_uid}, and dedupd runs as root here: files it \
+         creates in the store would belong to root, which that user could not open; run \
+         dedupd as that user (e.g. `sudo -u '#{owner_uid}' dedupd ...`)"
+    )]
+    ForeignOwner {
+        /// The store directory.
+        path: PathBuf,
+        /// Its owner's user id.
+        owner_uid: u32,
+    },
     /// No volume has this name.
     #[error("no volume named {0:?}")]
     NoSuchVolume(String),

@@ -238,6 +238,7 @@ impl StoreDir {
     /// empty) and returns it opened and locked.
     pub fn create(root: &Path, hash: HashAlgorithm, index_prefix_bits: u32) -> Result<StoreDir> {
         if root.exists() {
+            check_owner(root)?;
             let mut entries = fs::read_dir(root)
                 .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
             if root.join("superblock").exists() {
@@ -388,11 +389,15 @@ impl StoreDir {
     }
 
     fn lock_dir(root: &Path) -> Result<StoreDir> {
-        Ok(StoreDir {
+        let dir = StoreDir {
             root: root.to_path_buf(),
             _lock: lock(root)?,
             observer: crate::observe::Observer::default(),
-        })
+        };
+        // (after the lock: a store its owner's server holds is reached
+        // through that server's control socket instead)
+        check_owner(root)?;
+        Ok(dir)
     }
 
     /// Writes `sb` as the store's superblock (through a new file renamed
@@ -727,6 +732,27 @@ impl StoreDir {
     }
 }
 
+/// Refuses a store directory another user owns when running as root
+/// ([`EngineError::ForeignOwner`]).
+fn check_owner(root: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(());
+    }
+    let owner_uid = fs::metadata(root)
+        .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?
+        .uid();
+    if owner_uid == 0 {
+        Ok(())
+    } else {
+        Err(EngineError::ForeignOwner {
+            path: root.to_path_buf(),
+            owner_uid,
+        })
+    }
+}
+
 fn lock(root: &Path) -> Result<File> {
     let p = root.join("lock");
     let f = OpenOptions::new()
@@ -858,6 +884,52 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_of_another_user_is_refused_to_root() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("s");
+        drop(StoreDir::create(&root, HashAlgorithm::Sha256, 16).unwrap());
+        // one's own store opens
+        StoreDir::open(&root).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            // as root, another user's store is refused, files unchanged
+            std::os::unix::fs::chown(&root, Some(65534), None).unwrap();
+            let before: Vec<_> = fs::read_dir(&root)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+            let r = StoreDir::open(&root).map(|_| ());
+            assert!(
+                matches!(
+                    r,
+                    Err(EngineError::ForeignOwner {
+                        owner_uid: 65534,
+                        ..
+                    })
+                ),
+                "{r:?}"
+            );
+            assert!(r
+                .unwrap_err()
+                .to_string()
+                .contains("run dedupd as that user"));
+            let after: Vec<_> = fs::read_dir(&root)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+            assert_eq!(before, after);
+            let empty = d.path().join("empty");
+            fs::create_dir(&empty).unwrap();
+            std::os::unix::fs::chown(&empty, Some(65534), None).unwrap();
+            assert!(matches!(
+                StoreDir::create(&empty, HashAlgorithm::Sha256, 16),
+                Err(EngineError::ForeignOwner { .. })
+            ));
+            assert_eq!(fs::read_dir(&empty).unwrap().count(), 0);
+        }
+    }
 
     #[test]
     fn a_store_another_process_is_creating_is_in_use_not_broken() {
