@@ -675,7 +675,11 @@ fn fsck(
     // (a reader that goes early, `| grep -q`, does not take the exit code
     // e2fsck's conventions give: SIGPIPE stays ignored for fsck)
     let out = |line: &str| {
-        let _ = say(line);
+        if let Err(e) = say(line) {
+            // (a report that cannot be written is an operational error)
+            eprintln!("dedupd: error: writing the report: {e}");
+            std::process::exit(8);
+        }
     };
     if json {
         match serde_json::to_string_pretty(&report) {

@@ -373,4 +373,18 @@ fn fsck_keeps_its_exit_code_when_the_reader_goes_early() {
     drop(child.stdout.take());
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0), "{status:?}");
+    // a report that cannot be written (a full disk) is an operational error
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let status = Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .arg("fsck")
+        .stdout(full)
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(8), "{status:?}");
 }

@@ -593,12 +593,12 @@ impl Journal {
         self.write_offset_bytes += bytes.len() as u64;
         self.written_bytes += bytes.len() as u64;
         self.next_seq += 1;
-        // the reserve ahead of the next transaction, extended a reserve's
-        // worth at a time (a full file system: what is left of it)
+        // the reserve ahead of the next transaction, extended a quarter
+        // reserve at a time (a full file system: what is left of it)
         if self.reserve_bytes > 0
             && self.write_offset_bytes + self.reserve_bytes > self.reserved_end_bytes
         {
-            let end = self.write_offset_bytes + 2 * self.reserve_bytes;
+            let end = self.write_offset_bytes + self.reserve_bytes + self.reserve_bytes / 4;
             let _ = self.allocate(self.reserved_end_bytes, end);
         }
         Ok(seq)

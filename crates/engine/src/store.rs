@@ -389,14 +389,21 @@ impl StoreDir {
     }
 
     fn lock_dir(root: &Path) -> Result<StoreDir> {
+        // the owner checked after the lock when there is a lock file (a
+        // store its owner's server holds is reached through that server's
+        // control socket instead), before it when the lock would create one
+        let had_lock_file = root.join("lock").is_file();
+        if !had_lock_file {
+            check_owner(root)?;
+        }
         let dir = StoreDir {
             root: root.to_path_buf(),
             _lock: lock(root)?,
             observer: crate::observe::Observer::default(),
         };
-        // (after the lock: a store its owner's server holds is reached
-        // through that server's control socket instead)
-        check_owner(root)?;
+        if had_lock_file {
+            check_owner(root)?;
+        }
         Ok(dir)
     }
 
@@ -920,6 +927,10 @@ mod tests {
                 .map(|e| e.unwrap().path())
                 .collect();
             assert_eq!(before, after);
+            // nor is a lock file made where there was none
+            fs::remove_file(root.join("lock")).unwrap();
+            assert!(StoreDir::open(&root).is_err());
+            assert!(!root.join("lock").exists(), "root made the lock file");
             let empty = d.path().join("empty");
             fs::create_dir(&empty).unwrap();
             std::os::unix::fs::chown(&empty, Some(65534), None).unwrap();

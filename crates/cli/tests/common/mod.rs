@@ -84,6 +84,17 @@ impl Server {
             }
             None => Command::new(dedupd_bin()),
         };
+        // (the test's own dispositions are not the server's: started under
+        // nohup, the tests would hand it an ignored SIGHUP)
+        // SAFETY: signal() is async-signal-safe, as pre_exec requires.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            command.pre_exec(|| {
+                libc::signal(libc::SIGHUP, libc::SIG_DFL);
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+                Ok(())
+            });
+        }
         let mut child = command
             .arg("--store")
             .arg(store)
