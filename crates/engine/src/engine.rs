@@ -373,8 +373,9 @@ struct CommitState {
     format_upgrade: Option<(crate::store::Superblock, CounterState)>,
 }
 
-/// LBAs released per hold of the metadata lock when a volume is deleted
-/// or shrunk (32 MiB of volume).
+/// LBAs looked at per hold of the metadata lock when a volume is deleted
+/// or shrunk (32 MiB of volume; of them at most 1024 mapped ones are
+/// released, the rest left to the next piece).
 pub const RELEASE_PIECE_BLOCKS: u64 = 8192;
 
 /// LBAs of a volume map [`Engine::volumes`] counts under one hold of the
@@ -451,6 +452,26 @@ pub struct Engine {
     /// worker backs off while it moves.
     foreground: AtomicU64,
     pub(crate) config: EngineConfig,
+}
+
+/// Blocks a TRIM, zeroing, delete or shrink releases under one hold of
+/// the metadata lock (a piece; commits may come between pieces): with
+/// scattered blocks, 1024 reference-count pages (4 MiB) besides the
+/// volume map's.
+const MAX_PIECE_RELEASES: usize = 1024;
+
+/// The mapped LBAs of `v` from `from` up to `end` that one piece releases
+/// (at most [`MAX_PIECE_RELEASES`]), as (LBA, map entry), and where the
+/// piece ends (`end`, or the first LBA left to the next piece).
+fn release_piece(v: &crate::meta::Volume, from: u64, end: u64) -> (Vec<(u64, u64)>, u64) {
+    let mut mapped = v.map.nonzero_u64(from..end);
+    match mapped.get(MAX_PIECE_RELEASES) {
+        Some(&(next, _)) => {
+            mapped.truncate(MAX_PIECE_RELEASES);
+            (mapped, next)
+        }
+        None => (mapped, end),
+    }
 }
 
 /// Refuses a configuration out of its documented bounds.
@@ -1318,8 +1339,9 @@ impl Engine {
 
     /// Deletes a volume, releasing every block it maps, and makes it durable.
     ///
-    /// The blocks are released in pieces of [`RELEASE_PIECE_BLOCKS`] LBAs,
-    /// committing as changed metadata passes `max_dirty_bytes`, so memory
+    /// The blocks are released in pieces of [`RELEASE_PIECE_BLOCKS`] LBAs
+    /// (at most 1024 mapped ones each), committing as changed metadata
+    /// passes `max_dirty_bytes`, so memory
     /// and the time the metadata lock is held do not grow with the volume;
     /// writes to the volume are refused meanwhile. The delete is recorded
     /// durably before the first block is released: a crash, an error or a
@@ -1446,8 +1468,8 @@ impl Engine {
                     Some(page) => lba = lba.max(page * PER_PAGE),
                     None => break,
                 }
-                piece_end = (lba + RELEASE_PIECE_BLOCKS).min(end);
-                let mapped = v.map.nonzero_u64(lba..piece_end);
+                let mapped;
+                (mapped, piece_end) = release_piece(v, lba, (lba + RELEASE_PIECE_BLOCKS).min(end));
                 for (l, _) in mapped {
                     m.remap(vol, Lba(l), None);
                 }
@@ -2007,7 +2029,8 @@ impl Engine {
             return self.write_partial_span(vol, offset, end, None);
         }
         self.write_partial_span(vol, offset, first_full * BLOCK_SIZE_U64, None)?;
-        // in pieces of 8192 blocks (32 MiB), so a huge TRIM never holds the
+        // in pieces of 8192 blocks (32 MiB), releasing at most
+        // MAX_PIECE_RELEASES of them, so a huge TRIM never holds the
         // metadata lock for long, and commits between pieces once changed
         // metadata or blocks waiting to be freed pass their bounds (as a
         // write would), so neither grows with the TRIM's length; unmapped
@@ -2026,8 +2049,9 @@ impl Engine {
                     {
                         Some(page) => {
                             let from = lba.max(page * PER_PAGE).min(end_full);
-                            piece_end = (from + 8192).min(end_full);
-                            v.map.nonzero_u64(from..piece_end)
+                            let (mapped, end) = release_piece(v, from, (from + 8192).min(end_full));
+                            piece_end = end;
+                            mapped
                         }
                         None => {
                             piece_end = end_full;

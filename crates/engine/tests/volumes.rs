@@ -38,9 +38,20 @@ fn fingerprint(k: u64) -> Fingerprint {
 const BLOCKS: u64 = 4 * RELEASE_PIECE_BLOCKS;
 
 fn store(dir: &std::path::Path, commits: &Arc<Commits>) -> Engine {
+    store_with(dir, commits, EngineConfig::default().max_pending_free_bytes)
+}
+
+/// [`store`] committing once `max_pending_free_bytes` of blocks wait to
+/// be freed.
+fn store_with(
+    dir: &std::path::Path,
+    commits: &Arc<Commits>,
+    max_pending_free_bytes: u64,
+) -> Engine {
     let cfg = EngineConfig {
         max_dirty_bytes: 64 << 10,
         map_cache_bytes: 64 << 10,
+        max_pending_free_bytes,
         observer: Observer(Some(commits.clone())),
         ..EngineConfig::default()
     };
@@ -314,6 +325,24 @@ fn one_huge_trim_commits_along_the_way() {
         256,
         "the shared blocks stay"
     );
+}
+
+#[test]
+fn a_trim_of_densely_mapped_blocks_releases_them_in_bounded_pieces() {
+    // 4096 mapped LBAs inside one 8192-block stretch: released at most
+    // 1024 to a hold of the lock, and the blocks waiting to be freed
+    // committed between pieces as they pass their (1 MiB) bound, so a
+    // piece's transaction stays small
+    let dir = tempfile::tempdir().unwrap();
+    let commits = Arc::new(Commits::default());
+    let e = store_with(dir.path(), &commits, 1 << 20);
+    let (big, _) = e.volume("big").unwrap();
+    let before = commits.0.load(Ordering::Relaxed);
+    e.trim(big, 1 << 20, 4096 * 4096, false).unwrap();
+    let during = commits.0.load(Ordering::Relaxed) - before;
+    assert!(during >= 3, "only {during} commits during the TRIM");
+    e.flush().unwrap();
+    assert!(e.check().is_empty(), "{:?}", e.check());
 }
 
 #[test]
