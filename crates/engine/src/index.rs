@@ -413,8 +413,12 @@ const T2: usize = 1;
 const B1: usize = 2;
 const B2: usize = 3;
 
+/// The stamp of an entry with `count` accesses (or references), last at
+/// `tick`. Past 2^40 ticks the tick stays at its largest (ties of equal
+/// counts then keep no order), rather than wrapping round, which would
+/// make the newest entries look the oldest.
 fn counted(count: u64, tick: u64) -> u64 {
-    (count.min(COUNT_MAX) << TICK_BITS) | (tick & TICK_MASK)
+    (count.min(COUNT_MAX) << TICK_BITS) | tick.min(TICK_MASK)
 }
 
 fn count_of(stamp: u64) -> u64 {
@@ -1923,6 +1927,16 @@ mod tests {
             let s = idx.stats();
             assert!(s.eviction_writes > 0 && s.promotions > 0);
             assert!(s.entries_in_memory < 20_000);
+        }
+    }
+
+    #[test]
+    fn stamps_past_the_tick_range_never_order_before_older_ones() {
+        for count in [1, 7, COUNT_MAX] {
+            let late = counted(count, TICK_MASK + 5);
+            assert!(late >= counted(count, TICK_MASK - 1));
+            assert!(late < counted(count + 1, 0) || count == COUNT_MAX);
+            assert_eq!(count_of(late), count);
         }
     }
 
