@@ -413,9 +413,10 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     // the stop signals are caught from here on, before the server says it
     // is ready (one sent as soon as it has would otherwise kill it); they
     // are acted on once it serves. SIGHUP too: the terminal or session
-    // going away stops the server cleanly instead of killing it. A signal
-    // the caller set to be ignored (`nohup` SIGHUP, SIGINT for a shell's
-    // background job) stays ignored.
+    // going away stops the server cleanly instead of killing it, unless
+    // the caller set it to be ignored (`nohup`). (SIGINT is caught even
+    // then: a script's background job has it ignored, and the script's
+    // `kill -INT` must still stop the server.)
     let mut signals = signal_hook::iterator::Signals::new(
         [
             signal_hook::consts::SIGINT,
@@ -423,7 +424,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
             signal_hook::consts::SIGHUP,
         ]
         .into_iter()
-        .filter(|&sig| sig == signal_hook::consts::SIGTERM || !signal_ignored(sig)),
+        .filter(|&sig| sig != signal_hook::consts::SIGHUP || !signal_ignored(sig)),
     )?;
     let names: Vec<String> = engine.volume_names().into_iter().map(|(n, _)| n).collect();
     let first = names

@@ -206,6 +206,18 @@ fn sighup_stops_the_server_cleanly() {
 }
 
 #[test]
+fn serve_started_with_sigint_ignored_still_stops_on_it() {
+    // (as a script's background job: `dedupd serve & ... kill -INT $!`)
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start_via(
+        &["sh", "-c", "trap '' INT; exec \"$0\" \"$@\""],
+        &tmp.path().join("store"),
+        &["--default-volume-size", "16M"],
+    );
+    server.stop_with(libc::SIGINT);
+}
+
+#[test]
 fn serve_under_nohup_ignores_sighup() {
     common::require("nohup");
     let tmp = tempfile::tempdir().unwrap();
