@@ -39,6 +39,10 @@ pub enum LoadReading {
     /// Nothing to go by (no pressure information and no earlier sample,
     /// or the files cannot be read).
     Unknown,
+    /// The previous utilisation sample is older than [`MAX_SAMPLE_GAP`]:
+    /// the factor it gave is as old, and goes back to 1 (as at start);
+    /// the next sample, taken against this one, gives a reading.
+    Stale,
 }
 
 /// Cumulative counters of one utilisation sample.
@@ -99,8 +103,8 @@ impl LoadMonitor {
     }
 
     /// The reading `sample` gives after the samples before it: pressure
-    /// as it is; utilisation against the previous sample (none for the
-    /// first, or after [`MAX_SAMPLE_GAP`]).
+    /// as it is; utilisation against the previous sample (unknown for the
+    /// first, stale after [`MAX_SAMPLE_GAP`]).
     pub fn reading(&mut self, sample: LoadSample) -> LoadReading {
         match sample {
             LoadSample::Pressure(p) => {
@@ -109,6 +113,14 @@ impl LoadMonitor {
             }
             LoadSample::Usage(now) => {
                 let reading = match &self.previous {
+                    Some(prev)
+                        if now
+                            .at
+                            .checked_duration_since(prev.at)
+                            .is_some_and(|gap| gap > MAX_SAMPLE_GAP) =>
+                    {
+                        LoadReading::Stale
+                    }
                     Some(prev) => utilization(prev, &now)
                         .map_or(LoadReading::Unknown, LoadReading::Utilization),
                     None => LoadReading::Unknown,
@@ -122,12 +134,13 @@ impl LoadMonitor {
 
 /// The load factor after `reading`, from the `current` one: 0.5 above the
 /// high threshold, 1 below the low one, unchanged between them (and when
-/// the reading is unknown).
+/// the reading is unknown); 1 after a stale sample.
 pub fn load_factor(current: f64, reading: LoadReading) -> f64 {
     let (value, high, low) = match reading {
         LoadReading::Pressure(p) => (p, PRESSURE_HIGH_PERCENT, PRESSURE_LOW_PERCENT),
         LoadReading::Utilization(u) => (u, UTILIZATION_HIGH_PERCENT, UTILIZATION_LOW_PERCENT),
         LoadReading::Unknown => return current,
+        LoadReading::Stale => return 1.0,
     };
     if value > high {
         0.5
@@ -282,12 +295,12 @@ mod tests {
         assert_eq!(load_factor(1.0, r), 0.5);
         // then, with the disks idle: CPU 80 % busy (between thresholds:
         // the factor stays), 10 % (back to 1), and a pair a minute apart
-        // (no reading)
+        // (stale: the factor goes back to 1, even from 0.5)
         let idle = [("sda", 100), ("sdb", 950)];
         for (secs, cpu, want, factor) in [
             (2, (110, 200), LoadReading::Utilization(80.0), 0.5),
             (3, (120, 300), LoadReading::Utilization(10.0), 1.0),
-            (60, (9000, 9100), LoadReading::Unknown, 0.5),
+            (60, (9000, 9100), LoadReading::Stale, 1.0),
         ] {
             let r = m.reading(usage(t0 + Duration::from_secs(secs), Some(cpu), &idle));
             assert_eq!(r, want, "at {secs} s");
@@ -331,7 +344,7 @@ mod tests {
             LoadReading::Pressure(p) | LoadReading::Utilization(p) => {
                 assert!((0.0..=100.0).contains(&p), "{p}")
             }
-            LoadReading::Unknown => {
+            LoadReading::Unknown | LoadReading::Stale => {
                 // only without pressure files and without /proc/stat
                 assert!(!Path::new("/proc/pressure/cpu").exists());
                 assert!(std::fs::read_to_string("/proc/stat").is_err());
