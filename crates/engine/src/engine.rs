@@ -1787,23 +1787,41 @@ impl Engine {
     }
 
     /// Reads `buf.len()` bytes of volume `vol` at byte `offset`. Unmapped
-    /// and zero blocks read as zeros without I/O.
+    /// and zero blocks read as zeros without I/O. Each 4 KiB block reads
+    /// as it was at one instant (a write racing the read shows per block,
+    /// as a client sending them together must expect); partial blocks at
+    /// the edges of an unaligned read go through 4 KiB of scratch, so
+    /// memory stays `buf` whatever the read's size.
     pub fn read(&self, vol: VolumeId, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         self.check_range(vol, offset, buf.len() as u64)?;
         if buf.is_empty() {
             return Ok(());
         }
-        let first = offset / BLOCK_SIZE_U64;
-        let last = (offset + buf.len() as u64 - 1) / BLOCK_SIZE_U64;
-        let aligned = offset.is_multiple_of(BLOCK_SIZE_U64) && buf.len().is_multiple_of(BLOCK_SIZE);
-        if aligned {
-            return self.read_blocks(vol, first, buf);
+        // whole blocks go straight into `buf`; a partial block at either
+        // edge through one block of scratch (no copy of the whole span)
+        let mut lba = offset / BLOCK_SIZE_U64;
+        let mut done = 0;
+        let head_skip = (offset % BLOCK_SIZE_U64) as usize;
+        if head_skip != 0 || buf.len() < BLOCK_SIZE {
+            let mut block = [0u8; BLOCK_SIZE];
+            self.read_blocks(vol, lba, &mut block)?;
+            done = (BLOCK_SIZE - head_skip).min(buf.len());
+            buf[..done].copy_from_slice(&block[head_skip..head_skip + done]);
+            lba += 1;
         }
-        let mut tmp = vec![0u8; ((last - first + 1) * BLOCK_SIZE_U64) as usize];
-        self.read_blocks(vol, first, &mut tmp)?;
-        let skip = (offset - first * BLOCK_SIZE_U64) as usize;
-        buf.copy_from_slice(&tmp[skip..skip + buf.len()]);
+        let whole = (buf.len() - done) / BLOCK_SIZE * BLOCK_SIZE;
+        if whole > 0 {
+            self.read_blocks(vol, lba, &mut buf[done..done + whole])?;
+            done += whole;
+            lba += (whole / BLOCK_SIZE) as u64;
+        }
+        if done < buf.len() {
+            let mut block = [0u8; BLOCK_SIZE];
+            self.read_blocks(vol, lba, &mut block)?;
+            let tail = buf.len() - done;
+            buf[done..].copy_from_slice(&block[..tail]);
+        }
         Ok(())
     }
 
