@@ -387,13 +387,19 @@ pub(crate) const SHUTDOWN_REPLIES: usize = 1024;
 /// and frees them all once its client has sent nothing for
 /// [`IDLE_BUFFER_FREE_AFTER`], so idle connections hold none; all
 /// connections together keep at most the in-flight budget's bytes.
-const KEPT_BUFFER_BYTES: usize = (1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN;
+const KEPT_BUFFER_BYTES: usize = buffer_bytes((1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN);
 
-/// A kept buffer larger than this and than four times a request is left
-/// for a larger request instead of serving it, so that small requests do
-/// not each hold a large buffer (memory in use stays near the in-flight
-/// budget).
-const SMALL_BUFFER_BYTES: usize = 64 << 10;
+/// Granule of request buffers: a request of `n` bytes (payload, or a READ's
+/// reply with its header) gets a buffer of `n` rounded up to it, and is
+/// charged that to the in-flight budget; a kept buffer serves a request
+/// whose own size is at most one granule smaller, so memory in flight
+/// passes what is charged by less than 4 KiB per request.
+const BUFFER_GRANULE_BYTES: usize = 4096;
+
+/// The buffer (and budget charge) of a request of `bytes` bytes.
+const fn buffer_bytes(bytes: usize) -> usize {
+    bytes.next_multiple_of(BUFFER_GRANULE_BYTES)
+}
 
 /// How long a connection waits for its client with nothing to read before
 /// it frees its kept request buffers.
@@ -573,23 +579,23 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         }
     }
 
-    /// A kept buffer for a request of `need` bytes (0: none needed), or a
-    /// new empty one. A kept buffer larger than [`SMALL_BUFFER_BYTES`] and
-    /// four times the request is left for a larger request: small requests
-    /// do not hold large buffers.
+    /// A buffer with room for `need` bytes (0: none needed, an empty one):
+    /// a kept one of at most one [`BUFFER_GRANULE_BYTES`] more, else a new
+    /// one of `need` (empty, allocated as it is filled). Larger kept
+    /// buffers are left for larger requests, so a request holds about what
+    /// it was charged.
     fn take_buffer(&self, need: usize) -> Vec<u8> {
         if need == 0 {
             return Vec::new();
         }
-        let fits = need.saturating_mul(4).max(SMALL_BUFFER_BYTES);
+        let fits = need.saturating_add(BUFFER_GRANULE_BYTES);
         let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-        // one that holds the request without growing, else one to grow
-        let pick = spare
+        let Some(i) = spare
             .iter()
             .position(|b| (need..=fits).contains(&b.capacity()))
-            .or_else(|| spare.iter().position(|b| b.capacity() < need));
-        let Some(i) = pick else {
-            return Vec::new();
+        else {
+            drop(spare);
+            return Vec::with_capacity(need);
         };
         let buf = spare.swap_remove(i);
         drop(spare);
@@ -693,8 +699,8 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
             }
             Plan::Dispatch => {
                 let bytes = match req.command {
-                    Command::Read => len + proto::SIMPLE_REPLY_HEADER_LEN,
-                    Command::Write => len,
+                    Command::Read => buffer_bytes(len + proto::SIMPLE_REPLY_HEADER_LEN),
+                    Command::Write => buffer_bytes(len),
                     _ => 0,
                 };
                 // the connection's own part first: one connection (say a
@@ -833,7 +839,7 @@ mod tests {
     }
 
     #[test]
-    fn kept_buffers_stay_within_the_budget_and_small_requests_take_small_ones() {
+    fn kept_buffers_stay_within_the_budget_and_requests_take_their_own_size() {
         let budget = Budget::new((3 << 20) + 8192);
         let (requests, stopping, kept) =
             (AtomicU64::new(0), AtomicBool::new(false), AtomicU64::new(0));
@@ -854,7 +860,7 @@ mod tests {
         assert_eq!(kept.load(Ordering::Relaxed), 3 << 20);
         assert_eq!(conn.spare.lock().unwrap().len(), 3);
         // a 4 KiB request (or a FLUSH) takes none of them along
-        assert_eq!(conn.take_buffer(4096).capacity(), 0);
+        assert_eq!(conn.take_buffer(4096).capacity(), 4096);
         assert_eq!(conn.take_buffer(0).capacity(), 0);
         assert_eq!(kept.load(Ordering::Relaxed), 3 << 20);
         // its own small buffer is kept, one per worker at most
@@ -863,9 +869,17 @@ mod tests {
         assert_eq!(conn.spare.lock().unwrap().len(), 4);
         assert_eq!(kept.load(Ordering::Relaxed), (3 << 20) + 4096);
         assert_eq!(conn.take_buffer(4096).capacity(), 4096);
-        // a 512 KiB request takes a 1 MiB one
-        assert_eq!(conn.take_buffer(512 << 10).capacity(), 1 << 20);
+        // a 512 KiB request does not hold a 1 MiB one: a new buffer of its
+        // size; a request up to one granule smaller takes one
+        assert_eq!(conn.take_buffer(512 << 10).capacity(), 512 << 10);
+        assert_eq!(kept.load(Ordering::Relaxed), 3 << 20);
+        assert_eq!(conn.take_buffer((1 << 20) - 4096).capacity(), 1 << 20);
         assert_eq!(kept.load(Ordering::Relaxed), 2 << 20);
+        // requests are charged whole granules, a 1 MiB READ's reply too
+        assert_eq!(buffer_bytes(1), 4096);
+        assert_eq!(buffer_bytes(4096), 4096);
+        assert_eq!(buffer_bytes(4096 + proto::SIMPLE_REPLY_HEADER_LEN), 8192);
+        assert!(buffer_bytes((1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN) <= KEPT_BUFFER_BYTES);
         conn.free_spare_buffers();
         assert_eq!(kept.load(Ordering::Relaxed), 0);
     }

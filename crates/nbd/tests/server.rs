@@ -453,7 +453,8 @@ fn small_budget_still_serves_large_requests_concurrently() {
     }
     done.store(true, Ordering::SeqCst);
     let max = sampler.join().unwrap();
-    assert!(max > 0 && max <= (1 << 20) + 16, "max in flight {max}");
+    // (a 1 MiB READ is charged its reply, header and all, in whole 4 KiB)
+    assert!(max > 0 && max <= (1 << 20) + 4096, "max in flight {max}");
     // A request's budget is given back just after its reply is sent.
     wait_until("budget returned", || h.server.stats().inflight_bytes == 0);
     assert!(h.server.stats().connections_total >= 4);
