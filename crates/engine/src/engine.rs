@@ -451,6 +451,10 @@ pub struct Engine {
     /// Client requests started (reads, writes, trims); the out-of-line
     /// worker backs off while it moves.
     foreground: AtomicU64,
+    /// Set while a full offline pass ([`Engine::dedup_offline`]) runs: one
+    /// at a time, as each sizes its sort buffers and merge batch to the
+    /// index budget.
+    pub(crate) offline_pass_running: AtomicBool,
     pub(crate) config: EngineConfig,
 }
 
@@ -1137,6 +1141,7 @@ impl Engine {
             merge_scan_bytes: AtomicU64::new(0),
             no_space_commits: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
+            offline_pass_running: AtomicBool::new(false),
             config,
         }
     }

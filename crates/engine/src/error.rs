@@ -108,6 +108,10 @@ pub enum EngineError {
     /// written (retrying is safe).
     #[error("busy: {0}")]
     Busy(String),
+    /// A full offline dedup pass was asked for while another runs (one at
+    /// a time: each takes about the index budget's memory again).
+    #[error("an offline dedup pass is running already; run this one after it has finished")]
+    OfflinePassRunning,
 }
 
 impl EngineError {

@@ -709,13 +709,29 @@ impl Engine {
     /// store. `progress` receives (PBAs examined, PBAs in all) during the
     /// scan.
     ///
-    /// Errors: [`EngineError::NoSuchVolume`]; reading blocks or the scratch
-    /// file; the commits of the remapping.
+    /// Errors: [`EngineError::NoSuchVolume`];
+    /// [`EngineError::OfflinePassRunning`] while another pass runs; reading
+    /// blocks or the scratch file; the commits of the remapping.
     pub fn dedup_offline(
         &self,
         volume: Option<&str>,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<PassReport> {
+        if self
+            .offline_pass_running
+            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Err(EngineError::OfflinePassRunning);
+        }
+        /// Clears the flag however the pass ends (an error, a panic).
+        struct Running<'a>(&'a AtomicBool);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::SeqCst);
+            }
+        }
+        let _running = Running(&self.offline_pass_running);
         let budget_bytes = lock(&self.meta).index.config().memory_budget_bytes;
         let batch = usize::try_from(budget_bytes / MERGE_BYTES)
             .unwrap_or(usize::MAX)

@@ -120,3 +120,50 @@ fn blocks_the_offline_pass_fingerprints_are_indexed_for_inline_dedup() {
     );
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+#[test]
+fn one_offline_pass_runs_at_a_time() {
+    let cfg = EngineConfig {
+        selectivity: SelectivityConfig {
+            adaptive: true,
+            load_aware: false,
+            power: PowerSource::Battery(5.0),
+        },
+        ..EngineConfig::default()
+    };
+    let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+    let v = e.create_volume("v", 64 * 4096).unwrap();
+    for k in 0..16 {
+        e.write(v, k * 4096, &block(k % 8), false).unwrap();
+    }
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let e = &e;
+        let first = s.spawn(move || {
+            let mut waited = false;
+            e.dedup_offline(None, &mut |_, _| {
+                if !waited {
+                    waited = true;
+                    started_tx.send(()).unwrap();
+                    go_rx.recv().unwrap();
+                }
+            })
+        });
+        started_rx.recv().unwrap();
+        // a second pass while the first runs is refused, and says why
+        let err = e.dedup_offline(None, &mut |_, _| {}).unwrap_err();
+        assert!(
+            matches!(err, dedupd_engine::error::EngineError::OfflinePassRunning),
+            "{err}"
+        );
+        assert!(err.to_string().contains("running already"), "{err}");
+        go_tx.send(()).unwrap();
+        assert_eq!(first.join().unwrap().unwrap().lbas_remapped, 8);
+    });
+    // once it has finished, the next runs
+    let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    assert_eq!(r.lbas_remapped, 0);
+    assert_eq!(e.stats().physical_blocks_stored, 8);
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
