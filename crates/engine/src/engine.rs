@@ -253,13 +253,18 @@ pub struct Damage {
     /// A volume map shorter than its volume (truncated): (pages it has,
     /// pages the volume needs); the LBAs past its end read as unmapped.
     pub truncated: Option<(u64, u64)>,
+    /// What was made of the file instead, for the report (`state.json`:
+    /// the volume table rebuilt).
+    pub detail: Option<String>,
 }
 
 impl Damage {
     /// What is wrong, for messages: missing, or how many pages fail their
     /// checksum (and the first few).
     pub fn describe(&self) -> String {
-        if self.missing {
+        if let Some(detail) = &self.detail {
+            format!("{} fails its checksum: {detail}", self.file.display())
+        } else if self.missing {
             format!("{} is missing", self.file.display())
         } else if self.pages.is_empty() && self.truncated.is_none() {
             format!("{} fails its checksum", self.file.display())
@@ -568,8 +573,39 @@ impl Engine {
         // journal's newer pages pinned over them (crate::metaopen).
         let chain_ops: Vec<Op> = chain.into_iter().flat_map(|t| t.ops).collect();
         let state_path = dir.path(MetaFile::State);
-        let state: State =
-            decode_checked(&dir.blob_bytes(MetaFile::State, &chain_ops)?, &state_path)?;
+        let state_bytes = dir.blob_bytes(MetaFile::State, &chain_ops)?;
+        let mut state_damage = None;
+        let state: State = match decode_checked(&state_bytes, &state_path) {
+            Ok(state) => state,
+            // the volume table: a check rebuilds it from the volume maps
+            // (and what the damaged file still says), and its repair
+            // writes it anew
+            Err(EngineError::Corrupt { detail, .. }) if config.allow_damaged_metadata => {
+                let (state, rebuilt) =
+                    crate::staterebuild::rebuild_state(path, &state_bytes, &chain_ops)
+                        .map_err(|e| EngineError::io("reading the volume maps", e))?;
+                state_damage = Some(Damage {
+                    file: state_path.clone(),
+                    pages: Vec::new(),
+                    missing: false,
+                    truncated: None,
+                    detail: Some(format!("{detail}; {rebuilt}")),
+                });
+                state
+            }
+            Err(EngineError::Corrupt { file, detail }) => {
+                return Err(EngineError::Corrupt {
+                    file,
+                    detail: format!(
+                        "{detail}; the store is not served. Run `dedupd --store {} fsck` to \
+                         see the volume table rebuilt from the volume maps, then `fsck \
+                         --repair` to write it",
+                        crate::error::store_word(path)
+                    ),
+                })
+            }
+            Err(e) => return Err(e),
+        };
         // format 2 keeps the counters apart; format 1 in the state (a
         // counters.json beside it is left from an upgrade that did not
         // finish)
@@ -601,6 +637,7 @@ impl Engine {
                         pages: Vec::new(),
                         missing: bytes.is_empty(),
                         truncated: None,
+                        detail: None,
                     });
                     CounterState {
                         counters: Default::default(),
@@ -647,6 +684,7 @@ impl Engine {
             pages: Vec::new(),
             missing: true,
             truncated: None,
+            detail: None,
         });
         if counters_damage.is_none() && !journal_missing {
             // (past the next sequence number: a commit whose sync failed
@@ -673,10 +711,15 @@ impl Engine {
                     pages: vec![chain_bytes / crate::paged::PAGE_SIZE as u64],
                     missing: false,
                     truncated: None,
+                    detail: None,
                 });
             }
         }
-        let mut damage: Vec<Damage> = counters_damage.into_iter().chain(journal_damage).collect();
+        let mut damage: Vec<Damage> = state_damage
+            .into_iter()
+            .chain(counters_damage)
+            .chain(journal_damage)
+            .collect();
         let mut damage_notes: Vec<String> = Vec::new();
         let mut ops_by_file: HashMap<MetaFile, Vec<&Op>> = HashMap::new();
         for op in &chain_ops {
@@ -727,6 +770,7 @@ impl Engine {
                     pages: Vec::new(),
                     missing: true,
                     truncated: None,
+                    detail: None,
                 });
                 return Ok(CachedArray::new(PagedArray::new(file.page_tag())));
             }
@@ -755,6 +799,7 @@ impl Engine {
                     pages: opened.damaged,
                     missing: false,
                     truncated: None,
+                    detail: None,
                 });
             }
             Ok(opened.array)
@@ -847,6 +892,7 @@ impl Engine {
                     pages: Vec::new(),
                     missing: false,
                     truncated: Some((have, want_pages)),
+                    detail: None,
                 });
             }
             damage.extend(mine);

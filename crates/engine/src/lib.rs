@@ -34,6 +34,7 @@ pub mod reverse;
 pub mod selectivity;
 pub mod sequence;
 pub mod skipped;
+pub mod staterebuild;
 pub mod stats;
 pub mod store;
 

@@ -429,6 +429,63 @@ fn flipped_state_counters_and_superblock_are_refused_with_names() {
     assert!(err.contains("fsck") && err.contains("superblock"), "{err}");
 }
 
+/// A damaged volume table (`state.json`): the store is refused with the
+/// fsck command to run; fsck rebuilds the table from the volume maps,
+/// keeping what the damaged file still says where the maps agree, and
+/// the data is served as before.
+#[test]
+fn fsck_rebuilds_a_damaged_volume_table_from_the_maps() {
+    let d = tempfile::tempdir().unwrap();
+    // a name changed (still JSON, checksum wrong): kept as the file says;
+    // garbage: names made up from the volume ids
+    for (case, damage) in [("renamed", 0), ("garbage", 1)] {
+        let path = build(&d.path().join(case));
+        let state = path.join("state.json");
+        if damage == 0 {
+            let text = std::fs::read_to_string(&state).unwrap();
+            std::fs::write(&state, text.replacen("\"b\"", "\"c\"", 1)).unwrap();
+        } else {
+            std::fs::write(&state, b"\x00\x17 not json at all").unwrap();
+        }
+        let err = Engine::open(&path, EngineConfig::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("state.json") && err.contains("fsck --repair"),
+            "{err}"
+        );
+        let check = fsck(&path, FsckOptions::default()).unwrap();
+        assert_eq!(check.exit_code(), 4, "{:?}", check.problems);
+        let said = check
+            .problems
+            .iter()
+            .find(|p| p.contains("state.json"))
+            .unwrap_or_else(|| panic!("{:?}", check.problems));
+        let names: [&str; 2] = if damage == 0 {
+            assert!(said.contains("\"c\"") && said.contains("as state.json gave it"), "{said}");
+            ["a", "c"]
+        } else {
+            assert!(said.contains("does not parse") && said.contains("volume-1"), "{said}");
+            // (named by their ids, which `build` makes 1 and 2)
+            ["volume-1", "volume-2"]
+        };
+        let fixed = fsck_repair(&path);
+        assert_eq!(fixed.exit_code(), 1, "{:?}", fixed.problems);
+        assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
+        assert_intact(&path, &[(names[0], 600), (names[1], 100)]);
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        // (sizes: as they were, or what the maps hold, 8 MiB at least)
+        for name in names {
+            assert!(e.volume(name).unwrap().1 >= 8 << 20, "{name}");
+        }
+        // a new volume gets a new id
+        let c = e.create_volume("new", 1 << 20).unwrap();
+        assert!(c.0 >= 3, "{c:?}");
+        e.close().unwrap();
+    }
+}
+
 /// A superblock lost or damaged: fsck rebuilds it from the rest of the
 /// store (the fingerprint algorithm told from the stored blocks), and the
 /// store serves as before, dedup against its old blocks included.
