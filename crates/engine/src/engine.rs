@@ -2879,7 +2879,14 @@ impl Engine {
         let mut c = lock(&self.commit);
         if c.durable_changes >= entry_changes {
             // a flush that started after us committed everything we need
-            return self.sync_data();
+            // (or there is nothing to commit: the writes this flush covers
+            // may be in the chain replayed at open, made durable first)
+            self.sync_data()?;
+            if let Some(j) = c.journal.as_mut() {
+                j.make_head_durable()
+                    .map_err(|e| EngineError::io("writing the journal", e))?;
+            }
+            return Ok(());
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
         let was_over;

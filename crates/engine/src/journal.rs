@@ -489,6 +489,13 @@ pub struct Journal {
     /// End of the space allocated for certain (0 after a cut): a commit
     /// that leaves less than `reserve_bytes` before it allocates further.
     reserved_end_bytes: u64,
+    /// Bytes from the start that hold the chain replayed at open, not yet
+    /// written by this process. They were read through the page cache: if
+    /// an earlier process's sync of them failed (the kernel then marks the
+    /// pages clean, keeping their new bytes), they may not be on disk, and
+    /// a sync now would not write them. The next commit, or
+    /// [`Journal::make_head_durable`], writes them again and syncs first.
+    head_unsynced_bytes: u64,
     observer: crate::observe::Observer,
 }
 
@@ -510,6 +517,7 @@ impl Journal {
             write_offset_bytes,
             written_bytes: 0,
             next_seq,
+            head_unsynced_bytes: write_offset_bytes,
             observer: crate::observe::Observer::default(),
         })
     }
@@ -575,6 +583,9 @@ impl Journal {
             self.cut_at(self.write_offset_bytes)?;
             self.cut_pending = false;
         }
+        // (no transaction is acknowledged after a chain that may not be
+        // on disk)
+        self.make_head_durable()?;
         let seq = self.next_seq;
         let bytes = encode_txn(seq, ops);
         let write = crate::observe::IoEvent::Write {
@@ -602,6 +613,43 @@ impl Journal {
             let _ = self.allocate(self.reserved_end_bytes, end);
         }
         Ok(seq)
+    }
+
+    /// Makes the chain replayed at open durable, once: its bytes are read
+    /// and written again in place (1 MiB at a time), then synced. A FLUSH
+    /// with nothing new to commit calls it before it is acknowledged: the
+    /// writes it covers may be in that chain.
+    ///
+    /// Errors: reading, writing or syncing the file; it is tried again
+    /// next time.
+    pub fn make_head_durable(&mut self) -> io::Result<()> {
+        let end = self.head_unsynced_bytes.min(self.write_offset_bytes);
+        if end == 0 {
+            self.head_unsynced_bytes = 0;
+            return Ok(());
+        }
+        let mut buf = vec![0u8; (1usize << 20).min(end as usize)];
+        let mut at = 0;
+        while at < end {
+            let n = buf.len().min((end - at) as usize);
+            self.file.read_exact_at(&mut buf[..n], at)?;
+            let write = crate::observe::IoEvent::Write {
+                file: "journal",
+                offset: at,
+                data: &buf[..n],
+            };
+            self.observer.check(write)?;
+            self.file.write_all_at(&buf[..n], at)?;
+            self.observer.emit(write);
+            at += n as u64;
+        }
+        self.observer
+            .check(crate::observe::IoEvent::Sync { file: "journal" })?;
+        self.file.sync_data()?;
+        self.observer
+            .emit(crate::observe::IoEvent::Sync { file: "journal" });
+        self.head_unsynced_bytes = 0;
+        Ok(())
     }
 
     /// Bytes of transactions written since the journal was opened (across
@@ -632,6 +680,7 @@ impl Journal {
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes = 0;
+        self.head_unsynced_bytes = 0;
         self.reset_pending = false;
         Ok(())
     }
@@ -641,6 +690,7 @@ impl Journal {
     pub fn truncate(&mut self) -> io::Result<()> {
         self.cut_at(0)?;
         self.write_offset_bytes = 0;
+        self.head_unsynced_bytes = 0;
         self.cut_pending = false;
         Ok(())
     }

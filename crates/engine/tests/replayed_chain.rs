@@ -1,0 +1,133 @@
+//! The journal chain replayed at open is written again before anything
+//! is acknowledged durable: it was read through the page cache, and if an
+//! earlier process's sync of it failed (the kernel then marks the pages
+//! clean, keeping their new bytes) it may not be on disk, which no sync of
+//! this process would change.
+
+use std::sync::{Arc, Mutex};
+
+use dedupd_engine::observe::{IoEvent, IoObserver, Observer};
+use dedupd_engine::{Engine, EngineConfig, HashAlgorithm};
+
+#[derive(Debug, Clone, PartialEq)]
+enum Ev {
+    Write(u64, Vec<u8>),
+    Sync,
+}
+
+/// The journal's writes and syncs.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<Ev>>);
+
+impl IoObserver for Recorder {
+    fn event(&self, e: IoEvent<'_>) {
+        match e {
+            IoEvent::Write {
+                file: "journal",
+                offset,
+                data,
+            } => self
+                .0
+                .lock()
+                .unwrap()
+                .push(Ev::Write(offset, data.to_vec())),
+            IoEvent::Sync { file: "journal" } => self.0.lock().unwrap().push(Ev::Sync),
+            _ => {}
+        }
+    }
+}
+
+impl Recorder {
+    fn take(&self) -> Vec<Ev> {
+        std::mem::take(&mut self.0.lock().unwrap())
+    }
+}
+
+fn block(k: u8) -> Vec<u8> {
+    vec![k; 4096]
+}
+
+/// The journal's bytes now, up to its write offset as the chain ends.
+fn journal(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path.join("journal")).unwrap()
+}
+
+#[test]
+fn the_replayed_chain_is_written_again_before_a_flush_is_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let v = e.create_volume("v", 1 << 20).unwrap();
+    e.write(v, 0, &block(1), false).unwrap();
+    e.write(v, 4096, &block(2), true).unwrap();
+    // a crash: the commits stay in the journal, to be replayed
+    e.drop_without_closing();
+    let on_disk = journal(&path);
+    assert!(on_disk.iter().any(|&b| b != 0), "nothing journaled");
+
+    let recorder = Arc::new(Recorder::default());
+    let config = EngineConfig {
+        observer: Observer(Some(recorder.clone())),
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(&path, config.clone()).unwrap();
+    assert!(recorder.take().is_empty(), "opening wrote the journal");
+    // a FLUSH with nothing new: the chain is written again, byte for byte
+    // from the start, and synced before it returns
+    e.flush().unwrap();
+    let evs = recorder.take();
+    assert_eq!(evs.last(), Some(&Ev::Sync), "{evs:?}");
+    let mut end = 0;
+    for ev in &evs[..evs.len() - 1] {
+        let Ev::Write(at, data) = ev else {
+            panic!("{evs:?}")
+        };
+        assert_eq!(*at, end);
+        assert_eq!(&on_disk[*at as usize..*at as usize + data.len()], &data[..]);
+        end += data.len() as u64;
+    }
+    assert!(end > 0, "the chain was not written again: {evs:?}");
+    // once only
+    e.flush().unwrap();
+    assert!(recorder.take().is_empty());
+    let mut buf = vec![0u8; 8192];
+    e.read(v, 0, &mut buf).unwrap();
+    assert!(buf[..4096] == block(1)[..] && buf[4096..] == block(2)[..]);
+    e.drop_without_closing();
+
+    // a commit after a restart writes the chain again before its own
+    // transaction, which follows it
+    let chain = journal(&path);
+    let e = Engine::open(&path, config).unwrap();
+    e.write(v, 8192, &block(3), true).unwrap();
+    let evs = recorder.take();
+    let writes: Vec<(u64, usize)> = evs
+        .iter()
+        .filter_map(|ev| match ev {
+            Ev::Write(at, d) => Some((*at, d.len())),
+            Ev::Sync => None,
+        })
+        .collect();
+    assert_eq!(writes.first().map(|w| w.0), Some(0), "{writes:?}");
+    let first_sync = evs.iter().position(|ev| *ev == Ev::Sync).unwrap();
+    let head_end: u64 = evs[..first_sync]
+        .iter()
+        .map(|ev| match ev {
+            Ev::Write(_, d) => d.len() as u64,
+            Ev::Sync => 0,
+        })
+        .sum();
+    assert!(head_end > 0 && head_end <= chain.len() as u64);
+    assert!(
+        evs[first_sync + 1..]
+            .iter()
+            .any(|ev| matches!(ev, Ev::Write(at, _) if *at == head_end)),
+        "the new transaction does not follow the chain: {writes:?}"
+    );
+    e.close().unwrap();
+    drop(e);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(v, 8192, &mut buf).unwrap();
+    assert_eq!(buf, block(3));
+}
