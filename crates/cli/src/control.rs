@@ -56,6 +56,8 @@ pub enum Request {
         #[serde(default)]
         force: bool,
     },
+    /// Rename a volume.
+    VolumeRename { name: String, new_name: String },
     /// Set a volume's sequence threshold (None: the server's default).
     VolumeSet {
         name: String,

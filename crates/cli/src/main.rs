@@ -161,6 +161,15 @@ enum VolumeCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Rename a volume (also its NBD export name; connected clients keep
+    /// it open, new ones use the new name).
+    Rename {
+        /// Volume name.
+        name: String,
+        /// New name (1–64 of A–Z a–z 0–9 `.` `_` `-`, not starting with
+        /// `.`).
+        new_name: String,
+    },
     /// Change a volume's settings.
     Set {
         /// Volume name.
@@ -468,6 +477,20 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                 },
             )?;
             say(&format!("resized volume {name} to {}", human(size_bytes)))?;
+        }
+        VolumeCommand::Rename { name, new_name } => {
+            with_store(
+                store,
+                Request::VolumeRename {
+                    name: name.clone(),
+                    new_name: new_name.clone(),
+                },
+                |e, _| {
+                    e.rename_volume(&name, &new_name)?;
+                    Ok(Value::Null)
+                },
+            )?;
+            say(&format!("renamed volume {name} to {new_name}"))?;
         }
         VolumeCommand::Set {
             name,

@@ -690,6 +690,10 @@ fn answer(
         Request::VolumeDelete { name, force } => {
             crate::volops::delete(engine, Some(exports), &name, force, progress)?
         }
+        Request::VolumeRename { name, new_name } => {
+            engine.rename_volume(&name, &new_name)?;
+            Value::Null
+        }
         Request::VolumeSet {
             name,
             sequence_threshold_blocks,

@@ -125,6 +125,50 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
 }
 
 #[test]
+fn a_volume_is_renamed_while_served_and_while_stopped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    succeeds(&store, &["volume", "create", "vm1", "8M"]);
+    // a client connected by the old name keeps its volume
+    let held = connect(server.port, "vm1");
+    let out = succeeds(&store, &["volume", "rename", "vm1", "vm2"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("renamed volume vm1 to vm2"),
+        "{out:?}"
+    );
+    fails_with(
+        &dedupd(&store, &["volume", "rename", "vm1", "x"]),
+        "no volume named \"vm1\"",
+    );
+    fails_with(
+        &dedupd(&store, &["volume", "rename", "vm2", "default"]),
+        "a volume named \"default\" exists already",
+    );
+    // new clients find it by the new name only
+    let info = |port: u16, name: &str| {
+        Command::new("nbdinfo")
+            .arg("--size")
+            .arg(format!("nbd://127.0.0.1:{port}/{name}"))
+            .output()
+            .unwrap()
+    };
+    let out = info(server.port, "vm2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "8388608");
+    assert!(!info(server.port, "vm1").status.success());
+    disconnect(held, &store, 0);
+    server.stop();
+    // without a server, and the name stays after a restart
+    succeeds(&store, &["volume", "rename", "vm2", "vm3"]);
+    assert_eq!(volume_size(&store, "vm3"), 8 << 20);
+    let server = Server::start(&store, &[]);
+    let out = info(server.port, "vm3");
+    assert!(out.status.success(), "{}", stderr(&out));
+    server.stop();
+}
+
+#[test]
 fn a_shrink_without_a_server_needs_shrink_too() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");

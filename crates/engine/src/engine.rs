@@ -1561,7 +1561,7 @@ impl Engine {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             if m.volumes[&id].deleting {
-                return Err(EngineError::NoSuchVolume(format!("{name} (being deleted)")));
+                return Err(EngineError::VolumeDeleting(name.into()));
             }
             // a damaged map given a new length would hide the damage (a
             // missing map made anew, a truncated one grown past its cut)
@@ -1667,6 +1667,39 @@ impl Engine {
         self.flush()
     }
 
+    /// Renames volume `name` to `new_name` (also its NBD export name; open
+    /// connections keep their volume). Durable on return.
+    ///
+    /// Errors: [`EngineError::NoSuchVolume`];
+    /// [`EngineError::VolumeDeleting`]; [`EngineError::VolumeExists`];
+    /// [`EngineError::InvalidArgument`] for an invalid new name; the
+    /// commit's.
+    pub fn rename_volume(&self, name: &str, new_name: &str) -> Result<()> {
+        validate_name(new_name)?;
+        {
+            let mut m = lock(&self.meta);
+            let id = volume_id(&m, name)?;
+            if m.volumes[&id].deleting {
+                return Err(EngineError::VolumeDeleting(name.into()));
+            }
+            if name == new_name {
+                return Ok(());
+            }
+            if m.volume_named(new_name).is_some() {
+                return Err(EngineError::VolumeExists(new_name.into()));
+            }
+            m.volume_names.remove(name);
+            m.volume_names.insert(new_name.into(), id);
+            m.volumes.get_mut(&id).expect("looked up above").record.name = new_name.into();
+            m.state_dirty = true;
+            m.change_count += 1;
+        }
+        if self.dir.is_some() {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
     /// Sets a volume's sequence threshold T in blocks (iDedup; SmartDedup
     /// §4.5), or with `None` returns it to the engine's default. Durable on
     /// return.
@@ -1688,7 +1721,7 @@ impl Engine {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
             if m.volumes[&id].deleting {
-                return Err(EngineError::NoSuchVolume(format!("{name} (being deleted)")));
+                return Err(EngineError::VolumeDeleting(name.into()));
             }
             m.sequences.forget(id);
             let default_t = self.config.sequence_threshold_blocks;

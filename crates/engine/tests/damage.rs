@@ -463,10 +463,16 @@ fn fsck_rebuilds_a_damaged_volume_table_from_the_maps() {
             .find(|p| p.contains("state.json"))
             .unwrap_or_else(|| panic!("{:?}", check.problems));
         let names: [&str; 2] = if damage == 0 {
-            assert!(said.contains("\"c\"") && said.contains("as state.json gave it"), "{said}");
+            assert!(
+                said.contains("\"c\"") && said.contains("as state.json gave it"),
+                "{said}"
+            );
             ["a", "c"]
         } else {
-            assert!(said.contains("does not parse") && said.contains("volume-1"), "{said}");
+            assert!(
+                said.contains("does not parse") && said.contains("volume-1"),
+                "{said}"
+            );
             // (named by their ids, which `build` makes 1 and 2)
             ["volume-1", "volume-2"]
         };

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use dedupd_engine::block::Lba;
 use dedupd_engine::engine::{Engine, EngineConfig, RELEASE_PIECE_BLOCKS};
+use dedupd_engine::error::EngineError;
 use dedupd_engine::fingerprint::{Fingerprint, HashAlgorithm};
 use dedupd_engine::observe::{IoEvent, IoObserver, Observer};
 
@@ -425,6 +426,17 @@ fn a_delete_cut_short_leaves_the_volume_read_only_until_deleted_again() {
     let (v, _) = e.volume("v").unwrap();
     assert!(e.write(v, 0, &[1u8; 4096], false).is_err());
     assert!(e.check().is_empty(), "{:?}", e.check());
+    // it cannot be renamed or set meanwhile, and the error says why
+    let err = e.rename_volume("v", "w").unwrap_err().to_string();
+    assert!(
+        err.contains("being deleted") && err.contains("volume delete v"),
+        "{err}"
+    );
+    let err = e
+        .set_sequence_threshold("v", Some(4))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("being deleted"), "{err}");
     // deleting again finishes; the other volume is untouched
     e.delete_volume("v").unwrap();
     assert!(e.volume("v").is_none());
@@ -731,4 +743,40 @@ fn a_start_with_threshold_one_after_one_above_queues_the_volumes_that_took_it() 
     );
     let e = Engine::open(&path, with_t(1)).unwrap();
     assert_eq!(e.stats().skipped.volumes, 2);
+}
+
+#[test]
+fn a_renamed_volume_keeps_its_data_and_the_new_name_is_durable() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("s");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let v = e.create_volume("old", 1 << 20).unwrap();
+    e.create_volume("other", 1 << 20).unwrap();
+    e.write(v, 0, &[9u8; 4096], false).unwrap();
+    for (to, want) in [
+        ("other", "exists already"),
+        ("", "invalid volume name"),
+        (".x", "invalid volume name"),
+    ] {
+        let err = e.rename_volume("old", to).unwrap_err().to_string();
+        assert!(err.contains(want), "{to:?}: {err}");
+    }
+    assert!(matches!(
+        e.rename_volume("nothing", "x"),
+        Err(EngineError::NoSuchVolume(_))
+    ));
+    e.rename_volume("old", "new").unwrap();
+    assert!(e.volume("old").is_none());
+    assert_eq!(e.volume("new").unwrap().0, v);
+    // the name is free again
+    e.create_volume("old", 1 << 20).unwrap();
+    // durable on return: a crash keeps it
+    e.drop_without_closing();
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (v, _) = e.volume("new").unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(v, 0, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 9));
+    assert_eq!(e.volumes().len(), 3);
+    assert!(e.check().is_empty(), "{:?}", e.check());
 }
