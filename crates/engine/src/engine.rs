@@ -1340,6 +1340,8 @@ impl Engine {
             if m.volume_named(name).is_some() {
                 return Err(EngineError::VolumeExists(name.into()));
             }
+            // (no commit can succeed: see `resize_volume_with_progress`)
+            fault_check(&m)?;
             let id = VolumeId(m.next_volume_id);
             m.next_volume_id += 1;
             m.insert_volume(Volume {
@@ -1560,6 +1562,10 @@ impl Engine {
         let (id, old_blocks, mark_before) = {
             let mut m = lock(&self.meta);
             let id = volume_id(&m, name)?;
+            // (after a failed data sync or an unreadable metadata page no
+            // commit can succeed: a change made only in memory would be
+            // shown, and lost at restart)
+            fault_check(&m)?;
             if m.volumes[&id].deleting {
                 return Err(EngineError::VolumeDeleting(name.into()));
             }
@@ -1682,6 +1688,7 @@ impl Engine {
             if m.volumes[&id].deleting {
                 return Err(EngineError::VolumeDeleting(name.into()));
             }
+            fault_check(&m)?;
             if name == new_name {
                 return Ok(());
             }
@@ -1723,6 +1730,7 @@ impl Engine {
             if m.volumes[&id].deleting {
                 return Err(EngineError::VolumeDeleting(name.into()));
             }
+            fault_check(&m)?;
             m.sequences.forget(id);
             let default_t = self.config.sequence_threshold_blocks;
             let v = m.volumes.get_mut(&id).expect("looked up above");

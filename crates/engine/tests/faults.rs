@@ -170,6 +170,26 @@ fn a_failed_data_sync_stops_writes_and_flushes_but_not_reads() {
             Err(EngineError::DataSyncFailed(_))
         ));
     }
+    // nor are volumes created, grown, renamed or set: no commit could
+    // record it, and it would be shown until a restart lost it
+    assert!(matches!(
+        e.create_volume("w", 4096),
+        Err(EngineError::DataSyncFailed(_))
+    ));
+    assert!(matches!(
+        e.resize_volume("v", 128 * 4096),
+        Err(EngineError::DataSyncFailed(_))
+    ));
+    assert!(matches!(
+        e.rename_volume("v", "w"),
+        Err(EngineError::DataSyncFailed(_))
+    ));
+    assert!(matches!(
+        e.set_sequence_threshold("v", Some(4)),
+        Err(EngineError::DataSyncFailed(_))
+    ));
+    assert!(e.volume("w").is_none());
+    assert_eq!(e.volume("v").unwrap().1, 64 * 4096);
     let mut buf = vec![0u8; BLOCK_SIZE];
     e.read(v, 0, &mut buf).unwrap();
     assert_eq!(buf, block(1));
