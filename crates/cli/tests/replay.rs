@@ -527,3 +527,29 @@ fn time_stamps_stepping_back_are_reported_and_do_not_shorten_the_duration() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["timestamps_clamped"], 1);
 }
+
+#[test]
+fn an_interrupted_trace_gen_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("big.ddt");
+    std::fs::write(&out, b"precious").unwrap();
+    // a trace far too long to finish, interrupted while it is written
+    let mut child = dedupd()
+        .args(["trace", "gen", "--size", "1T", "-o"])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["big.ddt"], "left behind");
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+}

@@ -3,6 +3,13 @@
 //! complete and synced. A failed or interrupted conversion or generation
 //! leaves an existing file as it was, and converting a trace onto its own
 //! path reads it whole before replacing it.
+//!
+//! The temporary file is anonymous (`O_TMPFILE`) until it is complete, so
+//! a process killed or interrupted by a signal meanwhile leaves nothing
+//! behind; it is then linked under a unique hidden name and renamed over
+//! the destination. Where the file system lacks `O_TMPFILE`, it is a named
+//! hidden file (`.dedupd-output-*`) from the start, removed on error but
+//! not after a signal.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -12,9 +19,66 @@ use crate::error::{io_err, Result};
 /// A file being written for `path`.
 #[derive(Debug)]
 pub(crate) struct OutputFile {
-    tmp: tempfile::NamedTempFile,
+    tmp: Temporary,
     path: PathBuf,
     name: String,
+}
+
+/// Where the data goes until it is complete.
+#[derive(Debug)]
+enum Temporary {
+    /// Anonymous (`O_TMPFILE`) in this directory.
+    Anonymous { file: File, dir: PathBuf },
+    /// Named, beside the destination.
+    Named(tempfile::NamedTempFile),
+}
+
+/// Prefix of the hidden names temporary files take in the destination's
+/// directory.
+const TEMPORARY_PREFIX: &str = ".dedupd-output-";
+
+/// An anonymous file in `dir` (mode 0666 less the umask, as an ordinary
+/// new file), or `None` where the file system cannot make one.
+fn anonymous_in(dir: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o666)
+        .custom_flags(libc::O_TMPFILE)
+        .open(dir)
+        .ok()
+}
+
+/// Links the anonymous `file` into `dir` under a new unique hidden name,
+/// which it returns.
+fn link_anonymous(file: &File, dir: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::io::AsRawFd;
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .expect("no NUL in a number");
+    loop {
+        let to = dir.join(format!("{TEMPORARY_PREFIX}{:016x}", rand::random::<u64>()));
+        let to_c = std::ffi::CString::new(to.as_os_str().as_bytes())
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: two NUL-terminated paths that outlive the call.
+        let rc = unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to_c.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        if rc == 0 {
+            return Ok(to);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::AlreadyExists {
+            return Err(e);
+        }
+    }
 }
 
 impl OutputFile {
@@ -27,13 +91,20 @@ impl OutputFile {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
-        let mut builder = tempfile::Builder::new();
-        builder.prefix(".dedupd-output-");
-        // as an ordinary new file: 0666 less the umask (a temporary
-        // file's default, 0600, would hide results from other users)
-        #[cfg(unix)]
-        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
-        let tmp = builder.tempfile_in(dir).map_err(io_err(&name))?;
+        let tmp = match anonymous_in(dir) {
+            Some(file) => Temporary::Anonymous {
+                file,
+                dir: dir.to_path_buf(),
+            },
+            None => {
+                let mut builder = tempfile::Builder::new();
+                builder.prefix(TEMPORARY_PREFIX);
+                // as an ordinary new file: 0666 less the umask (a temporary
+                // file's default, 0600, would hide results from other users)
+                builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+                Temporary::Named(builder.tempfile_in(dir).map_err(io_err(&name))?)
+            }
+        };
         Ok(OutputFile {
             tmp,
             path: path.to_path_buf(),
@@ -50,18 +121,35 @@ impl OutputFile {
     ///
     /// Errors: the descriptor cannot be duplicated.
     pub(crate) fn file(&self) -> Result<File> {
-        self.tmp.as_file().try_clone().map_err(io_err(&self.name))
+        self.handle().try_clone().map_err(io_err(&self.name))
+    }
+
+    fn handle(&self) -> &File {
+        match &self.tmp {
+            Temporary::Anonymous { file, .. } => file,
+            Temporary::Named(t) => t.as_file(),
+        }
     }
 
     /// Syncs the temporary file and renames it over the destination.
     ///
     /// Errors: syncing or renaming fails (the destination is unchanged).
     pub(crate) fn commit(self) -> Result<()> {
-        self.tmp.as_file().sync_all().map_err(io_err(&self.name))?;
-        self.tmp
-            .persist(&self.path)
-            .map_err(|e| e.error)
-            .map_err(io_err(&self.name))?;
+        self.handle().sync_all().map_err(io_err(&self.name))?;
+        match self.tmp {
+            Temporary::Anonymous { file, dir } => {
+                let linked = link_anonymous(&file, &dir).map_err(io_err(&self.name))?;
+                if let Err(e) = std::fs::rename(&linked, &self.path) {
+                    let _ = std::fs::remove_file(&linked);
+                    return Err(io_err(&self.name)(e));
+                }
+            }
+            Temporary::Named(t) => {
+                t.persist(&self.path)
+                    .map_err(|e| e.error)
+                    .map_err(io_err(&self.name))?;
+            }
+        }
         sync_parent(&self.path).map_err(io_err(&self.name))
     }
 }
@@ -187,5 +275,33 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o666 & !mask);
         assert_eq!(std::fs::read(&path).unwrap(), b"a,b\n");
+    }
+
+    #[test]
+    fn an_unfinished_output_has_no_name_and_a_finished_one_replaces_the_destination() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.ddt");
+        std::fs::write(&path, b"old").unwrap();
+        let names = || -> Vec<String> {
+            let mut v: Vec<String> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            v.sort();
+            v
+        };
+        // a process killed while it writes runs no destructor: nothing of
+        // the unfinished file may be left under a name
+        let out = OutputFile::create(&path).unwrap();
+        std::io::Write::write_all(&mut out.file().unwrap(), b"partial").unwrap();
+        assert!(matches!(out.tmp, Temporary::Anonymous { .. }), "{out:?}");
+        std::mem::forget(out);
+        assert_eq!(names(), ["out.ddt"]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        let out = OutputFile::create(&path).unwrap();
+        std::io::Write::write_all(&mut out.file().unwrap(), b"new").unwrap();
+        out.commit().unwrap();
+        assert_eq!(names(), ["out.ddt"]);
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
     }
 }
