@@ -263,7 +263,9 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
         copy_runs: g.copy_runs,
         seed: g.seed,
     };
-    let n = dedupd_sim::generate(&spec, &g.output)?;
+    let n = with_bytes_bar(spec.size_bytes, "generating", |generated| {
+        dedupd_sim::generate_with_progress(&spec, &g.output, &generated)
+    })?;
     println!("wrote {n} requests to {}", g.output.display());
     Ok(())
 }
@@ -276,6 +278,18 @@ fn with_file_bar<T>(
     label: &str,
     f: impl FnOnce(std::sync::Arc<std::sync::atomic::AtomicU64>) -> T,
 ) -> T {
+    let total = std::fs::metadata(path).map_or(0, |m| m.len());
+    with_bytes_bar(total, label, f)
+}
+
+/// Runs `f` with a counter of bytes done, drawn on stderr (when it is a
+/// terminal) as a bar against `total` bytes with rate and ETA, refreshed
+/// every 200 ms and cleared at the end.
+fn with_bytes_bar<T>(
+    total: u64,
+    label: &str,
+    f: impl FnOnce(std::sync::Arc<std::sync::atomic::AtomicU64>) -> T,
+) -> T {
     use std::io::IsTerminal;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
@@ -283,7 +297,6 @@ fn with_file_bar<T>(
     if !std::io::stderr().is_terminal() {
         return f(consumed);
     }
-    let total = std::fs::metadata(path).map_or(0, |m| m.len());
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(crate::replay::bytes_bar_style());
     bar.set_message(label.to_string());

@@ -24,6 +24,7 @@
 
 use std::io::{BufWriter, Write};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -227,6 +228,17 @@ fn check(spec: &GenSpec) -> Result<()> {
 /// Errors: [`TraceError::Config`] for inconsistent parameters; I/O errors
 /// of `out` (reported against `name`).
 pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> {
+    generate_counting(spec, out, name, &AtomicU64::new(0))
+}
+
+/// [`generate_to`] adding the bytes of the requests it has generated to
+/// `generated_bytes` as it goes (every 4096 requests, and at the end).
+fn generate_counting<W: Write>(
+    spec: &GenSpec,
+    out: W,
+    name: &str,
+    generated_bytes: &AtomicU64,
+) -> Result<u64> {
     check(spec)?;
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
     let mut w = NativeWriter::new(out).map_err(io_err(name))?;
@@ -259,7 +271,10 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
     };
     let mut ts: u64 = 0;
     let dup_p = spec.dup_percent / 100.0;
-    for _ in 0..requests {
+    for i in 0..requests {
+        if i % 4096 == 0 && i > 0 {
+            generated_bytes.fetch_add(4096 * spec.block_bytes, Ordering::Relaxed);
+        }
         // which stream
         let mut x = rng.random_range(0..total_share);
         let mut si = 0;
@@ -329,6 +344,9 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
     }
     let mut out = w.finish().map_err(io_err(name))?;
     out.flush().map_err(io_err(name))?;
+    // (the requests since the last 4096 counted)
+    let counted = requests.saturating_sub(1) / 4096 * 4096;
+    generated_bytes.fetch_add((requests - counted) * spec.block_bytes, Ordering::Relaxed);
     Ok(requests)
 }
 
@@ -337,13 +355,26 @@ pub fn generate_to<W: Write>(spec: &GenSpec, out: W, name: &str) -> Result<u64> 
 ///
 /// Errors: as [`generate_to`], or the file cannot be created.
 pub fn generate(spec: &GenSpec, path: &Path) -> Result<u64> {
+    generate_with_progress(spec, path, &AtomicU64::new(0))
+}
+
+/// [`generate`] adding the bytes of the requests generated so far to
+/// `generated_bytes` (of `spec.size_bytes` in all), for a progress bar.
+///
+/// Errors: as [`generate`].
+pub fn generate_with_progress(
+    spec: &GenSpec,
+    path: &Path,
+    generated_bytes: &AtomicU64,
+) -> Result<u64> {
     // (an existing file is replaced only by a complete trace)
     let dest = crate::output::OutputFile::create(path)?;
     let name = dest.name().to_string();
-    let n = generate_to(
+    let n = generate_counting(
         spec,
         BufWriter::with_capacity(256 * 1024, dest.file()?),
         &name,
+        generated_bytes,
     )?;
     dest.commit()?;
     Ok(n)
@@ -367,6 +398,24 @@ mod tests {
             dup_percent: 50.0,
             copy_runs: false,
             seed: 3,
+        }
+    }
+
+    #[test]
+    fn progress_counts_every_generated_request_once() {
+        for requests in [0u64, 1, 4095, 4096, 4097, 10_000] {
+            let s = GenSpec {
+                size_bytes: requests * 4096,
+                ..spec(64.0)
+            };
+            let done = AtomicU64::new(0);
+            if requests == 0 {
+                assert!(generate_counting(&s, Vec::new(), "t", &done).is_err());
+                continue;
+            }
+            let n = generate_counting(&s, Vec::new(), "t", &done).unwrap();
+            assert_eq!(n, requests);
+            assert_eq!(done.load(Ordering::Relaxed), requests * 4096);
         }
     }
 

@@ -33,7 +33,7 @@ pub mod text;
 
 pub use convert::{convert, convert_counting, ConvertSummary};
 pub use error::{Result, TraceError};
-pub use gen::{generate, generate_to, GenSpec, Locality, StreamSpec};
+pub use gen::{generate, generate_to, generate_with_progress, GenSpec, Locality, StreamSpec};
 pub use reader::{detect_format, Format, TraceReader};
 pub use replay::{
     build_engine, replay, Filters, PolicySpec, Progress, ReplayConfig, Report, StreamBy,
