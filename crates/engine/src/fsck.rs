@@ -49,6 +49,48 @@ pub struct FsckOptions {
 /// fill memory with messages.
 pub const NAMED_PROBLEMS_MAX: usize = 10_000;
 
+/// A run of consecutive LBAs of one volume, for messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LbaRun {
+    first: u64,
+    last: u64,
+}
+
+impl LbaRun {
+    /// "LBA 7", or "LBAs 7-9 (3)".
+    fn describe(self) -> String {
+        if self.first == self.last {
+            format!("LBA {}", self.first)
+        } else {
+            format!(
+                "LBAs {}-{} ({})",
+                self.first,
+                self.last,
+                self.last - self.first + 1
+            )
+        }
+    }
+}
+
+/// `lbas` (volume, LBA) pairs in order, merged into runs of consecutive
+/// LBAs of the same volume.
+fn lba_runs(lbas: &[(crate::VolumeId, u64)]) -> Vec<(crate::VolumeId, LbaRun)> {
+    let mut runs: Vec<(crate::VolumeId, LbaRun)> = Vec::new();
+    for &(id, lba) in lbas {
+        match runs.last_mut() {
+            Some((v, run)) if *v == id && run.last.checked_add(1) == Some(lba) => run.last = lba,
+            _ => runs.push((
+                id,
+                LbaRun {
+                    first: lba,
+                    last: lba,
+                },
+            )),
+        }
+    }
+    runs
+}
+
 /// PBAs with corrupted data whose fingerprints a check without repair
 /// remembers, to count duplicates by their data's fingerprint (8 bytes
 /// each; past it, by the stored fingerprint).
@@ -484,21 +526,24 @@ impl Engine {
                 }
             });
         }
-        for (id, lba) in &beyond {
-            let v = &m.volumes[id];
+        for (id, lbas) in lba_runs(&beyond) {
+            let v = &m.volumes[&id];
             r.note_problem(format!(
-                "volume {}: LBA {lba} is past the volume's end ({} blocks) but mapped",
+                "volume {}: {} past the volume's end ({} blocks) but mapped",
                 v.record.name,
+                lbas.describe(),
                 v.size_blocks()
             ));
         }
-        for (id, lba) in &outside {
-            let name = m.volumes[id].record.name.clone();
+        for (id, lbas) in lba_runs(&outside) {
+            let name = m.volumes[&id].record.name.clone();
             r.note_problem(format!(
-                "volume {name}: LBA {lba} maps past the end of the data file"
+                "volume {name}: {} map past the end of the data file",
+                lbas.describe()
             ));
             r.note_lost(format!(
-                "volume {name}: LBA {lba} unmapped (its block is missing)"
+                "volume {name}: {} unmapped (their blocks are missing)",
+                lbas.describe()
             ));
         }
         for (id, &count) in &outside_per_volume {
@@ -789,6 +834,24 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn consecutive_lbas_are_named_as_runs() {
+        let (a, b) = (crate::VolumeId(1), crate::VolumeId(2));
+        let runs: Vec<(crate::VolumeId, String)> =
+            lba_runs(&[(a, 3), (a, 4), (a, 5), (a, 9), (b, 10), (b, 11)])
+                .into_iter()
+                .map(|(v, r)| (v, r.describe()))
+                .collect();
+        assert_eq!(
+            runs,
+            [
+                (a, "LBAs 3-5 (3)".to_string()),
+                (a, "LBA 9".to_string()),
+                (b, "LBAs 10-11 (2)".to_string()),
+            ]
+        );
+    }
     use crate::fingerprint::HashAlgorithm;
 
     #[test]
@@ -891,7 +954,7 @@ mod tests {
         }
         let r = e.check_and_repair(FsckOptions::default()).unwrap();
         assert!(
-            r.problems.iter().any(|p| p.contains("LBA 20 is past")),
+            r.problems.iter().any(|p| p.contains("LBA 20 past")),
             "{:?}",
             r.problems
         );
