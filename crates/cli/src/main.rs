@@ -558,9 +558,17 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                 let Some(list) = v.as_array() else {
                     bail!("malformed volume list")
                 };
+                // (names up to 64 characters keep the columns aligned)
+                let width = list
+                    .iter()
+                    .filter_map(|vol| vol["name"].as_str())
+                    .map(str::len)
+                    .max()
+                    .unwrap_or(0)
+                    .max(24);
                 writeln!(
                     out,
-                    "{:<24} {:>12} {:>12} {:>10} STATE",
+                    "{:<width$} {:>12} {:>12} {:>10} STATE",
                     "NAME", "SIZE", "MAPPED", "SEQ-T"
                 )?;
                 for vol in list {
@@ -579,7 +587,7 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                     };
                     writeln!(
                         out,
-                        "{:<24} {:>12} {:>12} {:>10} {}",
+                        "{:<width$} {:>12} {:>12} {:>10} {}",
                         vol["name"].as_str().unwrap_or("?"),
                         human(vol["size_bytes"].as_u64().unwrap_or(0)),
                         human(vol["mapped_bytes"].as_u64().unwrap_or(0)),

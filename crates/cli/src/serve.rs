@@ -120,9 +120,10 @@ pub struct ServeArgs {
     /// sample (largest CRC-32C) is a duplicate.
     #[arg(long)]
     pub sampling: bool,
-    /// Worker threads per NBD connection.
-    #[arg(long, default_value_t = 4)]
-    pub workers: usize,
+    /// Worker threads per NBD connection (1 to 64; requests of a
+    /// connection run concurrently up to this many).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub workers: u16,
     /// Bytes of request payload in flight at once, over all connections.
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     pub inflight_budget: u64,
@@ -352,7 +353,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     };
     args.bounds.apply(&mut config);
     let server_config = ServerConfig {
-        workers_per_connection: args.workers.max(1),
+        workers_per_connection: usize::from(args.workers),
         inflight_budget_bytes: args.inflight_budget as usize,
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         ..ServerConfig::default()

@@ -229,6 +229,36 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 #[test]
+fn worker_counts_out_of_range_are_refused_and_long_names_keep_the_list_aligned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    for bad in ["0", "65"] {
+        let out = dedupd(&store, &["serve", "--workers", bad]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        fails_with(&out, "--workers");
+        assert!(!store.exists(), "a refused serve created the store");
+    }
+    succeeds(&store, &["init"]);
+    let long = "a-volume-name-much-longer-than-twenty-four-characters";
+    succeeds(&store, &["volume", "create", long, "8M"]);
+    succeeds(&store, &["volume", "create", "short", "16M"]);
+    let out = succeeds(&store, &["volume", "list"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    // the size column ends at the same place on every line
+    let ends: Vec<usize> = text
+        .lines()
+        .map(|l| {
+            l.find(" SIZE")
+                .map(|at| at + " SIZE".len())
+                .or_else(|| l.find(" MiB").map(|at| at + " MiB".len()))
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(ends.len(), 3, "{text}");
+    assert!(ends.iter().all(|&e| e == ends[0]), "{text}");
+}
+
+#[test]
 fn a_shrink_without_a_server_needs_shrink_too() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");

@@ -303,7 +303,12 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
         report.problems.insert(
             0,
             format!(
-                "superblock: {why}; rebuilt from the store: format {}, fingerprints {}{}",
+                "superblock: {why}; {} from the store: format {}, fingerprints {}{}",
+                if opts.repair {
+                    "rebuilt"
+                } else {
+                    "can be rebuilt (--repair)"
+                },
                 sb.format_version,
                 sb.hash.name(),
                 if found {
