@@ -168,8 +168,16 @@ pub fn txn_len(record_data_lens: impl IntoIterator<Item = usize>) -> u64 {
 }
 
 /// Encodes one transaction: header, records, CRC32C of everything before it.
+/// One buffer of exactly [`txn_len`] bytes (a commit of a large batch holds
+/// no second copy of it).
 pub fn encode_txn(seq: u64, ops: &[Op]) -> Vec<u8> {
-    let mut body = Vec::new();
+    let total = txn_len(ops.iter().map(Op::data_len)) as usize;
+    let body_len = total - HEADER_BYTES - 4;
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&TXN_MAGIC.to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&(ops.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(body_len as u64).to_le_bytes());
     for op in ops {
         let (tag, file, a, data): (u8, MetaFile, u64, &[u8]) = match op {
             Op::Write { file, offset, data } => (1, *file, *offset, data),
@@ -179,19 +187,14 @@ pub fn encode_txn(seq: u64, ops: &[Op]) -> Vec<u8> {
             Op::Patch { file, offset, data } => (5, *file, *offset, data),
         };
         let (kind, id) = file.encode();
-        body.push(tag);
-        body.push(kind);
-        body.extend_from_slice(&id.to_le_bytes());
-        body.extend_from_slice(&a.to_le_bytes());
-        body.extend_from_slice(&(data.len() as u32).to_le_bytes());
-        body.extend_from_slice(data);
+        out.push(tag);
+        out.push(kind);
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(&a.to_le_bytes());
+        out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        out.extend_from_slice(data);
     }
-    let mut out = Vec::with_capacity(HEADER_BYTES + body.len() + 4);
-    out.extend_from_slice(&TXN_MAGIC.to_le_bytes());
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&(ops.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    out.extend_from_slice(&body);
+    debug_assert_eq!(out.len() + 4, total);
     let crc = crc32c::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
