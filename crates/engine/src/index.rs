@@ -546,6 +546,8 @@ pub struct FingerprintIndex {
     /// Live duplicate copies the index dropped (copy, kept PBA), for
     /// out-of-line dedup to merge.
     displaced: Vec<(Pba, Pba)>,
+    /// A dropped live copy was not remembered (`displaced` was full).
+    displaced_overflow: bool,
 }
 
 impl std::fmt::Debug for FingerprintIndex {
@@ -610,6 +612,7 @@ impl FingerprintIndex {
             arc: ArcState::default(),
             stats: IndexStats::default(),
             displaced: Vec::new(),
+            displaced_overflow: false,
         }
     }
 
@@ -1105,19 +1108,26 @@ impl FingerprintIndex {
     }
 
     /// Remembers a dropped live copy, up to [`MAX_DISPLACED`] of them and
-    /// at most an eighth of the budget's bytes (past that they are left to
-    /// `dedupd dedup --offline`). Collected at every commit.
+    /// at most an eighth of the budget's bytes (past that, only that some
+    /// were not remembered). Collected at every commit.
     fn note_displaced(&mut self, copy: Pba, kept: Pba) {
         let cap = MAX_DISPLACED.min(((self.cfg.memory_budget_bytes / 128) as usize).max(16));
         if self.displaced.len() < cap {
             self.displaced.push((copy, kept));
+        } else {
+            self.displaced_overflow = true;
         }
     }
 
     /// Takes the live duplicate copies the index dropped since the last
-    /// call, as (copy, PBA kept in the index).
-    pub fn take_displaced(&mut self) -> Vec<(Pba, Pba)> {
-        std::mem::take(&mut self.displaced)
+    /// call, as (copy, PBA kept in the index), and whether others were
+    /// dropped without being remembered (the caller then has out-of-line
+    /// dedup find them some other way).
+    pub fn take_displaced(&mut self) -> (Vec<(Pba, Pba)>, bool) {
+        (
+            std::mem::take(&mut self.displaced),
+            std::mem::take(&mut self.displaced_overflow),
+        )
     }
 
     /// Every live PBA the index holds for `fp`, in memory and on disk (an

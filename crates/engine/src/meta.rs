@@ -485,11 +485,33 @@ impl Meta {
     /// At most [`MAX_PENDING_MERGES`] are kept (about 48 bytes each); past
     /// that, `dedupd dedup --offline` finds the rest.
     pub fn collect_displaced(&mut self) {
-        for (copy, kept) in self.index.take_displaced() {
+        let (displaced, mut dropped) = self.index.take_displaced();
+        for (copy, kept) in displaced {
             if self.pending_merges.len() < MAX_PENDING_MERGES {
                 self.pending_merges.insert(copy.0, kept.0);
+            } else {
+                dropped = true;
             }
         }
+        if dropped {
+            self.merges_dropped();
+        }
+    }
+
+    /// A live duplicate copy out-of-line dedup should merge could not be
+    /// remembered (the index's or the pending merges' bound was full):
+    /// every volume is queued whole in the skipped buffer, a degradation
+    /// as its own are, so the background pass finds the copy again (it
+    /// examines each mapped LBA against every copy of its content) and
+    /// dedup stays exact whatever the bounds.
+    pub fn merges_dropped(&mut self) {
+        let ids: Vec<VolumeId> = self
+            .volumes
+            .iter()
+            .filter(|(_, v)| !v.deleting)
+            .map(|(id, _)| *id)
+            .collect();
+        self.skipped.record_volumes_whole(&ids);
     }
 
     /// True if another LBA may be mapped to PBA `p`: it is referenced, and

@@ -9,7 +9,11 @@
 //! reference is released. Copies that still have other references — and the
 //! live duplicates the index itself drops when it merges groups — become
 //! pending merges, applied by a scan of the volume maps once the buffer is
-//! empty. Every change goes through the metadata lock and the journal, like
+//! empty. A copy that cannot be remembered, the pending merges (or the
+//! index's list of dropped copies) being at their bound, queues every
+//! volume whole in the skipped buffer (a degradation, counted as the
+//! buffer's own): the pass then examines each mapped LBA against every
+//! copy of its content, so nothing is forgotten. Every change goes through the metadata lock and the journal, like
 //! a write: the durability contract is unchanged, and a crash in the middle
 //! of a pass leaves a consistent store (the remaining work is found again by
 //! `dedupd dedup --offline`).
@@ -368,13 +372,18 @@ impl Engine {
             m.counters.out_of_line_duplicates += 1;
             r.lbas_remapped += 1;
         }
+        let mut dropped = false;
         for c in candidates.iter().copied().chain([p]) {
-            if c != canonical
-                && m.refcounts.get_u32(c.0) > 0
-                && m.pending_merges.len() < crate::meta::MAX_PENDING_MERGES
-            {
-                m.pending_merges.insert(c.0, canonical.0);
+            if c != canonical && m.refcounts.get_u32(c.0) > 0 {
+                if m.pending_merges.len() < crate::meta::MAX_PENDING_MERGES {
+                    m.pending_merges.insert(c.0, canonical.0);
+                } else {
+                    dropped = true;
+                }
             }
+        }
+        if dropped {
+            m.merges_dropped();
         }
         if candidates.len() != 1 || candidates[0] != canonical {
             m.index_insert(fp, canonical).map_err(|e| {
@@ -1473,6 +1482,46 @@ mod tests {
         }
         assert!(merged_by_a_pass_that_leaves_records(&e, v, kept));
         assert_eq!(e.stats().pending_merges, 0);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_merge_dropped_at_its_bound_queues_the_volumes_whole_and_dedup_stays_exact() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let content = [7u8; BLOCK_SIZE];
+        e.write(v, 0, &content, false).unwrap();
+        e.write(v, 4096, &content, false).unwrap();
+        let fp = e.hash.fingerprint(&content);
+        {
+            let mut m = lock(&e.meta);
+            let map = &m.volumes[&v];
+            let (p0, p1) = (map.get(Lba(0)).unwrap(), map.get(Lba(1)).unwrap());
+            // LBA 2 shares LBA 1's copy (an inline hit on it); only LBA 1
+            // is recorded, and LBA 0's copy is the one indexed
+            m.remap(v, Lba(2), Some(p1));
+            m.record_unindexed(p0, fp);
+            m.index_insert(fp, p0).unwrap();
+            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
+            m.skipped.record(v, 1);
+            // the pending merges at their bound (copies no LBA maps)
+            let mut copy = 1 << 30;
+            while m.pending_merges.len() < crate::meta::MAX_PENDING_MERGES {
+                m.pending_merges.insert(copy, p0.0);
+                copy += 1;
+            }
+        }
+        // LBA 1 moves onto LBA 0's copy; the merge of its old copy, which
+        // LBA 2 still maps, does not fit: the volume is queued whole
+        e.dedup_pass(1).unwrap();
+        assert_eq!(e.stats().skipped.volumes, 1, "{:?}", e.stats().skipped);
+        assert!(e.stats().skipped.degradations >= 1);
+        for _ in 0..1000 {
+            if !e.dedup_pass(256).unwrap().work_remaining {
+                break;
+            }
+        }
+        assert_eq!(e.stats().physical_blocks_stored, 1, "a copy was forgotten");
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 

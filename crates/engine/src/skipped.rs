@@ -244,6 +244,22 @@ impl SkippedBuffer {
         self.rescan_from.remove(&vol);
     }
 
+    /// Records that every block of each of `vols` may hold duplicates, as
+    /// a degradation (out-of-line dedup lost track of a copy): a volume
+    /// already pending whole is scanned again from its start once its scan
+    /// reaches the end (its scan is not restarted, so repeated calls
+    /// cannot hold it back for ever).
+    pub fn record_volumes_whole(&mut self, vols: &[VolumeId]) {
+        self.degradations += 1;
+        for &vol in vols {
+            if self.volumes.contains_key(&vol) {
+                self.behind_scan(vol, 0);
+            } else {
+                self.record_volume(vol);
+            }
+        }
+    }
+
     /// Forgets everything about `vol` (deleted).
     pub fn forget(&mut self, vol: VolumeId) {
         self.last_region = None;
