@@ -107,7 +107,10 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 return Ok(Outcome::Closed);
             }
             discard(r, u64::from(hdr.length))?;
-            let code = if option == proto::OPT_LIST {
+            let code = if stopping.load(Ordering::SeqCst) {
+                // (as any option during a shutdown: the client disconnects)
+                proto::REP_ERR_SHUTDOWN
+            } else if option == proto::OPT_LIST {
                 // (LIST takes no data at all: any is invalid, as below)
                 proto::REP_ERR_INVALID
             } else if known_option(option) {

@@ -129,7 +129,10 @@ pub const CMD_WRITE_ZEROES: u16 = 6;
 
 /// `NBD_CMD_FLAG_FUA`: the reply waits until the data is durable.
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
-/// `NBD_CMD_FLAG_NO_HOLE`: (WRITE_ZEROES) do not punch a hole; accepted, a hint.
+/// `NBD_CMD_FLAG_NO_HOLE`: (WRITE_ZEROES) do not punch a hole. Accepted,
+/// but a deduplicating store never stores zero blocks and cannot reserve
+/// space for later writes: the range is unmapped as without it (README,
+/// "NBD").
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 
 // ---------------------------------------------------------------------------

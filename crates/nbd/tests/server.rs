@@ -480,7 +480,11 @@ fn shutdown_finishes_inflight_requests_then_returns() {
     assert!(busy.at_eof());
     assert!(idle.at_eof());
     // A client still negotiating has its options refused with
-    // ERR_SHUTDOWN (proto.md: the server SHOULD), then is closed.
+    // ERR_SHUTDOWN (proto.md: the server SHOULD), then is closed; one
+    // with more data than an option may carry too.
+    negotiating.send_option(OPT_LIST, &vec![0u8; 70_000]);
+    let r = negotiating.option_reply();
+    assert_eq!((r.option, r.kind), (OPT_LIST, proto::REP_ERR_SHUTDOWN));
     negotiating.send_option(OPT_LIST, &[]);
     let r = negotiating.option_reply();
     assert_eq!((r.option, r.kind), (OPT_LIST, proto::REP_ERR_SHUTDOWN));
