@@ -571,6 +571,7 @@ impl Engine {
         // the next checkpoint. The large files are not read into memory:
         // their pages are checked once and then paged on demand, the
         // journal's newer pages pinned over them (crate::metaopen).
+        let replayed: Vec<(u64, u32)> = chain.iter().map(|t| (t.len_bytes, t.crc)).collect();
         let chain_ops: Vec<Op> = chain.into_iter().flat_map(|t| t.ops).collect();
         let state_path = dir.path(MetaFile::State);
         let state_bytes = dir.blob_bytes(MetaFile::State, &chain_ops)?;
@@ -1113,6 +1114,7 @@ impl Engine {
         }
         let mut journal = Journal::new(jfile, chain_bytes, next_seq)
             .map_err(|e| EngineError::io("reading the journal's length", e))?
+            .with_replayed_chain(replayed)
             .with_observer(config.observer.clone());
         // best effort: without the reserve the store still works
         let _ = journal.reserve(config.journal_reserve_bytes);

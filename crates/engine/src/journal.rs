@@ -226,6 +226,8 @@ pub struct Txn {
     pub ops: Vec<Op>,
     /// Encoded length in bytes.
     pub len_bytes: u64,
+    /// Its CRC32C (the last 4 bytes).
+    pub crc: u32,
 }
 
 /// Reads the length of the transaction starting at `header` (the first
@@ -337,6 +339,7 @@ pub fn decode_txn(bytes: &[u8]) -> Result<Txn, DecodeError> {
         seq,
         ops,
         len_bytes: total as u64,
+        crc,
     })
 }
 
@@ -492,13 +495,13 @@ pub struct Journal {
     /// End of the space allocated for certain (0 after a cut): a commit
     /// that leaves less than `reserve_bytes` before it allocates further.
     reserved_end_bytes: u64,
-    /// Bytes from the start that hold the chain replayed at open, not yet
-    /// written by this process. They were read through the page cache: if
-    /// an earlier process's sync of them failed (the kernel then marks the
-    /// pages clean, keeping their new bytes), they may not be on disk, and
-    /// a sync now would not write them. The next commit, or
+    /// The transactions of the chain replayed at open, as (length, CRC32C),
+    /// not yet written by this process. They were read through the page
+    /// cache: if an earlier process's sync of them failed (the kernel then
+    /// marks the pages clean, keeping their new bytes), they may not be on
+    /// disk, and a sync now would not write them. The next commit, or
     /// [`Journal::make_head_durable`], writes them again and syncs first.
-    head_unsynced_bytes: u64,
+    replayed: Vec<(u64, u32)>,
     observer: crate::observe::Observer,
 }
 
@@ -520,9 +523,16 @@ impl Journal {
             write_offset_bytes,
             written_bytes: 0,
             next_seq,
-            head_unsynced_bytes: write_offset_bytes,
+            replayed: Vec::new(),
             observer: crate::observe::Observer::default(),
         })
+    }
+
+    /// Notes the transactions of the chain replayed at open, as (length,
+    /// CRC32C) from the start of the file (see [`Journal::make_head_durable`]).
+    pub fn with_replayed_chain(mut self, txns: Vec<(u64, u32)>) -> Self {
+        self.replayed = txns;
+        self
     }
 
     /// Reports every write and sync (as file `journal`) to `observer`.
@@ -618,40 +628,62 @@ impl Journal {
         Ok(seq)
     }
 
-    /// Makes the chain replayed at open durable, once: its bytes are read
-    /// and written again in place (1 MiB at a time), then synced. A FLUSH
-    /// with nothing new to commit calls it before it is acknowledged: the
-    /// writes it covers may be in that chain.
+    /// Makes the chain replayed at open durable, once: each transaction's
+    /// bytes are read and written again in place (1 MiB at a time), then
+    /// synced. A FLUSH with nothing new to commit calls it before it is
+    /// acknowledged: the writes it covers may be in that chain. A
+    /// transaction read back other than it was replayed (its pages, never
+    /// on disk, dropped from the page cache since) is an error: what the
+    /// disk holds is then what the next start replays.
     ///
-    /// Errors: reading, writing or syncing the file; it is tried again
-    /// next time.
+    /// Errors: reading, writing or syncing the file, or a transaction
+    /// changed since it was replayed; it is tried again next time.
     pub fn make_head_durable(&mut self) -> io::Result<()> {
-        let end = self.head_unsynced_bytes.min(self.write_offset_bytes);
-        if end == 0 {
-            self.head_unsynced_bytes = 0;
+        if self.replayed.is_empty() {
             return Ok(());
         }
-        let mut buf = vec![0u8; (1usize << 20).min(end as usize)];
-        let mut at = 0;
-        while at < end {
-            let n = buf.len().min((end - at) as usize);
-            self.file.read_exact_at(&mut buf[..n], at)?;
-            let write = crate::observe::IoEvent::Write {
-                file: "journal",
-                offset: at,
-                data: &buf[..n],
-            };
-            self.observer.check(write)?;
-            self.file.write_all_at(&buf[..n], at)?;
-            self.observer.emit(write);
-            at += n as u64;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = 0u64;
+        for &(len, want_crc) in &self.replayed {
+            let end = at + len;
+            let covered = end.saturating_sub(4);
+            let mut crc = 0u32;
+            let mut tail = [0u8; 4];
+            while at < end {
+                let n = (buf.len() as u64).min(end - at) as usize;
+                let piece = &mut buf[..n];
+                self.file.read_exact_at(piece, at)?;
+                // the CRC covers all but the transaction's last 4 bytes
+                let crc_part = (covered.saturating_sub(at) as usize).min(n);
+                crc = crc32c::crc32c_append(crc, &piece[..crc_part]);
+                for (i, &b) in piece[crc_part..].iter().enumerate() {
+                    tail[(at + (crc_part + i) as u64 - covered) as usize] = b;
+                }
+                let write = crate::observe::IoEvent::Write {
+                    file: "journal",
+                    offset: at,
+                    data: piece,
+                };
+                self.observer.check(write)?;
+                self.file.write_all_at(piece, at)?;
+                self.observer.emit(write);
+                at += n as u64;
+            }
+            if crc != want_crc || u32::from_le_bytes(tail) != want_crc {
+                return Err(io::Error::other(format!(
+                    "the journal transaction at byte {} reads back other than it was \
+                     replayed at start (an earlier sync of it failed and its pages were \
+                     lost): restart dedupd to recover what the disk holds",
+                    end - len
+                )));
+            }
         }
         self.observer
             .check(crate::observe::IoEvent::Sync { file: "journal" })?;
         self.file.sync_data()?;
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
-        self.head_unsynced_bytes = 0;
+        self.replayed.clear();
         Ok(())
     }
 
@@ -683,7 +715,7 @@ impl Journal {
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes = 0;
-        self.head_unsynced_bytes = 0;
+        self.replayed.clear();
         self.reset_pending = false;
         Ok(())
     }
@@ -693,7 +725,7 @@ impl Journal {
     pub fn truncate(&mut self) -> io::Result<()> {
         self.cut_at(0)?;
         self.write_offset_bytes = 0;
-        self.head_unsynced_bytes = 0;
+        self.replayed.clear();
         self.cut_pending = false;
         Ok(())
     }
