@@ -263,7 +263,7 @@ impl Damage {
     /// checksum (and the first few).
     pub fn describe(&self) -> String {
         if let Some(detail) = &self.detail {
-            format!("{} fails its checksum: {detail}", self.file.display())
+            format!("{} is damaged: {detail}", self.file.display())
         } else if self.missing {
             format!("{} is missing", self.file.display())
         } else if self.pages.is_empty() && self.truncated.is_none() {
@@ -574,9 +574,15 @@ impl Engine {
         let replayed: Vec<(u64, u32)> = chain.iter().map(|t| (t.len_bytes, t.crc)).collect();
         let chain_ops: Vec<Op> = chain.into_iter().flat_map(|t| t.ops).collect();
         let state_path = dir.path(MetaFile::State);
-        let state_bytes = dir.blob_bytes(MetaFile::State, &chain_ops)?;
+        // (a file too long to read is damage of it as any other)
+        let (state_bytes, state_read) = match dir.blob_bytes(MetaFile::State, &chain_ops) {
+            Ok(bytes) => (bytes, Ok(())),
+            Err(e @ EngineError::Corrupt { .. }) => (Vec::new(), Err(e)),
+            Err(e) => return Err(e),
+        };
         let mut state_damage = None;
-        let state: State = match decode_checked(&state_bytes, &state_path) {
+        let state: State = match state_read.and_then(|()| decode_checked(&state_bytes, &state_path))
+        {
             Ok(state) => state,
             // the volume table: a check rebuilds it from the volume maps
             // (and what the damaged file still says), and its repair
@@ -611,10 +617,18 @@ impl Engine {
         // counters.json beside it is left from an upgrade that did not
         // finish)
         let mut counters_damage = None;
+        // (format 1 keeps the counters and the journal's sequence in the
+        // state: a rebuilt state that lost them is damaged counters too)
+        let format1_counters_lost =
+            sb.format_version < 2 && state_damage.is_some() && state.counters.is_none();
         let counter_state = if sb.format_version < 2 {
             CounterState {
                 counters: state.counters.clone().unwrap_or_default(),
-                journal_seq: state.journal_seq,
+                journal_seq: if format1_counters_lost {
+                    last_seq
+                } else {
+                    state.journal_seq
+                },
             }
         } else {
             let cpath = dir.path(MetaFile::Counters);
@@ -687,7 +701,7 @@ impl Engine {
             truncated: None,
             detail: None,
         });
-        if counters_damage.is_none() && !journal_missing {
+        if counters_damage.is_none() && !format1_counters_lost && !journal_missing {
             // (past the next sequence number: a commit whose sync failed
             // may have left its transaction behind, and its retry reuses
             // the number; a crash tearing the retry is no damage)
@@ -1331,7 +1345,9 @@ impl Engine {
     /// Names are 1–64 characters of `A-Za-z0-9._-`.
     ///
     /// Errors: [`EngineError::InvalidArgument`] (name, size),
-    /// [`EngineError::VolumeExists`]; the commit's errors, after which the
+    /// [`EngineError::VolumeExists`]; [`EngineError::DataSyncFailed`] and
+    /// [`EngineError::MetadataUnreadable`] (no commit could record it:
+    /// nothing is created); the commit's errors, after which the
     /// volume exists all the same, not yet durable (the next successful
     /// commit makes it so; a retry finds it existing).
     pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeId> {
@@ -1544,7 +1560,10 @@ impl Engine {
     ///
     /// Errors: [`EngineError::InvalidArgument`] for a size that is not a
     /// positive multiple of 4096 or is over 1 PiB;
-    /// [`EngineError::NoSuchVolume`]; I/O errors of the commits.
+    /// [`EngineError::NoSuchVolume`]; [`EngineError::VolumeDeleting`];
+    /// [`EngineError::ReadOnly`] (a damaged map); [`EngineError::DataSyncFailed`]
+    /// and [`EngineError::MetadataUnreadable`] (nothing changed); I/O
+    /// errors of the commits.
     pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<()> {
         self.resize_volume_with_progress(name, size_bytes, &mut |_, _| {})
     }
@@ -1680,8 +1699,10 @@ impl Engine {
     ///
     /// Errors: [`EngineError::NoSuchVolume`];
     /// [`EngineError::VolumeDeleting`]; [`EngineError::VolumeExists`];
-    /// [`EngineError::InvalidArgument`] for an invalid new name; the
-    /// commit's.
+    /// [`EngineError::InvalidArgument`] for an invalid new name;
+    /// [`EngineError::DataSyncFailed`] and [`EngineError::MetadataUnreadable`]
+    /// (nothing changed); the commit's, after which the new name is in
+    /// effect all the same, not yet durable (as [`Engine::create_volume`]).
     pub fn rename_volume(&self, name: &str, new_name: &str) -> Result<()> {
         validate_name(new_name)?;
         {
@@ -1713,8 +1734,10 @@ impl Engine {
     /// §4.5), or with `None` returns it to the engine's default. Durable on
     /// return.
     ///
-    /// Errors: [`EngineError::NoSuchVolume`]; [`EngineError::InvalidArgument`]
-    /// for T = 0 or T > 65536.
+    /// Errors: [`EngineError::NoSuchVolume`]; [`EngineError::VolumeDeleting`];
+    /// [`EngineError::InvalidArgument`] for T = 0 or T > 65536;
+    /// [`EngineError::DataSyncFailed`] and [`EngineError::MetadataUnreadable`]
+    /// (nothing changed); the commit's.
     pub fn set_sequence_threshold(&self, name: &str, threshold_blocks: Option<u32>) -> Result<()> {
         if let Some(t) = threshold_blocks {
             if !(1..=65536).contains(&t) {
@@ -3290,7 +3313,7 @@ fn percent(part: u64, whole: u64) -> f64 {
     }
 }
 
-fn validate_name(name: &str) -> Result<()> {
+pub(crate) fn validate_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name
@@ -3332,7 +3355,7 @@ fn undo_unwritten(m: &mut Meta, placement: &[Placement], n: usize) {
 /// Largest volume size in bytes: 1 PiB.
 pub const MAX_VOLUME_BYTES: u64 = 1 << 50;
 
-fn validate_size(size_bytes: u64) -> Result<()> {
+pub(crate) fn validate_size(size_bytes: u64) -> Result<()> {
     if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
         return Err(EngineError::InvalidArgument(format!(
             "volume size {size_bytes} bytes is not a positive multiple of 4096"

@@ -543,11 +543,11 @@ impl Engine {
         for (id, lbas) in lba_runs(&outside) {
             let name = m.volumes[&id].record.name.clone();
             r.note_problem(format!(
-                "volume {name}: {} map past the end of the data file",
+                "volume {name}: {} mapped past the end of the data file",
                 lbas.describe()
             ));
             r.note_lost(format!(
-                "volume {name}: {} unmapped (their blocks are missing)",
+                "volume {name}: {} unmapped (data missing)",
                 lbas.describe()
             ));
         }

@@ -1,4 +1,4 @@
-//! The volume table rebuilt when `state.json` fails its checksum (for
+//! The volume table rebuilt when `state.json` is damaged (for
 //! `dedupd fsck`, which then writes it anew with `--repair`).
 //!
 //! Each volume has a map file `maps/<id>`, so the volumes are known from
@@ -8,7 +8,8 @@
 //!   damaged file gives it if the file still parses, the name is valid
 //!   and unused, and the size needs the map's length; otherwise it is
 //!   named `volume-<id>` and sized to what its map holds (508 LBAs per
-//!   4 KiB map page, so up to 2 MiB more than it had);
+//!   4 KiB map page, so up to 2 MiB more than it had), and not deleting
+//!   or shrinking;
 //! - a volume the damaged file lists without a map stays, its map then
 //!   reported missing as for any volume;
 //! - the next volume id passes every id seen.
@@ -20,13 +21,11 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
+use crate::engine::{validate_name, validate_size, MAX_VOLUME_BYTES};
 use crate::journal::{MetaFile, Op};
 use crate::paged::{disk_len, PAGE_SIZE, U64_PER_PAGE};
 use crate::store::{State, VolumeRecord};
 use crate::VolumeId;
-
-/// Largest volume size in bytes (as `volume create` allows: 1 PiB).
-const MAX_VOLUME_BYTES: u64 = 1 << 50;
 
 /// The volume table for a store whose `state.json` (`bytes`, after the
 /// journal's `chain_ops`) fails its checksum: the state and a description
@@ -57,9 +56,7 @@ pub fn rebuild_state(
             continue;
         }
         let kept = old.get(&id).filter(|r| {
-            valid_name(&r.name)
-                && r.size_bytes > 0
-                && r.size_bytes.is_multiple_of(crate::BLOCK_SIZE as u64)
+            valid(r)
                 && disk_len(r.size_bytes / crate::BLOCK_SIZE as u64 * 8) == len
                 && !names.contains(&r.name)
         });
@@ -78,7 +75,8 @@ pub fn rebuild_state(
                 }
                 lines.push(format!(
                     "volume {name:?} (id {id}, {held_bytes} bytes): name and size made up \
-                     from maps/{id}{}",
+                     from maps/{id} (whether a delete or shrink of it was under way is \
+                     not known){}",
                     old.get(&id).map_or(String::new(), |r| format!(
                         " (state.json, unreadable there, says {:?} of {} bytes)",
                         r.name, r.size_bytes
@@ -101,13 +99,7 @@ pub fn rebuild_state(
     // listed without a map: kept (their map is then missing, as any
     // volume's would be reported)
     for (&id, r) in &old {
-        if records.contains_key(&id)
-            || !valid_name(&r.name)
-            || names.contains(&r.name)
-            || r.size_bytes == 0
-            || r.size_bytes > MAX_VOLUME_BYTES
-            || !r.size_bytes.is_multiple_of(crate::BLOCK_SIZE as u64)
-        {
+        if records.contains_key(&id) || !valid(r) || names.contains(&r.name) {
             continue;
         }
         lines.push(format!(
@@ -123,6 +115,9 @@ pub fn rebuild_state(
         .map_or(highest, |s| s.next_volume_id.max(highest));
     if let Some(s) = &salvaged {
         state.default_sequence_threshold_blocks = s.default_sequence_threshold_blocks.max(1);
+        // (a format-1 store's counters and journal sequence)
+        state.counters = s.counters.clone();
+        state.journal_seq = s.journal_seq;
     }
     state.volumes = records.into_values().collect();
     let source = if salvaged.is_some() {
@@ -191,14 +186,9 @@ fn map_lengths(root: &Path, chain_ops: &[Op]) -> std::io::Result<BTreeMap<u32, u
     Ok(lens)
 }
 
-/// As `volume create` checks a name.
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        && !name.starts_with('.')
+/// A name and size `volume create` would take.
+fn valid(r: &VolumeRecord) -> bool {
+    validate_name(&r.name).is_ok() && validate_size(r.size_bytes).is_ok()
 }
 
 #[cfg(test)]

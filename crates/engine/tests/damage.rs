@@ -1012,7 +1012,7 @@ fn truncated_data_file(len_bytes: u64) {
     // (named as one run, not 300 lines)
     assert_eq!(
         check.data_lost,
-        ["volume a: LBAs 300-599 (300) unmapped (their blocks are missing)"]
+        ["volume a: LBAs 300-599 (300) unmapped (data missing)"]
     );
     let fixed = fsck(
         &path,

@@ -190,6 +190,11 @@ fn a_failed_data_sync_stops_writes_and_flushes_but_not_reads() {
     ));
     assert!(e.volume("w").is_none());
     assert_eq!(e.volume("v").unwrap().1, 64 * 4096);
+    let info = e.volumes().into_iter().find(|i| i.name == "v").unwrap();
+    assert_eq!(
+        info.sequence_threshold_blocks, None,
+        "the threshold changed"
+    );
     let mut buf = vec![0u8; BLOCK_SIZE];
     e.read(v, 0, &mut buf).unwrap();
     assert_eq!(buf, block(1));

@@ -408,10 +408,6 @@ pub(crate) const IDLE_BUFFER_FREE_AFTER: std::time::Duration = std::time::Durati
 /// How often a connection waiting for its client checks for shutdown.
 pub(crate) const STOP_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// Bytes a connection's half share of the in-flight budget has on top,
-/// for the 16-byte headers of READ replies counted with their data.
-const SHARE_HEADROOM_BYTES: usize = 4096;
-
 /// A request read whole, ready to execute.
 struct Job {
     req: Request,
@@ -512,9 +508,12 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
             shutdown_replies: AtomicUsize::new(0),
             spare: Mutex::new(Vec::new()),
             idle: AtomicBool::new(false),
-            // (plus room for reply headers, so that two reads of a quarter
-            // of the budget each still run together)
-            share: Budget::new(res.budget.capacity() / 2 + SHARE_HEADROOM_BYTES),
+            // (plus a granule per worker: requests are charged in whole
+            // granules, READs with their reply header, so as many as fit
+            // in half the budget by length still run together)
+            share: Budget::new(
+                res.budget.capacity() / 2 + res.workers.max(1) * BUFFER_GRANULE_BYTES,
+            ),
         }
     }
 
@@ -879,7 +878,11 @@ mod tests {
         assert_eq!(buffer_bytes(1), 4096);
         assert_eq!(buffer_bytes(4096), 4096);
         assert_eq!(buffer_bytes(4096 + proto::SIMPLE_REPLY_HEADER_LEN), 8192);
-        assert!(buffer_bytes((1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN) <= KEPT_BUFFER_BYTES);
+        // a finished 1 MiB READ's buffer is kept for the next one
+        conn.free_spare_buffers();
+        let read_1m = buffer_bytes((1 << 20) + proto::SIMPLE_REPLY_HEADER_LEN);
+        conn.keep_buffer(Vec::with_capacity(read_1m));
+        assert_eq!(conn.take_buffer(read_1m).capacity(), read_1m);
         conn.free_spare_buffers();
         assert_eq!(kept.load(Ordering::Relaxed), 0);
     }
