@@ -38,9 +38,14 @@ enum Temporary {
 const TEMPORARY_PREFIX: &str = ".dedupd-output-";
 
 /// An anonymous file in `dir` (mode 0666 less the umask, as an ordinary
-/// new file), or `None` where the file system cannot make one.
+/// new file), or `None` where the file system cannot make one, or where
+/// it could not be linked when complete (no `/proc`: a chroot or a bare
+/// container).
 fn anonymous_in(dir: &Path) -> Option<File> {
     use std::os::unix::fs::OpenOptionsExt;
+    if !Path::new("/proc/self/fd").is_dir() {
+        return None;
+    }
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
