@@ -8,7 +8,8 @@
 //! a process killed or interrupted by a signal meanwhile leaves nothing
 //! behind; it is then linked under a unique hidden name and renamed over
 //! the destination. Where the file system lacks `O_TMPFILE`, it is a named
-//! hidden file (`.dedupd-output-*`) from the start, removed on error but
+//! hidden file (`.dedupd-output-*`) from the start (also where `/proc` is
+//! missing), removed on error but
 //! not after a signal.
 
 use std::fs::File;
