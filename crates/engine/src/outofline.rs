@@ -890,8 +890,13 @@ impl Engine {
                 // a lasting error (full disk, a metadata fault) is reported
                 // once, not at every period
                 let mut last_error = String::new();
+                // (the blocks a pass examined and merged: what its rate
+                // counts)
                 let mut report = |r: Result<PassReport>| match r {
-                    Ok(_) => last_error.clear(),
+                    Ok(r) => {
+                        last_error.clear();
+                        r.blocks_examined + r.merges_applied
+                    }
                     Err(e) => {
                         let msg = e.to_string();
                         if msg != last_error {
@@ -900,10 +905,12 @@ impl Engine {
                             let _ = writeln!(std::io::stderr(), "dedupd: out-of-line dedup: {msg}");
                             last_error = msg;
                         }
+                        0
                     }
                 };
                 while !flag.load(Ordering::Relaxed) {
                     let started = Instant::now();
+                    let mut done = 0;
                     let now_foreground = engine.foreground_ops();
                     let busy = now_foreground != last_foreground;
                     last_foreground = now_foreground;
@@ -918,19 +925,15 @@ impl Engine {
                             steps.set(steps.get() + 1);
                             steps.get() > 1 || flag.load(Ordering::Relaxed)
                         };
-                        report(engine.dedup_pass_yielding(batch as usize, &after_one_step));
+                        done = report(engine.dedup_pass_yielding(batch as usize, &after_one_step));
                     } else if !busy && engine.dedup_pending() {
                         last_pass = Instant::now();
                         let seen = engine.foreground_ops();
                         let yield_now =
                             || engine.foreground_ops() != seen || flag.load(Ordering::Relaxed);
-                        report(engine.dedup_pass_yielding(batch as usize, &yield_now));
+                        done = report(engine.dedup_pass_yielding(batch as usize, &yield_now));
                     }
-                    let wait = if busy {
-                        period.max(Duration::from_millis(20))
-                    } else {
-                        period
-                    };
+                    let wait = pass_wait(done, rate_blocks_per_s, period, busy);
                     let elapsed = started.elapsed();
                     let mut left = wait.saturating_sub(elapsed).max(Duration::from_millis(1));
                     while left > Duration::ZERO && !flag.load(Ordering::Relaxed) {
@@ -946,6 +949,22 @@ impl Engine {
             thread: Some(thread),
         }
     }
+}
+
+/// How long the background worker waits after a pass that examined and
+/// merged `done` blocks: a period of its batch (at least 20 ms while
+/// clients are busy), or longer when the pass did more than a batch (a
+/// dirty region or a whole volume's slice is taken whole, a merge scan
+/// applies many merges), so `rate_blocks_per_s` holds on average.
+fn pass_wait(done: u64, rate_blocks_per_s: u64, period: Duration, busy: bool) -> Duration {
+    let floor = if busy {
+        period.max(Duration::from_millis(20))
+    } else {
+        period
+    };
+    floor.max(Duration::from_secs_f64(
+        done as f64 / rate_blocks_per_s.max(1) as f64,
+    ))
 }
 
 /// The running background worker; dropping it stops the worker and waits.
@@ -1483,6 +1502,24 @@ mod tests {
         assert!(merged_by_a_pass_that_leaves_records(&e, v, kept));
         assert_eq!(e.stats().pending_merges, 0);
         assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_pass_that_did_more_than_a_batch_waits_for_what_it_did() {
+        use super::pass_wait;
+        use std::time::Duration;
+        let period = Duration::from_millis(64); // a batch of 64 at 1000/s
+        assert_eq!(pass_wait(0, 1000, period, false), period);
+        assert_eq!(pass_wait(64, 1000, period, false), period);
+        // a region of 256 blocks taken whole with 63 records
+        assert_eq!(
+            pass_wait(319, 1000, period, false),
+            Duration::from_millis(319)
+        );
+        assert_eq!(
+            pass_wait(1, 100_000, Duration::from_micros(640), true),
+            Duration::from_millis(20)
+        );
     }
 
     #[test]
