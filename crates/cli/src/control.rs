@@ -114,7 +114,9 @@ pub fn call(
             bail!(
                 "the store is in use by another dedupd process that does not take requests \
                  (a server starting up or stopping, fsck, or another command); try again when \
-                 it is done"
+                 it is done (a server whose control socket {} was removed takes none until \
+                 it is restarted)",
+                path.display()
             )
         }
         Err(e) => {

@@ -692,22 +692,32 @@ fn fsck(
     config: EngineConfig,
 ) -> anyhow::Result<()> {
     let opts = dedupd_engine::fsck::FsckOptions { repair, rehash };
+    // an operational error (e2fsck's 8): on stderr, and with --json as a
+    // JSON object on stdout too, for scripts that read only that
+    let fail = |msg: String, hint: Option<String>| -> ! {
+        eprintln!("dedupd: error: {msg}");
+        if let Some(hint) = &hint {
+            eprintln!("dedupd: hint: {hint}");
+        }
+        if json {
+            let v = serde_json::json!({ "exit_code": 8, "error": msg, "hint": hint });
+            let _ = say(&v.to_string());
+        }
+        std::process::exit(8);
+    };
     let report = match dedupd_engine::fsck::fsck_with(store, opts, config) {
         Ok(r) => r,
-        Err(EngineError::Locked(p)) => {
-            eprintln!(
-                "dedupd: error: store {} is in use by another dedupd process (a server, or a \
-                 volume or dedup command); stop it before fsck",
+        Err(EngineError::Locked(p)) => fail(
+            format!(
+                "store {} is in use by another dedupd process (a server, or a volume or \
+                 dedup command); stop it before fsck",
                 p.display()
-            );
-            std::process::exit(8);
-        }
+            ),
+            None,
+        ),
         Err(e) => {
-            eprintln!("dedupd: error: {e}");
-            if let Some(hint) = no_superblock_hint(&e) {
-                eprintln!("dedupd: hint: {hint}");
-            }
-            std::process::exit(8);
+            let hint = no_superblock_hint(&e);
+            fail(e.to_string(), hint)
         }
     };
     // (a reader that goes early, `| grep -q`, does not take the exit code

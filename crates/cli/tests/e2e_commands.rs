@@ -533,4 +533,13 @@ fn fsck_keeps_its_exit_code_when_the_reader_goes_early() {
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(8), "{status:?}");
+    // with --json, an operational error is a JSON object on stdout too
+    let out = dedupd(&tmp.path().join("missing"), &["fsck", "--json"]);
+    assert_eq!(out.status.code(), Some(8), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["exit_code"], 8, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("does not exist"),
+        "{v}"
+    );
 }
