@@ -96,6 +96,13 @@ pub fn bytes_bar_style() -> ProgressStyle {
     .progress_chars("=> ")
 }
 
+/// The style of a count of bytes read from inputs whose size is not known
+/// (a pipe): bytes and rate, no bar and no ETA.
+pub fn bytes_count_style() -> ProgressStyle {
+    ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bytes} {bytes_per_sec} {msg}")
+        .expect("static template")
+}
+
 /// Runs `dedupd replay`.
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     // (before the replay, which may take long: its report must have
@@ -112,16 +119,34 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         out_of_line: args.out_of_line,
         ..ReplayConfig::default()
     })?;
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    // a bar against the inputs' size when they are all regular files (a
+    // pipe's size says nothing: then a count of bytes read and the rate)
+    let sizes: Option<u64> = args
+        .traces
+        .iter()
+        .map(|p| {
+            std::fs::metadata(p)
+                .ok()
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+        })
+        .sum();
+    let bar = ProgressBar::with_draw_target(sizes, ProgressDrawTarget::stderr());
     if args.quiet || !std::io::stderr().is_terminal() {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
-    bar.set_style(bytes_bar_style());
+    bar.set_style(if sizes.is_some() {
+        bytes_bar_style()
+    } else {
+        bytes_count_style()
+    });
     bar.enable_steady_tick(Duration::from_millis(200));
     let started = std::time::Instant::now();
     let mut on_progress = |p: &Progress| {
-        bar.set_length(p.bytes_total);
-        bar.set_position(p.bytes_read.min(p.bytes_total));
+        match sizes {
+            Some(total) => bar.set_position(p.bytes_read.min(total)),
+            None => bar.set_position(p.bytes_read),
+        }
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(format!(
             "{} req ({:.0} req/s)",
