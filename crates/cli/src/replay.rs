@@ -234,7 +234,7 @@ fn print_report(r: &Report) {
         ix.eviction_reads, ix.eviction_writes, ix.lookup_reads, ix.groups_evicted
     );
     println!(
-        "index memory                  peak {} ({} entries at end)",
+        "index memory                  peak {} with the prefix tree ({} entries at end)",
         human(r.peak_index_bytes_in_memory),
         r.index_entries
     );

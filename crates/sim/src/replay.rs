@@ -439,7 +439,8 @@ pub struct Report {
     /// place for the same commits (modelled likewise).
     pub checkpoint_bytes: u64,
     /// Peak bytes of the fingerprint index in memory (sampled at each flush
-    /// and at the end).
+    /// and at the end): the in-memory groups, within the budget, plus the
+    /// prefix tree, outside it.
     pub peak_index_bytes_in_memory: u64,
     /// Fingerprints in the index at the end.
     pub index_entries: u64,
@@ -827,7 +828,11 @@ pub fn replay(
                     Some(&s) => s,
                     None => {
                         let s = streams.len();
-                        let base = label.rsplit('/').next().unwrap_or(&label).to_string();
+                        // (the file's base name and what follows it: a
+                        // process name may hold a '/' itself, kworker/0:1)
+                        let file = inp.reader.name();
+                        let dir_len = file.rfind('/').map_or(0, |at| at + 1);
+                        let base = label[dir_len.min(label.len())..].to_string();
                         let volume = volume_name(s, &base);
                         let id = engine.create_volume(&volume, VOLUME_BYTES)?;
                         streams.push(Stream {

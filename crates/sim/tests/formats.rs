@@ -273,6 +273,27 @@ fn mobile_format_is_detected_and_read() {
 }
 
 #[test]
+fn a_process_name_with_a_slash_keeps_the_file_in_its_volume_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "0.5\tW\t0\t8\t1200\tkworker/0:1\t{a}\n\
+         1\tW\t8\t8\t1300\tcom.example\t{a}\n",
+        a = h(7),
+    );
+    let p = write(dir.path(), "phone.txt", &text);
+    let cfg = ReplayConfig {
+        stream_by: StreamBy::Process,
+        ..ReplayConfig::default()
+    };
+    let r = run(&[p], &cfg);
+    let volumes: Vec<&str> = r.streams.iter().map(|s| s.volume.as_str()).collect();
+    assert_eq!(
+        volumes,
+        ["s0-phone.txt_kworker_0_1", "s1-phone.txt_com.example"]
+    );
+}
+
+#[test]
 fn a_mobile_trace_with_a_comment_first_and_a_bad_line_skipped() {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
