@@ -2329,9 +2329,17 @@ impl Engine {
         // blocks not selected for inline dedup (adaptive selectivity,
         // SmartDedup §3.4; CAFTL's filters) are stored unhashed and left to
         // out-of-line dedup
-        let selected = self.selectivity.select(n);
         let zero: Vec<bool> = (0..n).map(|i| is_zero(block(i))).collect();
-        let mut inline: Vec<bool> = (0..n).map(|i| selected[i] && !zero[i]).collect();
+        // (zero blocks, never stored, take no part: a pattern of zero and
+        // data blocks must not starve the data blocks of selection)
+        let mut selected = self
+            .selectivity
+            .select(zero.iter().filter(|z| !**z).count())
+            .into_iter();
+        let mut inline: Vec<bool> = zero
+            .iter()
+            .map(|&z| !z && selected.next().unwrap_or(true))
+            .collect();
         let sample = self.caftl_filter(
             &mut inline,
             |i| crc32c::crc32c(block(i)),

@@ -22,8 +22,9 @@
 //!   0 (inline dedup off) in low-power mode, below 15 % charge.
 //!   `--power-source` overrides the reading for tests.
 //!
-//! Zero blocks are never stored, but they pass through the selection like
-//! any block (and count in `blocks_selected`).
+//! Zero blocks are never stored and take no part in the selection (nor in
+//! `blocks_selected`): requests alternating zero and data blocks would
+//! otherwise leave the data blocks all selected or all not.
 //!
 //! Blocks are selected by a credit counter (n of every N), not at random,
 //! so replays are deterministic.

@@ -896,3 +896,29 @@ fn a_restart_keeps_what_the_sequence_threshold_stored_apart() {
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 }
+
+#[test]
+fn zero_blocks_do_not_take_selection_from_the_data_blocks_beside_them() {
+    use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
+    // half the blocks selected (a battery at 50 %), requests of one data
+    // block and one zero block: half the data blocks are fingerprinted
+    // inline, not all or none of them
+    let cfg = EngineConfig {
+        selectivity: SelectivityConfig {
+            adaptive: false,
+            load_aware: false,
+            power: PowerSource::Battery(50.0),
+        },
+        ..EngineConfig::default()
+    };
+    let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+    let v = e.create_volume("v", 16 << 20).unwrap();
+    for i in 0..200u64 {
+        let mut req = vec![0u8; 2 * BLOCK_SIZE];
+        req[..8].copy_from_slice(&(i + 1).to_le_bytes());
+        e.write(v, i * 2 * 4096, &req, false).unwrap();
+    }
+    let s = e.stats().selectivity;
+    assert_eq!(s.blocks_selected + s.blocks_unselected, 200, "{s:?}");
+    assert!((90..=110).contains(&s.blocks_selected), "{s:?}");
+}
