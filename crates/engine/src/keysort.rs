@@ -10,7 +10,10 @@
 //! bucket and its sorted copy stay within `memory_bytes` up to about
 //! `memory_bytes² / 8 KiB` bytes of pairs (8 MiB: 8 GiB, 512 M pairs);
 //! past that a bucket grows with the number of pairs. With one bucket
-//! (few pairs) nothing is spilled.
+//! (few pairs) nothing is spilled. The spilled chunks' places are kept in
+//! memory, 16 bytes per 4 KiB chunk: 0.4 % of the pairs' bytes (for the
+//! index of a store, 1 MiB per 16 M stored blocks, 64 GiB of data;
+//! 16 MiB per TiB of pairs).
 //!
 //! A counting sorter ([`KeySorter::counting`]) treats the second value as a
 //! count and merges pairs with equal keys (adding their counts) whenever a

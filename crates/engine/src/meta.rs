@@ -244,7 +244,8 @@ impl Meta {
     /// and rebuilds the fingerprint index from `pairs` (see
     /// [`IndexPairs`]). `data_blocks` is the data file's length in blocks.
     /// The pairs are sorted through a scratch file so that memory stays
-    /// about the index budget whatever the store's size. Returns the sum
+    /// about the index budget (plus 0.4 % of the pairs' bytes for where
+    /// the spilled chunks are, see [`crate::keysort`]). Returns the sum
     /// of every PBA's reference count, which equals `mapped_blocks` in a
     /// consistent store.
     ///
