@@ -12,8 +12,8 @@
 //! past that a bucket grows with the number of pairs. With one bucket
 //! (few pairs) nothing is spilled. The spilled chunks' places are kept in
 //! memory, 16 bytes per 4 KiB chunk: 0.4 % of the pairs' bytes (for the
-//! index of a store, 1 MiB per 16 M stored blocks, 64 GiB of data;
-//! 16 MiB per TiB of pairs).
+//! index of a store, one 16-byte pair per stored block: 16 MiB per TiB
+//! of stored data).
 //!
 //! A counting sorter ([`KeySorter::counting`]) treats the second value as a
 //! count and merges pairs with equal keys (adding their counts) whenever a
