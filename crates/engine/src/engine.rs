@@ -1831,11 +1831,12 @@ impl Engine {
             }
         } else {
             let tmp = dir.root().join(format!("{SKIPPED_FILE}.tmp"));
-            let bytes = crate::store::encode_checked_compact(&snapshot);
+            // (written as it is encoded: the buffer's copy is the only one)
             std::fs::File::create(&tmp)
-                .and_then(|mut f| {
-                    std::io::Write::write_all(&mut f, &bytes)?;
-                    f.sync_all()
+                .and_then(|f| {
+                    let mut w = std::io::BufWriter::with_capacity(1 << 16, f);
+                    crate::store::write_checked_compact(&snapshot, &mut w)?;
+                    w.into_inner().map_err(|e| e.into_error())?.sync_all()
                 })
                 .and_then(|()| std::fs::rename(&tmp, &path))
         }

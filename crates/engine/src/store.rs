@@ -196,6 +196,37 @@ pub fn encode_checked_compact<T: Serialize>(value: &T) -> Vec<u8> {
     with_crc_line(serde_json::to_vec(value).expect("serializable"))
 }
 
+/// Writes [`encode_checked_compact`]'s bytes to `out` as they are made
+/// (for large values: no copy of the JSON in memory).
+///
+/// Errors: writing `out`.
+pub fn write_checked_compact<T: Serialize, W: std::io::Write>(
+    value: &T,
+    out: W,
+) -> std::io::Result<()> {
+    /// Passes bytes on, adding them to a running CRC32C.
+    struct Crc<W> {
+        out: W,
+        crc: u32,
+    }
+    impl<W: std::io::Write> std::io::Write for Crc<W> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let n = self.out.write(buf)?;
+            self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.out.flush()
+        }
+    }
+    let mut w = Crc { out, crc: 0 };
+    serde_json::to_writer(&mut w, value)?;
+    std::io::Write::write_all(&mut w, b"\n")?;
+    let line = format!("crc32c={:08x}\n", w.crc);
+    std::io::Write::write_all(&mut w.out, line.as_bytes())?;
+    std::io::Write::flush(&mut w.out)
+}
+
 fn with_crc_line(mut body: Vec<u8>) -> Vec<u8> {
     body.push(b'\n');
     let crc = crc32c::crc32c(&body);
@@ -960,6 +991,16 @@ mod tests {
             StoreDir::open(&root),
             Err(EngineError::NotAStore { .. })
         ));
+    }
+
+    #[test]
+    fn a_value_written_as_it_is_made_reads_back_as_an_encoded_one() {
+        let value: Vec<(u32, u64)> = (0..10_000).map(|i| (i, u64::from(i) * 7)).collect();
+        let mut streamed = Vec::new();
+        write_checked_compact(&value, &mut streamed).unwrap();
+        assert_eq!(streamed, encode_checked_compact(&value));
+        let back: Vec<(u32, u64)> = decode_checked(&streamed, Path::new("t")).unwrap();
+        assert_eq!(back, value);
     }
 
     #[test]
