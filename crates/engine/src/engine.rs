@@ -413,7 +413,7 @@ pub struct Engine {
     pub(crate) hash: HashAlgorithm,
     pub(crate) backend: Box<dyn BlockBackend>,
     pub(crate) meta: Mutex<Meta>,
-    reuse: RwLock<()>,
+    pub(crate) reuse: RwLock<()>,
     commit: Mutex<CommitState>,
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.

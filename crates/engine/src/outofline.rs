@@ -297,12 +297,13 @@ impl Engine {
         sizes: &HashMap<VolumeId, u64>,
         r: &mut PassReport,
     ) -> std::result::Result<(), (usize, ExamineError)> {
+        let hashed = self.hash_unhashed(chunk, sizes);
         let mut m = lock(&self.meta);
         m.collect_displaced();
         let mut result = Ok(());
         let mut examined = chunk.len();
         for (i, &(vol, lba)) in chunk.iter().enumerate() {
-            if let Err(e) = self.examine(&mut m, vol, lba, sizes, r) {
+            if let Err(e) = self.examine(&mut m, vol, lba, sizes, r, hashed[i]) {
                 result = Err((i, e));
                 examined = i;
                 break;
@@ -313,6 +314,45 @@ impl Engine {
         m.collect_displaced();
         self.note_change(&m);
         result
+    }
+
+    /// The blocks of `chunk`'s records stored unhashed, read and hashed
+    /// without the metadata lock (foreground requests do not wait on these
+    /// reads): per record, (its PBA, the reuse epoch when it was looked
+    /// up, its fingerprint), or `None` (hashed, unmapped, unreadable: left
+    /// to [`Engine::examine`]). A block is read under the `reuse` guard,
+    /// and its fingerprint used only while the epoch is unchanged, so a
+    /// block freed and reused meanwhile is read again under the lock.
+    fn hash_unhashed(
+        &self,
+        chunk: &[(VolumeId, u64)],
+        sizes: &HashMap<VolumeId, u64>,
+    ) -> Vec<Option<(Pba, u64, crate::fingerprint::Fingerprint)>> {
+        let (wanted, epoch): (Vec<Option<Pba>>, u64) = {
+            let m = lock(&self.meta);
+            let wanted = chunk
+                .iter()
+                .map(|&(vol, lba)| {
+                    sizes.contains_key(&vol).then_some(())?;
+                    let p = m.volumes.get(&vol)?.get(Lba(lba))?;
+                    (m.fingerprint_of(p) == crate::engine::UNHASHED).then_some(p)
+                })
+                .collect();
+            (wanted, m.reuse_epoch)
+        };
+        if wanted.iter().all(Option::is_none) {
+            return vec![None; chunk.len()];
+        }
+        let _no_reuse = self.reuse.read().unwrap_or_else(|e| e.into_inner());
+        let mut block = vec![0u8; BLOCK_SIZE];
+        wanted
+            .into_iter()
+            .map(|p| {
+                let p = p?;
+                self.backend.read_blocks(p, &mut block).ok()?;
+                Some((p, epoch, self.hash.fingerprint(&block)))
+            })
+            .collect()
     }
 
     /// Examines the skipped record (`vol`, `lba`): the LBA is remapped onto
@@ -329,6 +369,7 @@ impl Engine {
         lba: u64,
         sizes: &HashMap<VolumeId, u64>,
         r: &mut PassReport,
+        hashed: Option<(Pba, u64, crate::fingerprint::Fingerprint)>,
     ) -> std::result::Result<(), ExamineError> {
         let default_t = self.config.sequence_threshold_blocks;
         // (a volume whose threshold was raised since the records were
@@ -345,6 +386,16 @@ impl Engine {
             return Ok(());
         };
         let mut fp = m.fingerprint_of(p);
+        if fp == crate::engine::UNHASHED {
+            if let Some((_, _, f)) =
+                hashed.filter(|&(hp, epoch, _)| hp == p && epoch == m.reuse_epoch)
+            {
+                // hashed just before, outside the lock
+                fp = f;
+                m.record_unindexed(p, fp);
+                r.blocks_hashed += 1;
+            }
+        }
         if fp == crate::engine::UNHASHED {
             // stored without inline dedup (selectivity): hash it now
             let mut block = vec![0u8; BLOCK_SIZE];
@@ -1501,6 +1552,43 @@ mod tests {
         }
         assert!(merged_by_a_pass_that_leaves_records(&e, v, kept));
         assert_eq!(e.stats().pending_merges, 0);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn blocks_hashed_outside_the_lock_are_used_only_while_not_reused() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let content = [3u8; BLOCK_SIZE];
+        e.write(v, 0, &content, false).unwrap();
+        e.write(v, 4096, &content, false).unwrap();
+        let fp = e.hash.fingerprint(&content);
+        let sizes: std::collections::HashMap<VolumeId, u64> = [(v, 256)].into();
+        let hashed = e.hash_unhashed(&[(v, 0), (v, 1), (v, 9)], &sizes);
+        let p0 = lock(&e.meta).volumes[&v].get(Lba(0)).unwrap();
+        assert_eq!(hashed[0].map(|h| (h.0, h.2)), Some((p0, fp)));
+        assert_eq!(hashed[1].map(|h| h.2), Some(fp));
+        assert!(hashed[2].is_none(), "an unmapped LBA");
+        // a fingerprint from before a block's reuse is not used: the block
+        // is read again under the lock
+        let mut m = lock(&e.meta);
+        let stale_epoch = m.reuse_epoch;
+        m.reuse_epoch += 1;
+        let wrong = e.hash.fingerprint(&[4u8; BLOCK_SIZE]);
+        let mut r = super::PassReport::default();
+        assert!(e
+            .examine(&mut m, v, 0, &sizes, &mut r, Some((p0, stale_epoch, wrong)))
+            .is_ok());
+        assert_eq!(m.fingerprint_of(p0), fp);
+        // a current one is
+        let epoch = m.reuse_epoch;
+        let p1 = m.volumes[&v].get(Lba(1)).unwrap();
+        assert!(e
+            .examine(&mut m, v, 1, &sizes, &mut r, Some((p1, epoch, fp)))
+            .is_ok());
+        assert_eq!(r.blocks_hashed, 2);
+        assert_eq!(m.volumes[&v].get(Lba(1)), Some(p0.min(p1)));
+        drop(m);
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
