@@ -767,7 +767,7 @@ fn fsck(
                 ),
                 // a repair without --rehash would not see (nor fix) the
                 // blocks whose bytes no longer match their fingerprints
-                _ if report.corrupted_blocks > 0 => format!(
+                _ if report.corrupted_blocks > 0 || report.journal_lost_commits => format!(
                     "{} problem(s) left uncorrected (run with --repair --rehash)",
                     report.problem_count()
                 ),

@@ -463,6 +463,10 @@ pub struct Engine {
     pub(crate) config: EngineConfig,
 }
 
+/// Name of the journal a repair of a store whose journal is missing
+/// writes, renamed to `journal` once the repair is committed.
+pub(crate) const REPAIR_JOURNAL_FILE: &str = "journal.repair";
+
 /// Blocks a TRIM, zeroing, delete or shrink releases under one hold of
 /// the metadata lock (a piece; commits may come between pieces): with
 /// scattered blocks, 1024 reference-count pages (4 MiB) besides the
@@ -726,7 +730,11 @@ impl Engine {
                     pages: vec![chain_bytes / crate::paged::PAGE_SIZE as u64],
                     missing: false,
                     truncated: None,
-                    detail: None,
+                    detail: Some(format!(
+                        "the transaction at byte {chain_bytes} fails its checksum and an intact \
+                         later one (at byte {at}) follows: the commits from it on are lost \
+                         (a repair needs --rehash)"
+                    )),
                 });
             }
         }
@@ -1152,8 +1160,18 @@ impl Engine {
         let Some(dir) = self.dir.as_ref() else {
             return Ok(());
         };
-        let file = dir.open_file("journal", true)?;
-        crate::store::sync_dir(dir.root())?;
+        // made under another name, which the repair's first commit puts in
+        // place (`journal_repaired_in_place`): a crash before it leaves the
+        // journal missing, and the store refused, not an empty journal
+        // that lets it be served without the repair
+        let path = dir.root().join(REPAIR_JOURNAL_FILE);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(EngineError::io(format!("removing {}", path.display()), e))
+            }
+            _ => {}
+        }
+        let file = dir.open_file(REPAIR_JOURNAL_FILE, true)?;
         let mut c = lock(&self.commit);
         let next_seq = c.journal.as_ref().map_or(1, |j| j.next_seq());
         let journal = Journal::new(file, 0, next_seq)
@@ -1161,6 +1179,27 @@ impl Engine {
             .with_observer(dir.observer());
         c.journal = Some(journal);
         Ok(())
+    }
+
+    /// Puts the journal [`Engine::create_missing_journal`] made in place,
+    /// once the repair it carries is committed to it.
+    ///
+    /// Errors: the rename or the directory's sync.
+    pub(crate) fn journal_repaired_in_place(&self) -> Result<()> {
+        let Some(dir) = self.dir.as_ref() else {
+            return Ok(());
+        };
+        let (from, to) = (
+            dir.root().join(REPAIR_JOURNAL_FILE),
+            dir.root().join("journal"),
+        );
+        std::fs::rename(&from, &to).map_err(|e| {
+            EngineError::io(
+                format!("renaming {} to {}", from.display(), to.display()),
+                e,
+            )
+        })?;
+        crate::store::sync_dir(dir.root())
     }
 
     /// The parts every constructor shares; no store directory, no damage.

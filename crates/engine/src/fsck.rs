@@ -151,6 +151,10 @@ pub struct FsckReport {
     /// (new writes of the old content then no longer share them) and lists
     /// them in `data_lost`; it cannot bring the old bytes back.
     pub corrupted_blocks: u64,
+    /// The journal is missing or lost commits (a transaction damaged with
+    /// intact ones after it): a repair needs `rehash` (blocks those commits
+    /// freed may hold other data now).
+    pub journal_lost_commits: bool,
     /// LBAs whose mapping points past the end of the data file (their
     /// block is missing; a repair unmaps them).
     pub lbas_outside_data_file: u64,
@@ -290,10 +294,10 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
                     .any(|d| d.missing && d.file.ends_with("journal"));
             let root = engine.dir.as_ref().map(|d| d.root().to_path_buf());
             engine.drop_without_closing();
-            // a journal this repair made anew goes again: left empty, it
-            // would let the store be served without the commits it lost
+            // a journal this repair made anew goes again (it is not in
+            // place yet: the store stays refused until a repair finishes)
             if let Some(root) = root.filter(|_| journal_made) {
-                let _ = std::fs::remove_file(root.join("journal"));
+                let _ = std::fs::remove_file(root.join(crate::engine::REPAIR_JOURNAL_FILE));
                 let _ = crate::store::sync_dir(&root);
             }
             return Err(e);
@@ -711,15 +715,30 @@ impl Engine {
         if m.paging_faults() > faults_before {
             crate::engine::fault_check(&m)?;
         }
+        // commits lost with the journal may have freed blocks that were
+        // then reused for other data: their stored fingerprints, and so
+        // the index a repair rebuilds from them, can be wrong (new writes
+        // would share blocks by a fingerprint their bytes no longer have)
+        let journal_lost = self.damage.iter().any(|d| d.file.ends_with("journal"));
+        r.journal_lost_commits = journal_lost;
+        if opts.repair && journal_lost && !opts.rehash {
+            r.problems.push(
+                "the journal lost commits: blocks they freed may hold other data now, so \
+                 a repair must fingerprint every stored block again: not repaired; run \
+                 `fsck --repair --rehash`"
+                    .into(),
+            );
+            return Ok(r);
+        }
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);
         }
         // (the repair commits through it)
-        if self
+        let journal_missing = self
             .damage
             .iter()
-            .any(|d| d.missing && d.file.ends_with("journal"))
-        {
+            .any(|d| d.missing && d.file.ends_with("journal"));
+        if journal_missing {
             drop(m);
             self.create_missing_journal()?;
             m = lock(&self.meta);
@@ -831,6 +850,10 @@ impl Engine {
         m.state_dirty = true;
         drop(m);
         self.flush()?;
+        if journal_missing {
+            // (the repair is in it: the store opens with it from now on)
+            self.journal_repaired_in_place()?;
+        }
         r.repaired = true;
         Ok(r)
     }

@@ -718,8 +718,49 @@ fn missing_journal_or_data_file_is_refused() {
         !path.join("journal").exists(),
         "a check created the journal"
     );
-    assert_eq!(repair(&path), 1);
+    // a repair without --rehash is refused: blocks the lost commits freed
+    // may hold other data now
+    let plain = fsck_repair(&path);
+    assert_eq!(plain.exit_code(), 4, "{plain:?}");
+    assert!(plain.journal_lost_commits);
+    assert!(
+        plain
+            .problems
+            .iter()
+            .any(|p| p.contains("--repair --rehash")),
+        "{:?}",
+        plain.problems
+    );
+    assert!(!path.join("journal").exists());
+    let fixed = fsck(
+        &path,
+        FsckOptions {
+            repair: true,
+            rehash: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     assert!(path.join("journal").exists());
+    assert!(!path.join("journal.repair").exists());
+    // a repair killed before its commit leaves its journal under the
+    // other name: the store stays refused, and the next repair goes on
+    let again = build(&d.path().join("again"));
+    std::fs::remove_file(again.join("journal")).unwrap();
+    std::fs::write(again.join("journal.repair"), b"").unwrap();
+    assert!(Engine::open(&again, EngineConfig::default()).is_err());
+    assert_eq!(fsck(&again, FsckOptions::default()).unwrap().exit_code(), 4);
+    let fixed = fsck(
+        &again,
+        FsckOptions {
+            repair: true,
+            rehash: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
+    assert_intact(&again, &[("a", 600), ("b", 100)]);
+    assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
     assert_intact(&path, &[("a", 600), ("b", 100)]);
 
     std::fs::remove_file(path.join("data")).unwrap();
