@@ -91,11 +91,6 @@ fn lba_runs(lbas: &[(crate::VolumeId, u64)]) -> Vec<(crate::VolumeId, LbaRun)> {
     runs
 }
 
-/// PBAs with corrupted data whose fingerprints a check without repair
-/// remembers, to count duplicates by their data's fingerprint (8 bytes
-/// each; past it, by the stored fingerprint).
-const MISMATCHED_REMEMBERED_MAX: usize = 1 << 20;
-
 impl FsckReport {
     /// Lists a problem, or counts it past [`NAMED_PROBLEMS_MAX`].
     fn note_problem(&mut self, line: String) {
@@ -165,7 +160,10 @@ pub struct FsckReport {
     pub unreadable_blocks: u64,
     /// Referenced PBAs whose fingerprint another referenced PBA also has: a
     /// copy inline dedup missed (not an error; out-of-line dedup merges
-    /// them; with verify, possibly a true collision).
+    /// them; with verify, possibly a true collision). Fingerprints are
+    /// compared by their first 64 bits (two different ones agree there
+    /// with odds of 2^-64 per pair), so the count's memory stays within
+    /// the index budget however many copies a block has.
     pub duplicate_copies: u64,
     /// One line per problem found.
     pub problems: Vec<String>,
@@ -592,11 +590,10 @@ impl Engine {
             self.backend.read_blocks(Pba(p), &mut block).ok()?;
             Some(self.hash.fingerprint(&block))
         };
-        // PBAs (ascending) whose stored fingerprint does not match their
-        // data, remembered by a check without repair (a repair corrects the
-        // stored fingerprint at once instead)
-        let mut mismatched: Vec<u64> = Vec::new();
-        let mut dups = KeySorter::new(m.stored_blocks, budget, 16, scratch());
+        // (fingerprint key, 1) per referenced block, counted: equal keys
+        // merge as they are sorted, so one block stored a million times
+        // costs a pair, not a million
+        let mut dups = KeySorter::counting(m.stored_blocks, budget, 16, scratch());
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
             let rc = m.refcounts.get_u32(p);
             if rc != want {
@@ -651,15 +648,13 @@ impl Engine {
                     );
                     if opts.repair {
                         m.fingerprints.set(p, &actual);
-                    } else if mismatched.len() < MISMATCHED_REMEMBERED_MAX {
-                        mismatched.push(p);
                     }
                 }
                 actual
             } else {
                 stored
             };
-            dups.push(crate::index::key_of(&fp), p);
+            dups.push(crate::index::key_of(&fp), 1);
             Ok(())
         };
         let mut next = 0u64;
@@ -686,26 +681,26 @@ impl Engine {
         })?;
         for_each_referenced(&mut m, next..rc_len, |m, q| check(m, q, 0))?;
 
-        // equal fingerprints on two referenced PBAs: a duplicate copy that
-        // inline dedup missed (memory-only lookups under a small budget) —
-        // not an inconsistency; out-of-line dedup merges them
-        // (None: unreadable now)
+        // a referenced block's fingerprint, from its data where the stored
+        // one cannot be used (None: unreadable now), for the repair
         let mut fp_of = |m: &crate::meta::Meta, p: u64| -> Option<Fingerprint> {
             let stored = m.fingerprint_of(Pba(p));
-            if needs_hash(p, &stored) || mismatched.binary_search(&p).is_ok() {
+            if needs_hash(p, &stored) {
                 hash_of(p)
             } else {
                 Some(stored)
             }
         };
+        // equal fingerprints on two referenced PBAs: a duplicate copy that
+        // inline dedup missed (memory-only lookups under a small budget) —
+        // not an inconsistency; out-of-line dedup merges them
+        // (the blocks' fingerprints as the check found them, their data's
+        // where it was hashed; equal by their first 64 bits, where two
+        // different fingerprints meet with odds of 2^-64 per pair)
         dups.for_each_sorted::<std::io::Error>(|pairs| {
-            crate::keysort::for_each_equal_key_run(pairs, |run| {
-                // (a block unreadable by now is left out of the count)
-                let mut fps: Vec<Fingerprint> =
-                    run.iter().filter_map(|&(_, p)| fp_of(&m, p)).collect();
-                fps.sort_unstable();
-                r.duplicate_copies += fps.windows(2).filter(|w| w[0] == w[1]).count() as u64;
-            });
+            for &(_, copies) in pairs {
+                r.duplicate_copies += copies.saturating_sub(1);
+            }
             Ok(())
         })
         .map_err(|e| crate::error::EngineError::io("reading the scratch file back", e))?;
