@@ -1718,10 +1718,23 @@ impl Engine {
             }
             m.sequences.forget(id);
             let v = m.volumes.get_mut(&id).expect("looked up above");
+            let old_blocks = v.size_blocks();
             v.record.size_bytes = size_bytes;
             // done, or undone by a resize after one cut short (other
             // shrinks running keep theirs)
             v.record.shrinking_to_bytes = v.shrinking_to.iter().min().map(|&b| b * BLOCK_SIZE_U64);
+            if new_blocks > old_blocks {
+                // a grow: the map is cut at the old end first, in memory
+                // (the last page's tail) and on file (pages a map longer
+                // than its volume kept past it, read as cut at open), so
+                // the grown LBAs read as unmapped now and after a restart
+                v.map.truncate(old_blocks * 8);
+                m.structural_ops.push(Op::SetLen {
+                    file: MetaFile::Map(id),
+                    len_bytes: crate::paged::disk_len(old_blocks * 8),
+                });
+            }
+            let v = m.volumes.get_mut(&id).expect("looked up above");
             v.map.truncate(new_blocks * 8);
             m.structural_ops.push(Op::SetLen {
                 file: MetaFile::Map(id),

@@ -339,6 +339,51 @@ fn a_map_far_longer_than_its_volume_is_read_as_cut_at_the_volume_s_end() {
     assert_intact(&path, &[("a", 600), ("b", 100)]);
 }
 
+/// A map with pages past its volume's (a volume table older than its map):
+/// read as cut at open, and cut on file by a grow, whose new LBAs read as
+/// unmapped then and after a restart.
+#[test]
+fn a_grow_past_a_map_read_as_cut_brings_no_old_entries_back() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let v = e.create_volume("v", 16 << 20).unwrap();
+    e.write(v, 0, &pattern(1), false).unwrap();
+    e.write(v, 3000 * 4096, &pattern(2), false).unwrap();
+    e.close().unwrap();
+    drop(e);
+    // the volume table says 8 MiB (2048 blocks): LBA 3000's page is past it
+    let state_path = path.join("state.json");
+    let mut state: dedupd_engine::store::State =
+        dedupd_engine::store::decode_checked(&std::fs::read(&state_path).unwrap(), &state_path)
+            .unwrap();
+    state.volumes[0].size_bytes = 8 << 20;
+    std::fs::write(&state_path, dedupd_engine::store::encode_checked(&state)).unwrap();
+    // (the block LBA 3000 mapped is now referenced by nothing: a repair
+    // frees it)
+    assert_eq!(fsck_repair(&path).exit_code(), 1);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    e.resize_volume("v", 16 << 20).unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(v, 3000 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "an old entry came back");
+    // a new block may take the freed one
+    e.write(v, 4096, &pattern(3), false).unwrap();
+    e.close().unwrap();
+    drop(e);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    e.read(v, 3000 * 4096, &mut buf).unwrap();
+    assert!(
+        buf.iter().all(|&b| b == 0),
+        "an old entry came back after a restart"
+    );
+    e.read(v, 0, &mut buf).unwrap();
+    assert!(buf == pattern(1));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+    drop(e);
+    assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
+}
+
 #[test]
 fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
     let d = tempfile::tempdir().unwrap();
