@@ -176,19 +176,27 @@ pub fn open_paged(
             while page < last {
                 let n = (last - page).min(SCAN_PAGES);
                 let bytes = &mut buf[..(n * PS) as usize];
+                // pages that cannot be read (EIO) are damage, as pages that
+                // fail their checksum are: handled by what the file is
+                // (a volume read-only, the store stopped naming fsck)
+                let mut unreadable = Vec::new();
                 if read_padded(f, bytes, page * PS).is_err() {
                     // page by page, leaving out those the journal replaces
                     // whole (their copies here are never needed)
                     for (k, img) in bytes.chunks_exact_mut(PAGE_SIZE).enumerate() {
                         let p = page + k as u64;
-                        if !overlay.pages.contains_key(&p) {
-                            read_padded(f, img, p * PS)?;
+                        if !overlay.pages.contains_key(&p) && read_padded(f, img, p * PS).is_err() {
+                            unreadable.push(p);
                         }
                     }
                 }
                 for (k, img) in bytes.chunks_exact(PAGE_SIZE).enumerate() {
                     let p = page + k as u64;
                     if overlay.pages.contains_key(&p) {
+                        continue;
+                    }
+                    if unreadable.contains(&p) {
+                        damaged.push(p);
                         continue;
                     }
                     match decode_page(img, tag, p) {
@@ -328,6 +336,43 @@ mod tests {
             &mut |_, _| {},
         )
         .unwrap();
+        assert_eq!(opened.array.get_u32(0), u32::from_le_bytes([9; 4]));
+    }
+
+    #[test]
+    fn a_page_that_cannot_be_read_is_damage_not_an_error() {
+        // (a write-only file fails every read, as bad sectors would)
+        let which = MetaFile::Refcounts;
+        let tag = which.page_tag();
+        let named = tempfile::NamedTempFile::new().unwrap();
+        for p in 0..2 {
+            named
+                .as_file()
+                .write_all_at(&page_with(tag, p, 1), p * PS)
+                .unwrap();
+        }
+        let unreadable = std::fs::OpenOptions::new()
+            .write(true)
+            .open(named.path())
+            .unwrap();
+        // the journal replaces page 0 whole; page 1 is left unreadable
+        let ops = [Op::Write {
+            file: which,
+            offset: 0,
+            data: page_with(tag, 0, 9),
+        }];
+        let group = CacheGroup::new(4 * PS, OnLoadError::Fault);
+        let opened = open_paged(
+            Some(unreadable),
+            which,
+            &ops.iter().collect::<Vec<_>>(),
+            "rc",
+            &group,
+            None,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        assert_eq!(opened.damaged, [1]);
         assert_eq!(opened.array.get_u32(0), u32::from_le_bytes([9; 4]));
     }
 
