@@ -739,6 +739,9 @@ fn fsck(
             }
         }
     } else {
+        for n in &report.notes {
+            out(&format!("note: {n}"));
+        }
         for p in &report.problems {
             out(&format!("problem: {p}"));
         }

@@ -165,6 +165,11 @@ pub struct FsckReport {
     /// with odds of 2^-64 per pair), so the count's memory stays within
     /// the index budget however many copies a block has.
     pub duplicate_copies: u64,
+    /// What opening the store found that is not a problem of its
+    /// consistency (a damaged `skipped.json`, whose pending work is queued
+    /// again whole; no space for the on-disk fingerprint store), as the
+    /// server warns of it at start.
+    pub notes: Vec<String>,
     /// One line per problem found.
     pub problems: Vec<String>,
     /// True if the problems were repaired and the store written back.
@@ -332,6 +337,7 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
             report.repaired = true;
         }
     }
+    report.notes = engine.notes().to_vec();
     report.close_lists();
     if report.repaired {
         // (the repair is committed: its report, with the data it lost, is

@@ -618,6 +618,13 @@ fn pending_out_of_line_work_survives_a_crash() {
             bytes[10] ^= 0x20;
             std::fs::write(&f, bytes).unwrap();
         }
+        // fsck tells of it too (not a problem of consistency)
+        let check = dedupd_engine::fsck::fsck(&copy, Default::default()).unwrap();
+        assert_eq!(
+            check.notes.iter().any(|n| n.contains("skipped.json")),
+            damaged,
+            "{check:?}"
+        );
         let r = Engine::open(&copy, mains.clone()).unwrap();
         assert_eq!(
             r.notes().iter().any(|n| n.contains("skipped.json")),
