@@ -150,6 +150,9 @@ pub struct FsckReport {
     /// intact ones after it): a repair needs `rehash` (blocks those commits
     /// freed may hold other data now).
     pub journal_lost_commits: bool,
+    /// `repair` was asked for without `rehash` on a store whose journal
+    /// lost commits: it ran as a check, changing nothing.
+    pub repair_refused: bool,
     /// LBAs whose mapping points past the end of the data file (their
     /// block is missing; a repair unmaps them).
     pub lbas_outside_data_file: u64,
@@ -325,7 +328,7 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
                 }
             ),
         );
-        if opts.repair {
+        if opts.repair && !report.repair_refused {
             let written = engine
                 .dir
                 .as_ref()
@@ -451,6 +454,18 @@ impl Engine {
 
     fn check_and_repair(&self, opts: FsckOptions) -> Result<FsckReport> {
         let mut r = FsckReport::default();
+        // commits lost with the journal may have freed blocks that were
+        // then reused for other data: their stored fingerprints, and so
+        // the index a repair rebuilds from them, can be wrong (new writes
+        // would share blocks by a fingerprint their bytes no longer have).
+        // Such a repair without rehash runs as a check: nothing is changed,
+        // in memory or on file
+        r.journal_lost_commits = self.damage.iter().any(|d| d.file.ends_with("journal"));
+        r.repair_refused = opts.repair && r.journal_lost_commits && !opts.rehash;
+        let opts = FsckOptions {
+            repair: opts.repair && !r.repair_refused,
+            ..opts
+        };
         let data_blocks = self
             .backend
             .len_bytes()
@@ -716,13 +731,7 @@ impl Engine {
         if m.paging_faults() > faults_before {
             crate::engine::fault_check(&m)?;
         }
-        // commits lost with the journal may have freed blocks that were
-        // then reused for other data: their stored fingerprints, and so
-        // the index a repair rebuilds from them, can be wrong (new writes
-        // would share blocks by a fingerprint their bytes no longer have)
-        let journal_lost = self.damage.iter().any(|d| d.file.ends_with("journal"));
-        r.journal_lost_commits = journal_lost;
-        if opts.repair && journal_lost && !opts.rehash {
+        if r.repair_refused {
             r.problems.push(
                 "the journal lost commits: blocks they freed may hold other data now, so \
                  a repair must fingerprint every stored block again: not repaired; run \

@@ -788,6 +788,26 @@ fn missing_journal_or_data_file_is_refused() {
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     assert!(path.join("journal").exists());
     assert!(!path.join("journal.repair").exists());
+    // with the superblock lost too, the refused repair still changes
+    // nothing: no superblock written, nothing put in place
+    let both = build(&d.path().join("both"));
+    std::fs::remove_file(both.join("journal")).unwrap();
+    std::fs::remove_file(both.join("superblock")).unwrap();
+    let before = store_files(&both);
+    let plain = fsck_repair(&both);
+    assert_eq!(plain.exit_code(), 4, "{plain:?}");
+    assert!(plain.repair_refused && !plain.repaired);
+    let after = store_files(&both);
+    let changed: Vec<_> = after
+        .iter()
+        // (the on-disk fingerprint groups are rebuilt at every open)
+        .filter(|(p, b)| before.get(*p) != Some(b) && !p.ends_with("fpgroups"))
+        .map(|(p, _)| p.clone())
+        .collect();
+    assert!(
+        changed.is_empty() && after.len() == before.len(),
+        "a refused repair wrote the store: {changed:?}"
+    );
     // a repair killed before its commit leaves its journal under the
     // other name: the store stays refused, and the next repair goes on
     let again = build(&d.path().join("again"));
