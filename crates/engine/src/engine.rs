@@ -413,7 +413,7 @@ pub struct Engine {
     pub(crate) hash: HashAlgorithm,
     pub(crate) backend: Box<dyn BlockBackend>,
     pub(crate) meta: Mutex<Meta>,
-    pub(crate) reuse: RwLock<()>,
+    reuse: RwLock<()>,
     commit: Mutex<CommitState>,
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
@@ -3004,16 +3004,12 @@ impl Engine {
             m.change_count
         };
         let mut c = lock(&self.commit);
+        // (the writes this flush covers may be in the chain replayed at
+        // open: made durable before anything is acknowledged)
+        self.replayed_chain_durable(&mut c)?;
         if c.durable_changes >= entry_changes {
             // a flush that started after us committed everything we need
-            // (or there is nothing to commit: the writes this flush covers
-            // may be in the chain replayed at open, made durable first)
-            self.sync_data()?;
-            if let Some(j) = c.journal.as_mut() {
-                j.make_head_durable()
-                    .map_err(|e| EngineError::io("writing the journal", e))?;
-            }
-            return Ok(());
+            return self.sync_data();
         }
         let seq = c.journal.as_ref().map_or(0, |j| j.next_seq());
         let was_over;
@@ -3123,6 +3119,25 @@ impl Engine {
                 .map(|_| ())
                 .map_err(|e| EngineError::io("writing the journal", e)),
             None => Ok(()),
+        }
+    }
+
+    /// Makes the journal chain replayed at open durable, once
+    /// ([`Journal::make_head_durable`]); if it reads back other than it
+    /// was replayed (a sync of it failed in an earlier process and its
+    /// pages were lost since), what was replayed, held in memory, is put
+    /// in place by a checkpoint instead, which also restarts the journal.
+    fn replayed_chain_durable(&self, c: &mut CommitState) -> Result<()> {
+        let Some(j) = c.journal.as_mut() else {
+            return Ok(());
+        };
+        if !j.replayed_chain_pending() {
+            return Ok(());
+        }
+        match j.make_head_durable() {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => self.checkpoint_locked(c),
+            Err(e) => Err(EngineError::io("writing the journal", e)),
         }
     }
 

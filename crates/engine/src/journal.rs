@@ -636,8 +636,10 @@ impl Journal {
     /// on disk, dropped from the page cache since) is an error: what the
     /// disk holds is then what the next start replays.
     ///
-    /// Errors: reading, writing or syncing the file, or a transaction
-    /// changed since it was replayed; it is tried again next time.
+    /// Errors: reading, writing or syncing the file; a transaction changed
+    /// since it was replayed ([`io::ErrorKind::InvalidData`]: the caller
+    /// puts what it replayed in place from memory instead, a checkpoint);
+    /// it is tried again next time.
     pub fn make_head_durable(&mut self) -> io::Result<()> {
         if self.replayed.is_empty() {
             return Ok(());
@@ -670,12 +672,15 @@ impl Journal {
                 at += n as u64;
             }
             if crc != want_crc || u32::from_le_bytes(tail) != want_crc {
-                return Err(io::Error::other(format!(
-                    "the journal transaction at byte {} reads back other than it was \
-                     replayed at start (an earlier sync of it failed and its pages were \
-                     lost): restart dedupd to recover what the disk holds",
-                    end - len
-                )));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "the journal transaction at byte {} reads back other than it was \
+                         replayed at start (an earlier sync of it failed and its pages \
+                         were lost)",
+                        end - len
+                    ),
+                ));
             }
         }
         self.observer
@@ -685,6 +690,12 @@ impl Journal {
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.replayed.clear();
         Ok(())
+    }
+
+    /// True while the chain replayed at open is not known to be durable
+    /// (see [`Journal::make_head_durable`]).
+    pub fn replayed_chain_pending(&self) -> bool {
+        !self.replayed.is_empty()
     }
 
     /// Bytes of transactions written since the journal was opened (across

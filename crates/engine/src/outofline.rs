@@ -320,9 +320,11 @@ impl Engine {
     /// without the metadata lock (foreground requests do not wait on these
     /// reads): per record, (its PBA, the reuse epoch when it was looked
     /// up, its fingerprint), or `None` (hashed, unmapped, unreadable: left
-    /// to [`Engine::examine`]). A block is read under the `reuse` guard,
-    /// and its fingerprint used only while the epoch is unchanged, so a
-    /// block freed and reused meanwhile is read again under the lock.
+    /// to [`Engine::examine`]). Mapped blocks are never written in place,
+    /// and a freed one becomes reusable only with the epoch's increment,
+    /// so a fingerprint is used only while the epoch is unchanged (no
+    /// guard is held: a commit making frees reusable meanwhile does not
+    /// wait on these reads, and the block is read again under the lock).
     fn hash_unhashed(
         &self,
         chunk: &[(VolumeId, u64)],
@@ -343,7 +345,6 @@ impl Engine {
         if wanted.iter().all(Option::is_none) {
             return vec![None; chunk.len()];
         }
-        let _no_reuse = self.reuse.read().unwrap_or_else(|e| e.into_inner());
         let mut block = vec![0u8; BLOCK_SIZE];
         wanted
             .into_iter()
