@@ -114,6 +114,11 @@ const SCAN_CHUNK: u64 = 1024;
 /// Skipped records examined under one hold of the metadata lock.
 const PASS_CHUNK: usize = 64;
 
+/// Room left in the pending merges before a record is examined (the
+/// merges one record plans: its copies); with less, the pass stops and
+/// applies them first, the records left going back to the buffer.
+const MERGE_HEADROOM: usize = 64;
+
 /// A scan of the volume maps applying merges (copy PBA → kept PBA), which
 /// can stop and resume ([`Engine::apply_pending_merges`]).
 #[derive(Debug, Default)]
@@ -238,6 +243,20 @@ impl Engine {
             // bounds on uncommitted metadata and pending frees)
             let done = self
                 .pass_chunk(chunk, &sizes, &mut r)
+                .map(|stopped| {
+                    if let Some(i) = stopped {
+                        // the pending merges are near their bound: the
+                        // records left wait for them to be applied below
+                        let mut m = lock(&self.meta);
+                        m.skipped_in_flight.clear();
+                        for &(vol, lba) in &items[k * PASS_CHUNK + i..] {
+                            if sizes.contains_key(&vol) {
+                                m.skipped.record(vol, lba);
+                            }
+                        }
+                    }
+                    stopped.is_some()
+                })
                 .map_err(|(i, e)| {
                     // (a record whose own block could not be read is
                     // dropped; one that met the fingerprint store is kept,
@@ -251,10 +270,23 @@ impl Engine {
                         ExamineError::Block(e) | ExamineError::Index(e) => (failed + 1, e),
                     }
                 })
-                .and_then(|()| {
+                .and_then(|stopped| {
+                    // (a pass that stopped gave its other records back)
+                    let rest = if stopped {
+                        items.len()
+                    } else {
+                        ((k + 1) * PASS_CHUNK).min(items.len())
+                    };
                     self.after_write(false)
-                        .map_err(|e| (((k + 1) * PASS_CHUNK).min(items.len()), e))
+                        .map(|()| stopped)
+                        .map_err(|e| (rest, e))
                 });
+            if let Ok(stopped) = done {
+                if stopped {
+                    break;
+                }
+                continue;
+            }
             if let Err((rest, e)) = done {
                 // the records from `rest` on go back to the buffer: a
                 // record whose block cannot be read is left to `dedupd
@@ -289,20 +321,27 @@ impl Engine {
     }
 
     /// Examines one chunk of skipped records under one hold of the
-    /// metadata lock. On an error, returns it with the position in `chunk`
-    /// of the record that met it (those before it are done).
+    /// metadata lock. Returns `Some(i)` if it stopped before record `i`
+    /// because the pending merges are near their bound (the rest wait for
+    /// them to be applied). On an error, returns it with the position in
+    /// `chunk` of the record that met it (those before it are done).
     fn pass_chunk(
         &self,
         chunk: &[(VolumeId, u64)],
         sizes: &HashMap<VolumeId, u64>,
         r: &mut PassReport,
-    ) -> std::result::Result<(), (usize, ExamineError)> {
+    ) -> std::result::Result<Option<usize>, (usize, ExamineError)> {
         let hashed = self.hash_unhashed(chunk, sizes);
         let mut m = lock(&self.meta);
         m.collect_displaced();
-        let mut result = Ok(());
+        let mut result = Ok(None);
         let mut examined = chunk.len();
         for (i, &(vol, lba)) in chunk.iter().enumerate() {
+            if m.pending_merges.len() + MERGE_HEADROOM > crate::meta::MAX_PENDING_MERGES {
+                result = Ok(Some(i));
+                examined = i;
+                break;
+            }
             if let Err(e) = self.examine(&mut m, vol, lba, sizes, r, hashed[i]) {
                 result = Err((i, e));
                 examined = i;
@@ -1007,17 +1046,22 @@ impl Engine {
 /// merged `done` blocks: a period of its batch (at least 20 ms while
 /// clients are busy), or longer when the pass did more than a batch (a
 /// dirty region or a whole volume's slice is taken whole, a merge scan
-/// applies many merges), so `rate_blocks_per_s` holds on average.
+/// applies many merges), so `rate_blocks_per_s` holds on average, up to
+/// [`MAX_PASS_WAIT`].
 fn pass_wait(done: u64, rate_blocks_per_s: u64, period: Duration, busy: bool) -> Duration {
     let floor = if busy {
         period.max(Duration::from_millis(20))
     } else {
         period
     };
-    floor.max(Duration::from_secs_f64(
-        done as f64 / rate_blocks_per_s.max(1) as f64,
-    ))
+    // (at most 10 s: the worker keeps its share under pressure)
+    floor.max(
+        Duration::from_secs_f64(done as f64 / rate_blocks_per_s.max(1) as f64).min(MAX_PASS_WAIT),
+    )
 }
+
+/// Longest wait after one pass (a merge scan that applied many merges).
+const MAX_PASS_WAIT: Duration = Duration::from_secs(10);
 
 /// The running background worker; dropping it stops the worker and waits.
 pub struct WorkerHandle {
@@ -1609,10 +1653,11 @@ mod tests {
             pass_wait(1, 100_000, Duration::from_micros(640), true),
             Duration::from_millis(20)
         );
+        assert_eq!(pass_wait(65_536, 1000, period, false), super::MAX_PASS_WAIT);
     }
 
     #[test]
-    fn a_merge_dropped_at_its_bound_queues_the_volumes_whole_and_dedup_stays_exact() {
+    fn pending_merges_at_their_bound_are_applied_before_more_records_are_examined() {
         let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
         let v = e.create_volume("v", 1 << 20).unwrap();
         let content = [7u8; BLOCK_SIZE];
@@ -1637,11 +1682,39 @@ mod tests {
                 copy += 1;
             }
         }
-        // LBA 1 moves onto LBA 0's copy; the merge of its old copy, which
-        // LBA 2 still maps, does not fit: the volume is queued whole
-        e.dedup_pass(1).unwrap();
-        assert_eq!(e.stats().skipped.volumes, 1, "{:?}", e.stats().skipped);
-        assert!(e.stats().skipped.degradations >= 1);
+        // the pass examines nothing: it applies the merges, and the record
+        // waits in the buffer (no merge is dropped, nothing degrades)
+        let r = e.dedup_pass(1).unwrap();
+        assert_eq!(r.blocks_examined, 0);
+        assert_eq!(e.stats().pending_merges, 0);
+        assert_eq!(e.stats().skipped.records, 1);
+        assert_eq!(e.stats().skipped.degradations, 0);
+        for _ in 0..1000 {
+            if !e.dedup_pass(256).unwrap().work_remaining {
+                break;
+            }
+        }
+        assert_eq!(e.stats().physical_blocks_stored, 1, "a copy was forgotten");
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
+    #[test]
+    fn a_merge_that_cannot_be_kept_queues_the_volumes_whole_and_dedup_stays_exact() {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let content = [7u8; BLOCK_SIZE];
+        e.write(v, 0, &content, false).unwrap();
+        e.write(v, 4096, &content, false).unwrap();
+        {
+            let mut m = lock(&e.meta);
+            let p1 = m.volumes[&v].get(Lba(1)).unwrap();
+            m.remap(v, Lba(2), Some(p1));
+            m.skipped = crate::skipped::SkippedBuffer::new(64 << 10);
+            // (as when the index's list of dropped copies overflows)
+            m.merges_dropped();
+        }
+        assert_eq!(e.stats().skipped.volumes, 1);
+        assert_eq!(e.stats().skipped.degradations, 1);
         for _ in 0..1000 {
             if !e.dedup_pass(256).unwrap().work_remaining {
                 break;

@@ -106,11 +106,15 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 // This option cannot be answered with an error.
                 return Ok(Outcome::Closed);
             }
+            if stopping.load(Ordering::SeqCst) {
+                // as any option during a shutdown, without reading its
+                // data (up to 4 GiB): the client disconnects on it
+                let _ = reply(w, option, proto::REP_ERR_SHUTDOWN, b"server shutting down")
+                    .and_then(|()| w.flush());
+                return Ok(Outcome::Closed);
+            }
             discard(r, u64::from(hdr.length))?;
-            let code = if stopping.load(Ordering::SeqCst) {
-                // (as any option during a shutdown: the client disconnects)
-                proto::REP_ERR_SHUTDOWN
-            } else if option == proto::OPT_LIST {
+            let code = if option == proto::OPT_LIST {
                 // (LIST takes no data at all: any is invalid, as below)
                 proto::REP_ERR_INVALID
             } else if known_option(option) {

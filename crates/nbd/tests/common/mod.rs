@@ -335,6 +335,14 @@ impl<S: Read + Write> Client<S> {
         self.s.write_all(&b).unwrap();
     }
 
+    /// Sends an option's header announcing `len` bytes of data, and none.
+    pub fn send_option_header(&mut self, option: u32, len: u32) {
+        let mut b = proto::IHAVEOPT.to_be_bytes().to_vec();
+        b.extend_from_slice(&option.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        self.s.write_all(&b).unwrap();
+    }
+
     pub fn option_reply(&mut self) -> OptReply {
         let h = self.read_n(20);
         assert_eq!(&h[0..8], &proto::OPTION_REPLY_MAGIC.to_be_bytes());
