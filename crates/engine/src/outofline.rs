@@ -1656,6 +1656,18 @@ mod tests {
         assert_eq!(pass_wait(65_536, 1000, period, false), super::MAX_PASS_WAIT);
     }
 
+    /// Runs passes until no work remains: one stored copy is left, and
+    /// the metadata is consistent.
+    fn drained_to_one_copy(e: &Engine) {
+        for _ in 0..1000 {
+            if !e.dedup_pass(256).unwrap().work_remaining {
+                break;
+            }
+        }
+        assert_eq!(e.stats().physical_blocks_stored, 1, "a copy was forgotten");
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+
     #[test]
     fn pending_merges_at_their_bound_are_applied_before_more_records_are_examined() {
         let e = Engine::in_memory_with(HashAlgorithm::Sha256, inline_off());
@@ -1689,13 +1701,7 @@ mod tests {
         assert_eq!(e.stats().pending_merges, 0);
         assert_eq!(e.stats().skipped.records, 1);
         assert_eq!(e.stats().skipped.degradations, 0);
-        for _ in 0..1000 {
-            if !e.dedup_pass(256).unwrap().work_remaining {
-                break;
-            }
-        }
-        assert_eq!(e.stats().physical_blocks_stored, 1, "a copy was forgotten");
-        assert!(e.check().is_empty(), "{:?}", e.check());
+        drained_to_one_copy(&e);
     }
 
     #[test]
@@ -1715,13 +1721,7 @@ mod tests {
         }
         assert_eq!(e.stats().skipped.volumes, 1);
         assert_eq!(e.stats().skipped.degradations, 1);
-        for _ in 0..1000 {
-            if !e.dedup_pass(256).unwrap().work_remaining {
-                break;
-            }
-        }
-        assert_eq!(e.stats().physical_blocks_stored, 1, "a copy was forgotten");
-        assert!(e.check().is_empty(), "{:?}", e.check());
+        drained_to_one_copy(&e);
     }
 
     #[test]

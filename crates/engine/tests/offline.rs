@@ -17,16 +17,23 @@ fn block(k: u64) -> Vec<u8> {
     b
 }
 
-#[test]
-fn offline_pass_with_a_spilled_sort_is_exact() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = EngineConfig {
-        // inline dedup off (low-power mode): every block is stored as written
+/// Inline dedup off (low-power mode): every block is stored as written.
+fn inline_off() -> EngineConfig {
+    EngineConfig {
         selectivity: SelectivityConfig {
             adaptive: true,
             load_aware: false,
             power: PowerSource::Battery(5.0),
         },
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn offline_pass_with_a_spilled_sort_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        selectivity: inline_off().selectivity,
         // 64 KiB for the index, and so for the sort's buckets: the
         // 12 000 stored blocks' pairs (192 KB) spill
         index: IndexConfig {
@@ -88,14 +95,7 @@ fn blocks_the_offline_pass_fingerprints_are_indexed_for_inline_dedup() {
     // stored unhashed (inline dedup off), then fingerprinted by the full
     // pass: a later write of one of their contents finds it inline
     // instead of storing another copy
-    let cfg = EngineConfig {
-        selectivity: SelectivityConfig {
-            adaptive: true,
-            load_aware: false,
-            power: PowerSource::Battery(5.0),
-        },
-        ..EngineConfig::default()
-    };
+    let cfg = inline_off();
     let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
     let v = e.create_volume("v", 64 * 4096).unwrap();
     for k in 0..8 {
@@ -123,14 +123,7 @@ fn blocks_the_offline_pass_fingerprints_are_indexed_for_inline_dedup() {
 
 #[test]
 fn one_offline_pass_runs_at_a_time() {
-    let cfg = EngineConfig {
-        selectivity: SelectivityConfig {
-            adaptive: true,
-            load_aware: false,
-            power: PowerSource::Battery(5.0),
-        },
-        ..EngineConfig::default()
-    };
+    let cfg = inline_off();
     let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
     let v = e.create_volume("v", 64 * 4096).unwrap();
     for k in 0..16 {
