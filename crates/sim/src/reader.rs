@@ -77,7 +77,10 @@ pub fn detect_format(head: &[u8]) -> Format {
         .map(|l| l.trim_ascii())
         .find(|l| !l.is_empty() && l[0] != b'#')
         .unwrap_or(&[]);
-    if first.contains(&b'\t') {
+    // MobileAppTraces: 6 or 7 tab-separated fields (an FIU line has 9 or
+    // more, whatever separates them)
+    let tab_fields = first.split(|&c| c == b'\t').count();
+    if (6..=7).contains(&tab_fields) {
         Format::Mobile
     } else {
         Format::Fiu

@@ -273,6 +273,19 @@ fn mobile_format_is_detected_and_read() {
 }
 
 #[test]
+fn an_fiu_trace_separated_by_tabs_is_read_as_fiu() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("1\t1\tp\t0\t8\tW\t8\t0\t{}\n", h(3));
+    let p = write(dir.path(), "tab.fiu", &text);
+    assert_eq!(
+        dedupd_sim::detect_format(text.as_bytes()),
+        dedupd_sim::Format::Fiu
+    );
+    let s = trace_stats(&p, None, false).unwrap();
+    assert_eq!((s.format, s.writes), (Some(Format::Fiu), 1));
+}
+
+#[test]
 fn a_process_name_with_a_slash_keeps_the_file_in_its_volume_name() {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
