@@ -618,12 +618,17 @@ impl Engine {
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
             let rc = m.refcounts.get_u32(p);
             if rc != want {
-                if rc > want && want == 0 {
+                // (a block past the data file's end: its LBAs are named
+                // above, mapped past the end; not leaked space)
+                let past_end = p >= data_blocks;
+                if rc > want && want == 0 && !past_end {
                     r.leaked_blocks += 1;
                 }
                 r.note_problem(format!(
                     "PBA {p}: reference count {rc}, mapped by {want} LBA(s){}",
-                    if rc < want {
+                    if past_end {
+                        " (past the end of the data file)"
+                    } else if rc < want {
                         " (would be freed while in use)"
                     } else {
                         ""

@@ -1115,6 +1115,8 @@ fn truncated_data_file(len_bytes: u64) {
     assert_eq!(check.exit_code(), 4, "{check:?}");
     // volume a's blocks 300..600 were stored past the new end
     assert_eq!(check.lbas_outside_data_file, 300);
+    // (their blocks, past the end, are not leaked space)
+    assert_eq!(check.leaked_blocks, 0, "{check:?}");
     // (named as one run, not 300 lines)
     assert_eq!(
         check.data_lost,
