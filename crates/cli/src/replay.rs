@@ -51,7 +51,7 @@ pub struct ReplayArgs {
 #[derive(clap::Args, Debug)]
 pub struct TraceInputArgs {
     /// Trace format: fiu, mobile, native or auto (detect per file).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = ["fiu", "mobile", "native", "auto"])]
     format: String,
     /// What makes a stream (one volume each): file, process or pid.
     #[arg(long, default_value = "file")]

@@ -22,7 +22,7 @@ pub enum TraceCommand {
         /// Output file (native format).
         output: PathBuf,
         /// Input format: fiu, mobile, native or auto.
-        #[arg(long, default_value = "auto")]
+        #[arg(long, default_value = "auto", value_parser = ["fiu", "mobile", "native", "auto"])]
         format: String,
         /// Count and skip malformed lines.
         #[arg(long)]
@@ -34,7 +34,7 @@ pub enum TraceCommand {
         /// Trace file.
         trace: PathBuf,
         /// Format: fiu, mobile, native or auto.
-        #[arg(long, default_value = "auto")]
+        #[arg(long, default_value = "auto", value_parser = ["fiu", "mobile", "native", "auto"])]
         format: String,
         /// Count and skip malformed lines.
         #[arg(long)]
@@ -52,7 +52,7 @@ pub enum TraceCommand {
 pub struct GenArgs {
     /// fio (uniform duplicates), locality (one good- or weak-locality
     /// stream) or mix (several streams interleaved by time stamp).
-    #[arg(long, default_value = "fio")]
+    #[arg(long, default_value = "fio", value_parser = ["fio", "locality", "mix"])]
     kind: String,
     /// Bytes written in total (suffixes K, M, G).
     #[arg(long, default_value = "64M")]
@@ -64,7 +64,7 @@ pub struct GenArgs {
     #[arg(long, default_value = "1G")]
     volume_size: String,
     /// Address pattern: random or seq.
-    #[arg(long, default_value = "random")]
+    #[arg(long, default_value = "random", value_parser = ["random", "rand", "seq", "sequential"])]
     rw: String,
     /// Percentage of blocks that repeat earlier content.
     #[arg(long, default_value_t = 50.0)]
@@ -75,7 +75,7 @@ pub struct GenArgs {
     #[arg(long)]
     copy_runs: bool,
     /// For --kind locality: good or weak [default: good].
-    #[arg(long)]
+    #[arg(long, value_parser = ["good", "weak"])]
     locality: Option<String>,
     /// Mean reuse distance of good-locality streams, in written blocks
     /// [default: 64].
@@ -193,10 +193,8 @@ const DEFAULT_MEAN_REUSE_BLOCKS: f64 = 64.0;
 fn gen(g: GenArgs) -> anyhow::Result<()> {
     let size =
         |flag: &str, s: &str| parse_size(s).map_err(|e| anyhow::anyhow!("--{flag} {s:?}: {e}"));
+    // (clap admits only fio, locality and mix)
     let kind = g.kind.as_str();
-    if !["fio", "locality", "mix"].contains(&kind) {
-        bail!("unknown generator kind {kind:?} (fio, locality, mix)");
-    }
     // an option the kind does not use is refused, not ignored
     let only_for = |flag: &str, given: bool, for_kind: &str| {
         if given && kind != for_kind {

@@ -219,6 +219,10 @@ fn assert_refused(dir: &Path, cases: &[(Vec<&str>, &str)]) {
     for (args, why) in cases {
         let out = dedupd().current_dir(dir).args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} succeeded");
+        // (a value outside a flag's list is a usage error, as clap's own)
+        if why.starts_with("invalid value") {
+            assert_eq!(out.status.code(), Some(2), "{args:?}");
+        }
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(why), "{args:?}: {err}");
     }
@@ -245,6 +249,14 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
                 "--index-prefix-bits",
             ),
             (vec!["replay", "--format", "bogus", t], "--format"),
+            (
+                vec!["trace", "gen", "--kind", "bogus", "-o", "x.ddt"],
+                "invalid value 'bogus' for '--kind <KIND>'",
+            ),
+            (
+                vec!["trace", "stats", "--format", "bogus", t],
+                "invalid value 'bogus' for '--format <FORMAT>'",
+            ),
             (
                 vec!["trace", "gen", "--size", "4iB", "-o", "x.ddt"],
                 "--size",
