@@ -9,7 +9,8 @@
 //!   alone), the share of duplicates found is compared with the mean of
 //!   the last 30 windows' shares; when it falls the factor is multiplied
 //!   by 0.9 (floor 30 %), when it rises by 1.3 (cap 100 %) — the paper's
-//!   "10 %" and "30 %" read as relative steps;
+//!   "10 %" and "30 %" read as relative steps; the first three windows
+//!   only fill the history (a mean of fewer says little);
 //! - **load** (with `load_aware`): when CPU or I/O pressure
 //!   (`/proc/pressure/{cpu,io}`, "some" avg10) passes 50 %, the factor
 //!   halves; under 20 % it is 1. Without pressure stall information (a
