@@ -40,6 +40,18 @@ fn fsck_repair(path: &Path) -> dedupd_engine::fsck::FsckReport {
     .unwrap()
 }
 
+/// `fsck --repair --rehash` of the store at `path`.
+fn fsck_rehash_repair(path: &Path) -> dedupd_engine::fsck::FsckReport {
+    fsck(
+        path,
+        FsckOptions {
+            repair: true,
+            rehash: true,
+        },
+    )
+    .unwrap()
+}
+
 /// The map file of the volume created first (volume `a` of [`build`]).
 fn first_map_file(store: &Path) -> PathBuf {
     std::fs::read_dir(store.join("maps"))
@@ -720,14 +732,7 @@ fn a_damaged_transaction_before_intact_ones_is_refused() {
         assert!(after.get(f) == Some(b), "the check changed {f:?}");
     }
     assert_eq!(after.len(), before.len(), "the check made files");
-    let fixed = fsck(
-        &crash,
-        FsckOptions {
-            repair: true,
-            rehash: true,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_rehash_repair(&crash);
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     let again = fsck(
         &crash,
@@ -777,14 +782,7 @@ fn missing_journal_or_data_file_is_refused() {
         plain.problems
     );
     assert!(!path.join("journal").exists());
-    let fixed = fsck(
-        &path,
-        FsckOptions {
-            repair: true,
-            rehash: true,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_rehash_repair(&path);
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     assert!(path.join("journal").exists());
     assert!(!path.join("journal.repair").exists());
@@ -815,14 +813,7 @@ fn missing_journal_or_data_file_is_refused() {
     std::fs::write(again.join("journal.repair"), b"").unwrap();
     assert!(Engine::open(&again, EngineConfig::default()).is_err());
     assert_eq!(fsck(&again, FsckOptions::default()).unwrap().exit_code(), 4);
-    let fixed = fsck(
-        &again,
-        FsckOptions {
-            repair: true,
-            rehash: true,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_rehash_repair(&again);
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     assert_intact(&again, &[("a", 600), ("b", 100)]);
     assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
@@ -1122,14 +1113,7 @@ fn truncated_data_file(len_bytes: u64) {
         check.data_lost,
         ["volume a: LBAs 300-599 (300) unmapped (data missing)"]
     );
-    let fixed = fsck(
-        &path,
-        FsckOptions {
-            repair: true,
-            rehash: true,
-        },
-    )
-    .unwrap();
+    let fixed = fsck_rehash_repair(&path);
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     assert_eq!(
         fsck(
