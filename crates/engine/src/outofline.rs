@@ -238,68 +238,53 @@ impl Engine {
             m.skipped_in_flight.clone_from(&items);
             (items, sizes)
         };
+        // records not examined go back to the buffer (those of volumes
+        // the pass leaves alone are dropped, as taking them did)
+        let give_back = |from: usize| {
+            let mut m = lock(&self.meta);
+            m.skipped_in_flight.clear();
+            for &(vol, lba) in &items[from..] {
+                if sizes.contains_key(&vol) {
+                    m.skipped.record(vol, lba);
+                }
+            }
+        };
         for (k, chunk) in items.chunks(PASS_CHUNK).enumerate() {
-            // (a commit between chunks when the pass's changes pass the
-            // bounds on uncommitted metadata and pending frees)
-            let done = self
-                .pass_chunk(chunk, &sizes, &mut r)
-                .map(|stopped| {
-                    if let Some(i) = stopped {
-                        // the pending merges are near their bound: the
-                        // records left wait for them to be applied below
-                        let mut m = lock(&self.meta);
-                        m.skipped_in_flight.clear();
-                        for &(vol, lba) in &items[k * PASS_CHUNK + i..] {
-                            if sizes.contains_key(&vol) {
-                                m.skipped.record(vol, lba);
-                            }
-                        }
-                    }
-                    stopped.is_some()
-                })
-                .map_err(|(i, e)| {
-                    // (a record whose own block could not be read is
-                    // dropped; one that met the fingerprint store is kept,
-                    // unless it was the pass's first: every pass then
-                    // does or drops at least one record, so records that
-                    // keep failing cannot hold the buffer, and the merges
-                    // waiting for it to empty, for ever)
+            let stopped = match self.pass_chunk(chunk, &sizes, &mut r) {
+                Ok(stopped) => stopped,
+                Err((i, e)) => {
+                    // a record whose own block could not be read is
+                    // dropped (left to `dedupd dedup --offline`: retrying
+                    // it at every pass would stall the buffer behind it);
+                    // one that met the fingerprint store is kept, unless
+                    // it was the pass's first: every pass then does or
+                    // drops at least one record, so records that keep
+                    // failing cannot hold the buffer, and the merges
+                    // waiting for it to empty, for ever
                     let failed = k * PASS_CHUNK + i;
-                    match e {
+                    let (rest, e) = match e {
                         ExamineError::Index(e) if failed > 0 => (failed, e),
                         ExamineError::Block(e) | ExamineError::Index(e) => (failed + 1, e),
-                    }
-                })
-                .and_then(|stopped| {
-                    // (a pass that stopped gave its other records back)
-                    let rest = if stopped {
-                        items.len()
-                    } else {
-                        ((k + 1) * PASS_CHUNK).min(items.len())
                     };
-                    self.after_write(false)
-                        .map(|()| stopped)
-                        .map_err(|e| (rest, e))
-                });
-            if let Ok(stopped) = done {
-                if stopped {
-                    break;
+                    give_back(rest);
+                    return Err(e);
                 }
-                continue;
+            };
+            // the pending merges near their bound: the records left wait
+            // for them to be applied below
+            if let Some(i) = stopped {
+                give_back(k * PASS_CHUNK + i);
             }
-            if let Err((rest, e)) = done {
-                // the records from `rest` on go back to the buffer: a
-                // record whose block cannot be read is left to `dedupd
-                // dedup --offline` (retrying it at every pass would stall
-                // the buffer behind it)
-                let mut m = lock(&self.meta);
-                m.skipped_in_flight.clear();
-                for &(vol, lba) in &items[rest..] {
-                    if sizes.contains_key(&vol) {
-                        m.skipped.record(vol, lba);
-                    }
+            // (a commit between chunks when the pass's changes pass the
+            // bounds on uncommitted metadata and pending frees)
+            if let Err(e) = self.after_write(false) {
+                if stopped.is_none() {
+                    give_back(((k + 1) * PASS_CHUNK).min(items.len()));
                 }
                 return Err(e);
+            }
+            if stopped.is_some() {
+                break;
             }
         }
         // the merges wait for the buffer to empty (one scan of the maps
