@@ -137,7 +137,7 @@ pub fn rebuild_state(
 /// checksum line left off) parses.
 fn salvage(bytes: &[u8]) -> Option<State> {
     let text = std::str::from_utf8(bytes).ok()?;
-    let body = text.rfind("crc32c=").map_or(text, |at| &text[..at]);
+    let body = crate::store::split_checked(text).map_or(text, |(body, _)| body);
     serde_json::from_str(body).ok()
 }
 

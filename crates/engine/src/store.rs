@@ -234,6 +234,11 @@ fn with_crc_line(mut body: Vec<u8>) -> Vec<u8> {
     body
 }
 
+/// The JSON body and the checksum line of what [`encode_checked`] wrote.
+pub(crate) fn split_checked(text: &str) -> Option<(&str, &str)> {
+    text.rfind("crc32c=").map(|pos| text.split_at(pos))
+}
+
 /// Parses what [`encode_checked`] wrote; `path` names the file in errors.
 pub fn decode_checked<T: for<'de> Deserialize<'de>>(bytes: &[u8], path: &Path) -> Result<T> {
     let corrupt = |detail: String| EngineError::Corrupt {
@@ -241,10 +246,7 @@ pub fn decode_checked<T: for<'de> Deserialize<'de>>(bytes: &[u8], path: &Path) -
         detail,
     };
     let text = std::str::from_utf8(bytes).map_err(|_| corrupt("not UTF-8".into()))?;
-    let pos = text
-        .rfind("crc32c=")
-        .ok_or_else(|| corrupt("no checksum line".into()))?;
-    let (body, crc_line) = text.split_at(pos);
+    let (body, crc_line) = split_checked(text).ok_or_else(|| corrupt("no checksum line".into()))?;
     let want = u32::from_str_radix(crc_line.trim_start_matches("crc32c=").trim(), 16)
         .map_err(|_| corrupt("bad checksum line".into()))?;
     let got = crc32c::crc32c(body.as_bytes());
