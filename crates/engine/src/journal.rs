@@ -102,21 +102,39 @@ impl MetaFile {
     }
 }
 
-/// One change to a metadata file.
+/// One change to a metadata file. `file` names the file; byte offsets and
+/// lengths are of the file as stored (paged files: of their payload, see
+/// [`Op::Patch`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
     /// Write `data` (normally one 4 KiB page image) at byte `offset`.
     Write {
+        /// File written.
         file: MetaFile,
+        /// Byte offset in the file.
         offset: u64,
+        /// Bytes written there.
         data: Vec<u8>,
     },
     /// Replace the whole content of `file` with `data`.
-    Replace { file: MetaFile, data: Vec<u8> },
+    Replace {
+        /// File replaced (a blob: the volume table or the counters).
+        file: MetaFile,
+        /// Its new content.
+        data: Vec<u8>,
+    },
     /// Set the file's length in bytes.
-    SetLen { file: MetaFile, len_bytes: u64 },
+    SetLen {
+        /// File cut or extended.
+        file: MetaFile,
+        /// Its new length in bytes.
+        len_bytes: u64,
+    },
     /// Remove the file.
-    Remove { file: MetaFile },
+    Remove {
+        /// File removed.
+        file: MetaFile,
+    },
     /// Change `data.len()` payload bytes of a paged file (reference
     /// counts, reverse index, a volume map) at logical byte `offset` (page
     /// `offset / PAYLOAD_SIZE`), within one page, whose trailer is then
@@ -124,8 +142,11 @@ pub enum Op {
     /// the same journal: replay never patches the page in place, which a
     /// crash during a checkpoint may have torn.
     Patch {
+        /// Paged file changed.
         file: MetaFile,
+        /// Logical payload byte offset (page trailers not counted).
         offset: u64,
+        /// New payload bytes, all within one page.
         data: Vec<u8>,
     },
 }

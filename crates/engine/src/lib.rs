@@ -9,6 +9,8 @@
 //! layout), [`meta`] (in-memory metadata and invariants), [`backend`] (block
 //! data), [`engine`] (the write and read paths), [`stats`] (figures).
 
+#![deny(missing_docs)]
+
 pub mod backend;
 pub mod block;
 pub mod cache;

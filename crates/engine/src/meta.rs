@@ -60,6 +60,8 @@ pub struct Volume {
     /// grow back would leave no other trace; see
     /// [`Volume::lowest_shrink_since`]).
     pub shrinks_begun: u64,
+    /// New sizes in blocks of the last [`RECENT_SHRINKS`] shrinks counted
+    /// by `shrinks_begun`, oldest first.
     pub recent_shrinks: std::collections::VecDeque<u64>,
 }
 

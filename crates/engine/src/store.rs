@@ -915,6 +915,11 @@ pub fn read_small(path: &Path, max_bytes: u64) -> Result<Option<Vec<u8>>> {
     Ok(Some(bytes))
 }
 
+/// fsync the directory `path`, so that files created, renamed or removed
+/// in it stay so after a crash.
+///
+/// # Errors
+/// [`EngineError::Io`] naming `path` if it cannot be opened or synced.
 pub fn sync_dir(path: &Path) -> Result<()> {
     File::open(path)
         .and_then(|d| d.sync_all())
