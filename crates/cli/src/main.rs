@@ -184,6 +184,10 @@ enum VolumeCommand {
 }
 
 fn main() {
+    if let Some(msg) = empty_store_env() {
+        eprintln!("error: {msg}");
+        std::process::exit(if invoked_fsck() { 16 } else { 2 });
+    }
     let parsed = Cli::command().try_get_matches().and_then(|m| {
         Cli::from_arg_matches(&m)
             .map(|cli| (cli, m))
@@ -308,6 +312,30 @@ fn only_an_empty_start(dir: &Path) -> bool {
             Err(_) => false,
         }
     })
+}
+
+/// The error for a `DEDUPD_STORE` that is set but empty while `--store`
+/// is not given (clap would blame `--store`, which the user never typed);
+/// with `--store` given, the empty variable is dropped. Runs before any
+/// thread starts.
+fn empty_store_env() -> Option<&'static str> {
+    let empty = std::env::var_os("DEDUPD_STORE").is_some_and(|v| v.is_empty());
+    if !empty {
+        return None;
+    }
+    let given = std::env::args_os()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a == "--store" || a.to_string_lossy().starts_with("--store="));
+    if !given {
+        return Some(
+            "DEDUPD_STORE is set but empty: unset it, or set it (or --store) to the store directory",
+        );
+    }
+    // `--store` wins; clap would still refuse the empty variable
+    // SAFETY: called first thing in main, before any other thread exists.
+    unsafe { std::env::remove_var("DEDUPD_STORE") };
+    None
 }
 
 /// True if the command line names the `fsck` subcommand (its first

@@ -543,3 +543,34 @@ fn fsck_keeps_its_exit_code_when_the_reader_goes_early() {
         "{v}"
     );
 }
+
+#[test]
+fn an_empty_dedupd_store_variable_is_named_in_the_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(dedupd_bin())
+        .current_dir(tmp.path())
+        .env("DEDUPD_STORE", "")
+        .args(["volume", "list"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    fails_with(&out, "DEDUPD_STORE is set but empty");
+    let out = Command::new(dedupd_bin())
+        .current_dir(tmp.path())
+        .env("DEDUPD_STORE", "")
+        .arg("fsck")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(16), "{}", stderr(&out));
+    // --store on the command line wins over the empty variable
+    let store = tmp.path().join("s");
+    let out = Command::new(dedupd_bin())
+        .env("DEDUPD_STORE", "")
+        .args(["--store", store.to_str().unwrap(), "init"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(store.join("superblock").exists());
+    // nothing was created in the working directory
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+}
