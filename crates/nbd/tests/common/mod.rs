@@ -312,10 +312,21 @@ impl<S: Read + Write> Client<S> {
         b
     }
 
-    /// True if the server closed the connection (EOF or reset).
+    /// True if the server closed the connection (EOF or reset), false if
+    /// it sent a byte; panics if neither happens within the client's read
+    /// timeout (20 s), so a server that keeps the connection open fails
+    /// the test instead of passing it.
     pub fn at_eof(&mut self) -> bool {
+        use std::io::ErrorKind;
         let mut b = [0u8; 1];
-        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+        match self.s.read(&mut b) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => {
+                true
+            }
+            Err(e) => panic!("the server neither closed the connection nor sent a byte: {e}"),
+        }
     }
 
     /// Reads the greeting and sends `client_flags`.
