@@ -880,6 +880,8 @@ impl Meta {
     }
 
     /// Checks every invariant; returns a description of each violation.
+    /// Call it between requests: a block a write has reserved and not yet
+    /// mapped counts as leaked.
     pub fn check(&self) -> Vec<String> {
         let mut errs = Vec::new();
         let mut counts: HashMap<u64, u32> = HashMap::new();
@@ -920,6 +922,13 @@ impl Meta {
             }
             if rc > 0 && free_or_pending[p as usize] {
                 errs.push(format!("PBA {p} is referenced and free"));
+            }
+            if rc == 0 && !free_or_pending[p as usize] {
+                // (between requests: a write holds the blocks it reserved
+                // only while it runs)
+                errs.push(format!(
+                    "PBA {p} is unreferenced but neither free nor pending"
+                ));
             }
         }
         for (key, p) in self.index.memory_entries() {
