@@ -271,6 +271,12 @@ fn open_or_create(
                 "dedupd: store opened in {:.1} s",
                 started.elapsed().as_secs_f64()
             );
+            if let Err(err) = e.make_replayed_chain_durable() {
+                err_line!(
+                    "dedupd: warning: could not write the replayed journal again: {err} \
+                     (tried again at the first write or FLUSH)"
+                );
+            }
             let has_default = e.volume("default").is_some();
             for w in ignored_creation_options(given, args, e.hash_algorithm(), has_default) {
                 err_line!("dedupd: warning: {w}");

@@ -418,6 +418,10 @@ pub struct Engine {
     rmw: Vec<Mutex<()>>,
     /// Set when a bound on uncommitted metadata or pending frees is passed.
     commit_wanted: AtomicBool,
+    /// Set while the journal chain replayed at open is not yet written
+    /// again ([`Journal::make_head_durable`]): blocks it released are free
+    /// in memory, and none may be reused before it is durable.
+    replayed_chain_pending: AtomicBool,
     /// Set when uncommitted metadata or pending frees pass twice their
     /// bounds: the next change commits first, waiting for a running
     /// commit, and is refused if that fails (see [`Engine::enforce_bounds`]).
@@ -566,8 +570,8 @@ impl Engine {
         } else {
             dir.open_file("journal", false)?
         };
-        let chain =
-            journal::read_chain(&jfile).map_err(|e| EngineError::io("reading the journal", e))?;
+        let (chain, replayed) = journal::read_chain_bytes(&jfile)
+            .map_err(|e| EngineError::io("reading the journal", e))?;
         let last_seq = chain.last().map_or(0, |t| t.seq);
         let chain_bytes: u64 = chain.iter().map(|t| t.len_bytes).sum();
         // Replay into memory, not onto the files: opening never writes, so a
@@ -575,7 +579,6 @@ impl Engine {
         // the next checkpoint. The large files are not read into memory:
         // their pages are checked once and then paged on demand, the
         // journal's newer pages pinned over them (crate::metaopen).
-        let replayed: Vec<(u64, u32)> = chain.iter().map(|t| (t.len_bytes, t.crc)).collect();
         let chain_ops: Vec<Op> = chain.into_iter().flat_map(|t| t.ops).collect();
         let state_path = dir.path(MetaFile::State);
         // (a file too long to read is damage of it as any other)
@@ -1140,7 +1143,11 @@ impl Engine {
             .with_observer(config.observer.clone());
         // best effort: without the reserve the store still works
         let _ = journal.reserve(config.journal_reserve_bytes);
+        let chain_pending = journal.replayed_chain_bytes() > 0;
         let mut engine = Engine::assemble(sb.hash, Box::new(data), meta, Some(journal), config);
+        engine
+            .replayed_chain_pending
+            .store(chain_pending, Ordering::Relaxed);
         engine.dir = Some(dir);
         engine.damage = damage;
         engine.notes = damage_notes;
@@ -1229,6 +1236,7 @@ impl Engine {
             }),
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
+            replayed_chain_pending: AtomicBool::new(false),
             over_commit_bound: AtomicBool::new(false),
             checkpoint_behind: AtomicBool::new(false),
             no_close_on_drop: AtomicBool::new(false),
@@ -1922,6 +1930,10 @@ impl Engine {
     fn check_write(&self, vol: VolumeId, offset: u64, len: u64) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         self.enforce_bounds()?;
+        // (a write may take a block the replayed chain released: had the
+        // chain not reached the disk, a crash would leave its old maps
+        // pointing at the new data)
+        self.make_replayed_chain_durable()?;
         let m = lock(&self.meta);
         let v = m
             .volumes
@@ -3122,23 +3134,33 @@ impl Engine {
         }
     }
 
+    /// Writes the journal chain replayed at open again and syncs it now
+    /// (the first write, FLUSH or commit would otherwise do it), which also
+    /// frees the memory holding it (up to the journal's length). Opening
+    /// writes nothing, so a server calls this once it has opened the store.
+    ///
+    /// Errors: [`EngineError::Io`] writing or syncing the journal (the
+    /// chain stays in memory and the next write or FLUSH tries again).
+    pub fn make_replayed_chain_durable(&self) -> Result<()> {
+        if !self.replayed_chain_pending.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut c = lock(&self.commit);
+        self.replayed_chain_durable(&mut c)
+    }
+
     /// Makes the journal chain replayed at open durable, once
-    /// ([`Journal::make_head_durable`]); if it reads back other than it
-    /// was replayed (a sync of it failed in an earlier process and its
-    /// pages were lost since), what was replayed, held in memory, is put
-    /// in place by a checkpoint instead, which also restarts the journal.
+    /// ([`Journal::make_head_durable`]), before the first commit, FLUSH or
+    /// write: until then a block the chain released must not be reused,
+    /// and no write the chain holds may be acknowledged durable.
     fn replayed_chain_durable(&self, c: &mut CommitState) -> Result<()> {
         let Some(j) = c.journal.as_mut() else {
             return Ok(());
         };
-        if !j.replayed_chain_pending() {
-            return Ok(());
-        }
-        match j.make_head_durable() {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => self.checkpoint_locked(c),
-            Err(e) => Err(EngineError::io("writing the journal", e)),
-        }
+        j.make_head_durable()
+            .map_err(|e| EngineError::io("writing the journal", e))?;
+        self.replayed_chain_pending.store(false, Ordering::Release);
+        Ok(())
     }
 
     fn checkpoint_locked(&self, c: &mut CommitState) -> Result<()> {

@@ -377,8 +377,16 @@ pub const INVALIDATE_BYTES: usize = 512;
 /// with a good checksum and a sequence number one more than the previous.
 /// Stops at the first torn, stale or foreign transaction.
 pub fn read_chain(file: &File) -> io::Result<Vec<Txn>> {
+    read_chain_bytes(file).map(|(chain, _)| chain)
+}
+
+/// [`read_chain`], with the bytes of the chain as they were read (the
+/// transactions back to back from the file's start): what
+/// [`Journal::with_replayed_chain`] writes again.
+pub fn read_chain_bytes(file: &File) -> io::Result<(Vec<Txn>, Vec<u8>)> {
     let len = file.metadata()?.len();
     let mut out: Vec<Txn> = Vec::new();
+    let mut bytes = Vec::new();
     let mut off = 0u64;
     while off + HEADER_BYTES as u64 <= len {
         let mut header = [0u8; HEADER_BYTES];
@@ -404,12 +412,13 @@ pub fn read_chain(file: &File) -> io::Result<Vec<Txn>> {
         match decode_txn(&buf) {
             Ok(t) => {
                 off += t.len_bytes;
+                bytes.extend_from_slice(&buf[..t.len_bytes as usize]);
                 out.push(t);
             }
             Err(_) => break,
         }
     }
-    Ok(out)
+    Ok((out, bytes))
 }
 
 /// Bytes read at a time when a long transaction is checked before it is
@@ -516,13 +525,15 @@ pub struct Journal {
     /// End of the space allocated for certain (0 after a cut): a commit
     /// that leaves less than `reserve_bytes` before it allocates further.
     reserved_end_bytes: u64,
-    /// The transactions of the chain replayed at open, as (length, CRC32C),
-    /// not yet written by this process. They were read through the page
-    /// cache: if an earlier process's sync of them failed (the kernel then
-    /// marks the pages clean, keeping their new bytes), they may not be on
-    /// disk, and a sync now would not write them. The next commit, or
-    /// [`Journal::make_head_durable`], writes them again and syncs first.
-    replayed: Vec<(u64, u32)>,
+    /// The bytes of the chain replayed at open, exactly as they were read
+    /// and replayed, until this process has written them again. They were
+    /// read through the page cache: if an earlier process's sync of them
+    /// failed (the kernel then marks the pages clean, keeping their new
+    /// bytes), they may not be on disk, a sync now would not write them,
+    /// and the cache may drop them at any time. The next commit, or
+    /// [`Journal::make_head_durable`], writes them again from here and
+    /// syncs first.
+    replayed: Vec<u8>,
     observer: crate::observe::Observer,
 }
 
@@ -549,10 +560,11 @@ impl Journal {
         })
     }
 
-    /// Notes the transactions of the chain replayed at open, as (length,
-    /// CRC32C) from the start of the file (see [`Journal::make_head_durable`]).
-    pub fn with_replayed_chain(mut self, txns: Vec<(u64, u32)>) -> Self {
-        self.replayed = txns;
+    /// Keeps `bytes`, the chain replayed at open as [`read_chain_bytes`]
+    /// returned it, to be written again in place before anything is
+    /// acknowledged (see [`Journal::make_head_durable`]); memory until then.
+    pub fn with_replayed_chain(mut self, bytes: Vec<u8>) -> Self {
+        self.replayed = bytes;
         self
     }
 
@@ -649,74 +661,45 @@ impl Journal {
         Ok(seq)
     }
 
-    /// Makes the chain replayed at open durable, once: each transaction's
-    /// bytes are read and written again in place (1 MiB at a time), then
-    /// synced. A FLUSH with nothing new to commit calls it before it is
-    /// acknowledged: the writes it covers may be in that chain. A
-    /// transaction read back other than it was replayed (its pages, never
-    /// on disk, dropped from the page cache since) is an error: what the
-    /// disk holds is then what the next start replays.
+    /// Makes the chain replayed at open durable, once: the bytes replayed,
+    /// held in memory, are written again in place from the file's start
+    /// (1 MiB at a time) and synced, then dropped. Whatever the disk or the
+    /// page cache holds there now (pages of a failed sync lost since), the
+    /// disk then holds what was replayed. A FLUSH with nothing new to
+    /// commit, and the first write that could reuse a block the chain
+    /// released, call it first.
     ///
-    /// Errors: reading, writing or syncing the file; a transaction changed
-    /// since it was replayed ([`io::ErrorKind::InvalidData`]: the caller
-    /// puts what it replayed in place from memory instead, a checkpoint);
-    /// it is tried again next time.
+    /// Errors: writing or syncing the file; the bytes are kept and it is
+    /// tried again next time.
     pub fn make_head_durable(&mut self) -> io::Result<()> {
         if self.replayed.is_empty() {
             return Ok(());
         }
-        let mut buf = vec![0u8; 1 << 20];
         let mut at = 0u64;
-        for &(len, want_crc) in &self.replayed {
-            let end = at + len;
-            let covered = end.saturating_sub(4);
-            let mut crc = 0u32;
-            let mut tail = [0u8; 4];
-            while at < end {
-                let n = (buf.len() as u64).min(end - at) as usize;
-                let piece = &mut buf[..n];
-                self.file.read_exact_at(piece, at)?;
-                // the CRC covers all but the transaction's last 4 bytes
-                let crc_part = (covered.saturating_sub(at) as usize).min(n);
-                crc = crc32c::crc32c_append(crc, &piece[..crc_part]);
-                for (i, &b) in piece[crc_part..].iter().enumerate() {
-                    tail[(at + (crc_part + i) as u64 - covered) as usize] = b;
-                }
-                let write = crate::observe::IoEvent::Write {
-                    file: "journal",
-                    offset: at,
-                    data: piece,
-                };
-                self.observer.check(write)?;
-                self.file.write_all_at(piece, at)?;
-                self.observer.emit(write);
-                at += n as u64;
-            }
-            if crc != want_crc || u32::from_le_bytes(tail) != want_crc {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!(
-                        "the journal transaction at byte {} reads back other than it was \
-                         replayed at start (an earlier sync of it failed and its pages \
-                         were lost)",
-                        end - len
-                    ),
-                ));
-            }
+        for piece in self.replayed.chunks(1 << 20) {
+            let write = crate::observe::IoEvent::Write {
+                file: "journal",
+                offset: at,
+                data: piece,
+            };
+            self.observer.check(write)?;
+            self.file.write_all_at(piece, at)?;
+            self.observer.emit(write);
+            at += piece.len() as u64;
         }
         self.observer
             .check(crate::observe::IoEvent::Sync { file: "journal" })?;
         self.file.sync_data()?;
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
-        self.replayed.clear();
+        self.replayed = Vec::new();
         Ok(())
     }
 
-    /// True while the chain replayed at open is not known to be durable
-    /// (see [`Journal::make_head_durable`]).
-    pub fn replayed_chain_pending(&self) -> bool {
-        !self.replayed.is_empty()
+    /// Bytes of memory holding the chain replayed at open until it is
+    /// durable ([`Journal::make_head_durable`]); 0 after.
+    pub fn replayed_chain_bytes(&self) -> u64 {
+        self.replayed.capacity() as u64
     }
 
     /// Bytes of transactions written since the journal was opened (across

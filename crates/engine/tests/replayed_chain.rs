@@ -13,33 +13,41 @@ use dedupd_engine::{Engine, EngineConfig, HashAlgorithm};
 enum Ev {
     Write(u64, Vec<u8>),
     Sync,
+    /// A write to the data file, at this byte offset.
+    DataWrite(u64),
 }
 
-/// The journal's writes and syncs.
+/// The journal's writes and syncs, and (only with `data`) the data
+/// file's writes.
 #[derive(Default)]
-struct Recorder(Mutex<Vec<Ev>>);
+struct Recorder {
+    events: Mutex<Vec<Ev>>,
+    data: bool,
+}
 
 impl IoObserver for Recorder {
     fn event(&self, e: IoEvent<'_>) {
-        match e {
+        let ev = match e {
             IoEvent::Write {
                 file: "journal",
                 offset,
                 data,
-            } => self
-                .0
-                .lock()
-                .unwrap()
-                .push(Ev::Write(offset, data.to_vec())),
-            IoEvent::Sync { file: "journal" } => self.0.lock().unwrap().push(Ev::Sync),
-            _ => {}
-        }
+            } => Ev::Write(offset, data.to_vec()),
+            IoEvent::Sync { file: "journal" } => Ev::Sync,
+            IoEvent::Write {
+                file: "data",
+                offset,
+                ..
+            } if self.data => Ev::DataWrite(offset),
+            _ => return,
+        };
+        self.events.lock().unwrap().push(ev);
     }
 }
 
 impl Recorder {
     fn take(&self) -> Vec<Ev> {
-        std::mem::take(&mut self.0.lock().unwrap())
+        std::mem::take(&mut self.events.lock().unwrap())
     }
 }
 
@@ -105,7 +113,7 @@ fn the_replayed_chain_is_written_again_before_a_flush_is_acknowledged() {
         .iter()
         .filter_map(|ev| match ev {
             Ev::Write(at, d) => Some((*at, d.len())),
-            Ev::Sync => None,
+            _ => None,
         })
         .collect();
     assert_eq!(writes.first().map(|w| w.0), Some(0), "{writes:?}");
@@ -114,7 +122,7 @@ fn the_replayed_chain_is_written_again_before_a_flush_is_acknowledged() {
         .iter()
         .map(|ev| match ev {
             Ev::Write(_, d) => d.len() as u64,
-            Ev::Sync => 0,
+            _ => 0,
         })
         .sum();
     assert!(head_end > 0 && head_end <= chain.len() as u64);
@@ -133,7 +141,7 @@ fn the_replayed_chain_is_written_again_before_a_flush_is_acknowledged() {
 }
 
 #[test]
-fn a_replayed_transaction_that_reads_back_changed_is_put_in_place_from_memory() {
+fn a_replayed_transaction_that_reads_back_changed_is_written_again_as_replayed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
@@ -144,12 +152,14 @@ fn a_replayed_transaction_that_reads_back_changed_is_put_in_place_from_memory() 
     // the bytes replayed are gone from the page cache and the disk holds
     // others (a sync of them failed before): one changed here
     let journal_path = path.join("journal");
-    let mut bytes = std::fs::read(&journal_path).unwrap();
+    let replayed = std::fs::read(&journal_path).unwrap();
+    let mut bytes = replayed.clone();
     bytes[40] ^= 0xff;
     std::fs::write(&journal_path, &bytes).unwrap();
-    // what was replayed, in memory, goes in place by a checkpoint, and the
-    // store goes on
+    // what was replayed, held in memory, is written again over them
     e.flush().unwrap();
+    let now = std::fs::read(&journal_path).unwrap();
+    assert_eq!(now[40], replayed[40], "the changed byte was kept");
     e.write(v, 4096, &block(2), true).unwrap();
     e.drop_without_closing();
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
@@ -157,5 +167,47 @@ fn a_replayed_transaction_that_reads_back_changed_is_put_in_place_from_memory() 
     e.read(v, 0, &mut buf).unwrap();
     assert!(buf[..4096] == block(1)[..], "the replayed write was lost");
     assert!(buf[4096..] == block(2)[..], "the write after it was lost");
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
+#[test]
+fn no_block_the_replayed_chain_released_is_reused_before_the_chain_is_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let v = e.create_volume("v", 1 << 20).unwrap();
+    e.write(v, 0, &block(1), true).unwrap();
+    // the overwrite releases block 1's PBA in a commit that stays in the
+    // journal (a crash), and is replayed at the next open
+    e.write(v, 0, &block(2), true).unwrap();
+    e.drop_without_closing();
+
+    let recorder = Arc::new(Recorder {
+        data: true,
+        ..Recorder::default()
+    });
+    let config = EngineConfig {
+        observer: Observer(Some(recorder.clone())),
+        ..EngineConfig::default()
+    };
+    let e = Engine::open(&path, config).unwrap();
+    assert!(recorder.take().is_empty(), "opening wrote");
+    // a write with no FLUSH: it takes the lowest free PBA, the one the
+    // replayed chain released; the chain must be on disk (written again
+    // and synced) before the new data goes there
+    e.write(v, 4096, &block(3), false).unwrap();
+    let evs = recorder.take();
+    let first_data = evs
+        .iter()
+        .position(|ev| matches!(ev, Ev::DataWrite(0)))
+        .unwrap_or_else(|| panic!("PBA 0 was not reused: {evs:?}"));
+    assert!(
+        evs[..first_data].contains(&Ev::Sync),
+        "data written over a released block before the chain was durable: {evs:?}"
+    );
+    e.flush().unwrap();
+    let mut buf = vec![0u8; 8192];
+    e.read(v, 0, &mut buf).unwrap();
+    assert!(buf[..4096] == block(2)[..] && buf[4096..] == block(3)[..]);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
