@@ -1159,10 +1159,11 @@ impl Engine {
     }
 
     /// Creates the journal file of a store opened without one (a repair:
-    /// the open used an unlinked stand-in) and commits through it from
-    /// now on; its directory entry is made durable first.
+    /// the open used an unlinked stand-in) under a temporary name, and
+    /// commits through it from now on; its directory entry is made durable
+    /// when [`Engine::journal_repaired_in_place`] renames it.
     ///
-    /// Errors: [`EngineError::Io`] creating it or syncing the directory.
+    /// Errors: [`EngineError::Io`] creating it.
     pub(crate) fn create_missing_journal(&self) -> Result<()> {
         let Some(dir) = self.dir.as_ref() else {
             return Ok(());
