@@ -202,7 +202,7 @@ fn print_report(r: &Report) {
         r.duplicate_blocks_inline, r.duplicate_writes_eliminated_percent
     );
     println!(
-        "duplicates found out-of-line  {} (LBAs remapped by the modelled background pass; {} physical blocks at the end)",
+        "duplicates found out-of-line  {} (copies the modelled background pass freed; {} physical blocks at the end)",
         r.duplicate_blocks_out_of_line, r.physical_blocks_stored
     );
     println!(

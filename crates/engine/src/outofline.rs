@@ -445,7 +445,11 @@ impl Engine {
         let canonical = candidates.iter().copied().chain([p]).min().unwrap_or(p);
         if canonical != p {
             m.remap(vol, Lba(lba), Some(canonical));
-            m.counters.out_of_line_duplicates += 1;
+            if m.refcounts.get_u32(p.0) == 0 {
+                // the copy is gone: one write inline dedup missed (LBAs
+                // sharing it were inline hits, counted as such)
+                m.counters.out_of_line_duplicates += 1;
+            }
             r.lbas_remapped += 1;
         }
         let mut dropped = false;
@@ -762,9 +766,9 @@ impl Engine {
                             scan.same_at.insert(p.0, m.reuse_epoch);
                         }
                         m.remap(vol, Lba(l), Some(target));
-                        m.counters.out_of_line_duplicates += 1;
                         applied += 1;
                         if m.refcounts.get_u32(p.0) == 0 {
+                            m.counters.out_of_line_duplicates += 1;
                             // the copy's last reference: had the index held
                             // it, the content is now unindexed
                             m.index_if_absent(target, fp);

@@ -53,8 +53,10 @@ pub struct Stats {
     /// concerned was stored as a copy of its own (out-of-line dedup or
     /// fsck finds its duplicates).
     pub index_errors: u64,
-    /// LBAs remapped onto an existing copy by out-of-line dedup (duplicates
-    /// inline dedup missed), since the store was created.
+    /// Stored copies out-of-line dedup freed by remapping their LBAs onto
+    /// another copy of the same content (writes inline dedup missed; LBAs
+    /// that shared a copy count as inline duplicates), in blocks, since the
+    /// store was created (SmartDedup §3.3).
     pub out_of_line_duplicates: u64,
     /// Duplicate blocks written as new because their run of duplicates was
     /// shorter than the sequence threshold T (iDedup; SmartDedup §4.5).

@@ -116,7 +116,8 @@ pub struct PersistentCounters {
     /// stay apart); a pair compared again counts again.
     #[serde(default)]
     pub verify_mismatches: u64,
-    /// LBAs remapped onto an existing copy by out-of-line dedup.
+    /// Stored copies out-of-line dedup freed (see
+    /// [`crate::stats::Stats::out_of_line_duplicates`]).
     #[serde(default)]
     pub out_of_line_duplicates: u64,
     /// Duplicate blocks written as new because their run was shorter than

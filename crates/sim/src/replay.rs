@@ -402,8 +402,9 @@ pub struct Report {
     pub zero_blocks_written: u64,
     /// Duplicates the engine found inline (its `duplicate_writes_eliminated`).
     pub duplicate_blocks_inline: u64,
-    /// LBAs the modelled background pass remapped onto an existing copy
-    /// (duplicates inline dedup missed; 0 with out-of-line off).
+    /// Stored copies the modelled background pass freed by remapping their
+    /// LBAs onto another copy (writes inline dedup missed; 0 with
+    /// out-of-line off): with the inline figure, at most the exact count.
     pub duplicate_blocks_out_of_line: u64,
     /// Physical blocks stored at the end.
     pub physical_blocks_stored: u64,
