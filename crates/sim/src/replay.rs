@@ -64,10 +64,13 @@ const PREFETCH_BATCH_BLOCKS: usize = 32;
 /// `refcount` (CAFTL). Each may be followed by filters of the write path
 /// ([`Filters`]): `+sampling`, `+prehash`, `+tN`.
 pub const AVAILABLE_POLICIES: &[&str] = &["exact", "g-lru", "lru", "lfu", "arc", "refcount"];
-/// Policies named by the design (ARCHITECTURE.md, index) but not built yet.
+/// Policies the replay names as planned but this build cannot run (none
+/// now: every policy docs/replay.md names is in [`AVAILABLE_POLICIES`]).
 pub const PLANNED_POLICIES: &[&str] = &[];
-/// Modelled SHA-256 rate over 4 KiB blocks (ARCHITECTURE.md: `sha2` with
-/// SHA-NI on this machine), for the hashing-cost figures of the report.
+/// Modelled SHA-256 rate over 4 KiB blocks, in bytes per second, for the
+/// hashing-cost figures of the report: `sha2` with SHA extensions, as
+/// measured by the engine's `fingerprint` benchmark (1.61 GiB/s,
+/// docs/bench-engine.md).
 pub const SHA256_BYTES_PER_SECOND: f64 = 1.75e9;
 /// Modelled CRC32 (CRC-32C, hardware) rate over 4 KiB blocks.
 pub const CRC32_BYTES_PER_SECOND: f64 = 20e9;
