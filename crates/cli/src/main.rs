@@ -758,7 +758,15 @@ fn fsck(
         }
     };
     if json {
-        match serde_json::to_string_pretty(&report) {
+        // (with the exit code, so a script reading stdout alone can tell
+        // clean from corrected from uncorrected)
+        let with_code = serde_json::to_value(&report).map(|mut v| {
+            if let Value::Object(o) = &mut v {
+                o.insert("exit_code".into(), report.exit_code().into());
+            }
+            v
+        });
+        match with_code.and_then(|v| serde_json::to_string_pretty(&v)) {
             Ok(text) => out(&text),
             Err(e) => {
                 // an operational error, as e2fsck's 8 (the check itself ran)

@@ -482,10 +482,20 @@ fn a_store_without_its_superblock_gets_a_hint() {
     let out = dedupd(&store, &["volume", "list"]);
     fails_with(&out, "no superblock");
     fails_with(&out, "fsck --repair` rebuilds the superblock");
-    // as fsck --repair does
-    let out = dedupd(&store, &["fsck", "--repair"]);
+    // as fsck --repair does; its JSON report carries the exit code
+    let out = dedupd(&store, &["fsck", "--repair", "--json"]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (v["exit_code"].as_i64(), v["repaired"].as_bool()),
+        (Some(1), Some(true)),
+        "{v}"
+    );
     succeeds(&store, &["volume", "list"]);
+    let out = dedupd(&store, &["fsck", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["exit_code"].as_i64(), Some(0), "{v}");
     // an init cut short before its state was written: only removing helps
     let early = tmp.path().join("early");
     std::fs::create_dir(&early).unwrap();
