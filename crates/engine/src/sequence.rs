@@ -7,11 +7,15 @@
 //! turns the filter off.
 //!
 //! Runs are tracked per volume across requests: a sequential stream of
-//! small writes forms one run. A run that has not reached T when its
-//! request ends is written as new (the decision cannot wait); when the next
-//! request continues it and the run reaches T, the continuation is shared.
+//! small writes forms one run, also while other streams write elsewhere in
+//! the volume (up to [`RUNS_PER_VOLUME`] runs in progress per volume, the
+//! least recently continued dropped first; iDedup keeps such state per
+//! stream). A run that has not reached T when its request ends is written
+//! as new (the decision cannot wait); when the next request continues it
+//! and the run reaches T, the continuation is shared.
 //!
-//! Memory: one 24-byte entry per volume with a run in progress.
+//! Memory: a 24-byte entry per run in progress, at most
+//! [`RUNS_PER_VOLUME`] per volume.
 
 use std::collections::HashMap;
 
@@ -50,10 +54,15 @@ struct Run {
     len_blocks: u64,
 }
 
-/// Runs in progress, per volume; see the module docs.
+/// Runs in progress a volume keeps at most (separate sequential streams
+/// writing one volume at once).
+pub const RUNS_PER_VOLUME: usize = 8;
+
+/// Runs in progress, per volume, least recently continued first; see the
+/// module docs.
 #[derive(Debug, Default)]
 pub struct SequenceRuns {
-    runs: HashMap<VolumeId, Run>,
+    runs: HashMap<VolumeId, Vec<Run>>,
 }
 
 impl SequenceRuns {
@@ -72,7 +81,11 @@ impl SequenceRuns {
     ) -> Vec<bool> {
         let n = cands.len();
         let mut keep = vec![false; n];
-        let carried = self.runs.remove(&vol);
+        let runs = self.runs.entry(vol).or_default();
+        let carried = runs
+            .iter()
+            .position(|r| r.next_lba == first)
+            .map(|at| runs.remove(at));
         let t = u64::from(threshold_blocks.max(1));
         let mut i = 0;
         while i < n {
@@ -97,28 +110,36 @@ impl SequenceRuns {
             }
             if i == n {
                 if let Candidate::Stored(p) = cands[n - 1] {
-                    self.runs.insert(
-                        vol,
-                        Run {
-                            next_lba: first + n as u64,
-                            next_pba: p + 1,
-                            len_blocks: len,
-                        },
-                    );
+                    if runs.len() == RUNS_PER_VOLUME {
+                        runs.remove(0);
+                    }
+                    runs.push(Run {
+                        next_lba: first + n as u64,
+                        next_pba: p + 1,
+                        len_blocks: len,
+                    });
                 }
             }
+        }
+        if runs.is_empty() {
+            self.runs.remove(&vol);
         }
         keep
     }
 
-    /// Forgets the run of `vol` (deleted or resized).
+    /// Forgets the runs of `vol` (deleted or resized).
     pub fn forget(&mut self, vol: VolumeId) {
         self.runs.remove(&vol);
     }
 
     /// Bytes of memory held.
     pub fn memory_bytes(&self) -> u64 {
-        (self.runs.capacity() * (std::mem::size_of::<(VolumeId, Run)>() + 8)) as u64
+        let lists: usize = self
+            .runs
+            .values()
+            .map(|l| l.capacity() * std::mem::size_of::<Run>())
+            .sum();
+        (self.runs.capacity() * (std::mem::size_of::<(VolumeId, Vec<Run>)>() + 8) + lists) as u64
     }
 }
 
@@ -169,6 +190,31 @@ mod tests {
         assert_eq!(s.filter(V, 4, 4, &[Stored(24)]), [true]);
         // a gap in LBAs starts over
         assert_eq!(s.filter(V, 9, 4, &[Stored(25)]), [false]);
+    }
+
+    #[test]
+    fn interleaved_streams_of_one_volume_keep_their_runs() {
+        let mut s = SequenceRuns::default();
+        // two sequential streams, one block a request, alternating: LBAs
+        // 0.. onto PBAs 100.., LBAs 50.. onto PBAs 300..
+        let mut kept = Vec::new();
+        for k in 0..4u64 {
+            kept.extend(s.filter(V, k, 3, &[Stored(100 + k)]));
+            kept.extend(s.filter(V, 50 + k, 3, &[Stored(300 + k)]));
+        }
+        // each reaches 3 at its third block
+        assert_eq!(kept, [false, false, false, false, true, true, true, true]);
+        // past RUNS_PER_VOLUME streams, the least recently continued goes
+        for k in 0..RUNS_PER_VOLUME as u64 {
+            s.filter(V, 1000 + 10 * k, 3, &[Stored(5000 + 10 * k)]);
+        }
+        assert_eq!(s.filter(V, 4, 3, &[Stored(104)]), [false]);
+        assert!(s.memory_bytes() > 0);
+        // (the last stream would continue: LBA 1071 onto PBA 5071, a run
+        // of 2) — forgotten with its volume
+        s.forget(V);
+        assert_eq!(s.filter(V, 1071, 2, &[Stored(5071)]), [false]);
+        assert_eq!(s.filter(V, 1072, 2, &[Stored(5072)]), [true]);
     }
 
     #[test]
