@@ -6,8 +6,10 @@
 //! The fraction is the product of three factors:
 //! - **duplication level**: per window of at least 150 selected blocks
 //!   (counted in blocks, not requests: a large request can fill a window
-//!   alone), the share of duplicates found is compared with the mean of
-//!   the last 30 windows' shares; when it falls the factor is multiplied
+//!   alone), the share of duplicates found, divided by the fraction then
+//!   selected (only that share of earlier copies was indexed: undivided,
+//!   each step down would read as a further fall), is compared with the
+//!   mean of the last 30 windows' figures; when it falls the factor is multiplied
 //!   by 0.9 (floor 30 %), when it rises by 1.3 (cap 100 %) — the paper's
 //!   "10 %" and "30 %" read as relative steps; the first three windows
 //!   only fill the history (a mean of fewer says little);
@@ -27,8 +29,14 @@
 //! `blocks_selected`): requests alternating zero and data blocks would
 //! otherwise leave the data blocks all selected or all not.
 //!
-//! Blocks are selected by a credit counter (n of every N), not at random,
-//! so replays are deterministic.
+//! Blocks are selected in bursts, not at random, so replays are
+//! deterministic: of every [`PERIOD_BLOCKS`] blocks (counted across
+//! requests) the first `round(fraction × 64)` are selected, the fraction
+//! read at the period's start. Consecutive blocks stay together — a large
+//! request, or a sequential stream of small ones, keeps runs of selected
+//! blocks (32 at a fraction of 0.5, 19 at the 30 % floor) that the
+//! sequence threshold of a volume with T > 1 can share, where picking
+//! every other block would leave no run longer than one.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -36,6 +44,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+
+/// Blocks per selection period: the selected ones of a period are its
+/// first, consecutive (see the module docs).
+pub const PERIOD_BLOCKS: u32 = 64;
 
 /// Writes per duplication-level window.
 pub const WINDOW_WRITES: u64 = 150;
@@ -111,9 +123,11 @@ pub struct SelectivityStats {
     pub load_factor: f64,
     /// Power factor.
     pub power_factor: f64,
-    /// Blocks fingerprinted inline.
+    /// Non-zero blocks chosen for inline fingerprinting, counted when
+    /// chosen (CAFTL's filters may still skip some; a partial-block write
+    /// retried after a race counts again).
     pub blocks_selected: u64,
-    /// Blocks stored without an inline fingerprint.
+    /// Non-zero blocks held back for out-of-line dedup, counted likewise.
     pub blocks_unselected: u64,
 }
 
@@ -122,7 +136,10 @@ struct State {
     window_writes: u64,
     window_dups: u64,
     history: VecDeque<f64>,
-    credit: f64,
+    /// Position in the selection period, 0 to [`PERIOD_BLOCKS`] − 1.
+    period_pos: u32,
+    /// Blocks selected at the start of the current period.
+    period_selected: u32,
     load_factor: f64,
     power_factor: f64,
     load: crate::load::LoadMonitor,
@@ -147,7 +164,8 @@ impl Selectivity {
                 window_writes: 0,
                 window_dups: 0,
                 history: VecDeque::new(),
-                credit: 0.0,
+                period_pos: 0,
+                period_selected: 0,
                 load_factor: 1.0,
                 power_factor: 1.0,
                 load: crate::load::LoadMonitor::default(),
@@ -175,15 +193,17 @@ impl Selectivity {
         };
         (0..n)
             .map(|_| {
-                s.credit += fraction;
-                if s.credit >= 1.0 - 1e-9 {
-                    s.credit -= 1.0;
+                if s.period_pos == 0 {
+                    s.period_selected = (fraction * f64::from(PERIOD_BLOCKS)).round() as u32;
+                }
+                let selected = s.period_pos < s.period_selected;
+                s.period_pos = (s.period_pos + 1) % PERIOD_BLOCKS;
+                if selected {
                     s.selected += 1;
-                    true
                 } else {
                     s.unselected += 1;
-                    false
                 }
+                selected
             })
             .collect()
     }
@@ -200,7 +220,14 @@ impl Selectivity {
         if s.window_writes < WINDOW_WRITES {
             return;
         }
-        let level = s.window_dups as f64 / s.window_writes as f64;
+        // (per block fingerprinted, found among the blocks indexed: with a
+        // fraction f selected, a duplicate's earlier copy was indexed
+        // about f of the time, so the share found is about f × the level.
+        // Divided by f, a window after a step down is compared with those
+        // before it at the level itself — not as a further fall, which
+        // would step down again and again to the floor)
+        let fraction = (s.dup_factor * s.load_factor * s.power_factor).clamp(0.01, 1.0);
+        let level = s.window_dups as f64 / s.window_writes as f64 / fraction;
         if s.history.len() >= 3 {
             let mean = s.history.iter().sum::<f64>() / s.history.len() as f64;
             // (a mean of equal levels is not always bit-equal to them: a
@@ -280,11 +307,15 @@ fn power_factor(src: PowerSource) -> f64 {
 }
 
 /// [`power_factor`] from the supplies under `root` (`/sys/class/power_supply`):
-/// 1 if a mains or USB supply is online or no system battery is
-/// discharging; else the lowest charge of the discharging system batteries
-/// (an idle second pack, "Not charging" or "Unknown", does not count).
+/// 1 if any supply other than a battery (mains, USB, USB-C/PD, a UPS, a
+/// wireless charger) is online or no system battery is discharging; else
+/// the charge left in all system batteries together (an idle second pack
+/// counts: the machine draws on it once the first runs down) — Σ
+/// `energy_now` ÷ Σ `energy_full` when every battery reports them, else the
+/// same by `charge_*`, else the mean `capacity` — and 0 below 15 %.
 /// Batteries of devices (`scope` `Device`: a wireless mouse or headset) do
-/// not count, nor readings that are not a number.
+/// not count, nor readings that are not a number; none at all reads as
+/// full.
 fn power_factor_from(root: &Path) -> f64 {
     let Ok(dir) = std::fs::read_dir(root) else {
         return 1.0;
@@ -295,27 +326,62 @@ fn power_factor_from(root: &Path) -> f64 {
             .trim()
             .to_string()
     };
-    let mut lowest: Option<f64> = None;
+    let number = |p: &Path, f: &str| read(p, f).parse::<f64>().ok().filter(|v| v.is_finite());
+    let mut discharging = false;
+    // each system battery's (now, full) in µWh, in µAh, and its capacity %
+    let (mut energy, mut charge, mut percent) = (Vec::new(), Vec::new(), Vec::new());
+    let mut batteries = 0;
     for e in dir.flatten() {
         let p = e.path();
         if read(&p, "scope") == "Device" {
             continue;
         }
         match read(&p, "type").as_str() {
-            "Mains" | "USB" if read(&p, "online") == "1" => return 1.0,
             "Battery" => {
-                if read(&p, "status") != "Discharging" {
-                    continue;
+                batteries += 1;
+                discharging |= read(&p, "status") == "Discharging";
+                if let (Some(now), Some(full)) =
+                    (number(&p, "energy_now"), number(&p, "energy_full"))
+                {
+                    energy.push((now, full));
                 }
-                let cap = read(&p, "capacity")
-                    .parse::<u8>()
-                    .map_or(100.0, |c| f64::from(c.min(100)));
-                lowest = Some(lowest.map_or(cap, |l: f64| l.min(cap)));
+                if let (Some(now), Some(full)) =
+                    (number(&p, "charge_now"), number(&p, "charge_full"))
+                {
+                    charge.push((now, full));
+                }
+                if let Some(c) = number(&p, "capacity") {
+                    percent.push(c.clamp(0.0, 100.0));
+                }
             }
+            // any other supply online (mains, USB, USB-C/PD, a UPS, a
+            // wireless charger) powers the machine
+            "" => {}
+            _ if read(&p, "online") == "1" => return 1.0,
             _ => {}
         }
     }
-    match lowest {
+    if !discharging {
+        return 1.0;
+    }
+    // the charge left in all of them together: by energy if every battery
+    // reports it, else by charge, else the mean of their percentages
+    let total = |pairs: &[(f64, f64)]| {
+        let (now, full) = pairs
+            .iter()
+            .fold((0.0, 0.0), |(n, f), &(a, b)| (n + a, f + b));
+        (full > 0.0).then(|| (100.0 * now / full).clamp(0.0, 100.0))
+    };
+    let pct = if energy.len() == batteries {
+        total(&energy)
+    } else if charge.len() == batteries {
+        total(&charge)
+    } else {
+        None
+    }
+    .or_else(|| (!percent.is_empty()).then(|| percent.iter().sum::<f64>() / percent.len() as f64));
+    match pct {
+        // (no reading: taken as full)
         None => 1.0,
         Some(pct) if pct < LOW_POWER_PERCENT => 0.0,
         Some(pct) => pct / 100.0,
@@ -378,7 +444,8 @@ mod tests {
             ],
         );
         assert!((power_factor_from(root) - 0.6).abs() < 1e-9);
-        // an idle second pack does not mean mains
+        // an idle second pack does not mean mains, but its charge counts:
+        // (60 + 100) / 2
         supply(
             root,
             "BAT2",
@@ -388,24 +455,61 @@ mod tests {
                 ("capacity", "100"),
             ],
         );
+        assert!((power_factor_from(root) - 0.8).abs() < 1e-9);
+        // a reading that is not a number is not taken at its word
+        supply(root, "BAT2", &[("capacity", "nan")]);
         assert!((power_factor_from(root) - 0.6).abs() < 1e-9);
-        // a second one at 40 %: the lowest counts
+        // by energy when every battery reports it: a small external pack
+        // at 12 % and a large internal one at 95 % hold 81 % together,
+        // not low power
         supply(
             root,
-            "BAT1",
-            &[
-                ("type", "Battery"),
-                ("status", "Discharging"),
-                ("capacity", "40"),
-            ],
+            "BAT0",
+            &[("energy_now", "2400000"), ("energy_full", "20000000")],
         );
-        assert!((power_factor_from(root) - 0.4).abs() < 1e-9);
-        // a reading that is not a number is not taken at its word
-        supply(root, "BAT1", &[("capacity", "nan")]);
-        assert!((power_factor_from(root) - 0.6).abs() < 1e-9);
+        supply(
+            root,
+            "BAT2",
+            &[("energy_now", "76000000"), ("energy_full", "80000000")],
+        );
+        assert!((power_factor_from(root) - 0.784).abs() < 1e-9);
+        // both nearly empty: low-power mode, inline dedup off
+        supply(root, "BAT2", &[("energy_now", "4000000")]);
+        assert_eq!(power_factor_from(root), 0.0);
+        // a USB-C supply online is external power too
+        supply(
+            root,
+            "ucsi-source-psy-1",
+            &[("type", "USB_PD"), ("online", "1")],
+        );
+        assert_eq!(power_factor_from(root), 1.0);
+        supply(root, "ucsi-source-psy-1", &[("online", "0")]);
+        assert_eq!(power_factor_from(root), 0.0);
         // plugged in: mains power
         supply(root, "AC", &[("type", "Mains"), ("online", "1")]);
         assert_eq!(power_factor_from(root), 1.0);
+    }
+
+    #[test]
+    fn a_step_down_is_not_read_as_a_further_fall() {
+        let s = fixed(PowerSource::Ac);
+        // a steady 50 % of duplicates, of which inline finds the share
+        // whose earlier copy was selected (about the fraction selected)
+        let window = |s: &Selectivity, level: f64| {
+            let f = s.stats().duplication_factor;
+            s.observe(150, (150.0 * level * f).round() as u64);
+        };
+        for _ in 0..5 {
+            window(&s, 0.5);
+        }
+        // one window of fewer duplicates steps the fraction down once
+        window(&s, 0.3);
+        assert!(s.stats().duplication_factor < 1.0);
+        for _ in 0..60 {
+            window(&s, 0.5);
+        }
+        let f = s.stats().duplication_factor;
+        assert!(f > 0.85, "the level held, yet selectivity fell to {f}");
     }
 
     #[test]
@@ -428,8 +532,21 @@ mod tests {
     #[test]
     fn battery_scales_and_low_power_turns_inline_off() {
         let half = fixed(PowerSource::Battery(50.0));
-        let picked = half.select(1000).into_iter().filter(|&b| b).count();
-        assert!((480..=520).contains(&picked), "{picked}");
+        let chosen = half.select(1024);
+        let picked = chosen.iter().filter(|&&b| b).count();
+        assert_eq!(picked, 512);
+        // in runs of 32 consecutive blocks, across requests too
+        let runs: Vec<usize> = chosen
+            .split(|&b| !b)
+            .map(|r| r.len())
+            .filter(|&l| l > 0)
+            .collect();
+        assert!(runs.iter().all(|&l| l == 32), "{runs:?}");
+        let mut stream = Vec::new();
+        for _ in 0..128 {
+            stream.extend(half.select(1));
+        }
+        assert!(stream[..32].iter().all(|&b| b) && stream[32..64].iter().all(|&b| !b));
         let low = fixed(PowerSource::Battery(10.0));
         assert!(low.select(100).iter().all(|&b| !b));
         assert!("battery:40".parse::<PowerSource>().is_ok());
