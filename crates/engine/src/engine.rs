@@ -442,7 +442,7 @@ pub struct Engine {
     /// Read cache keyed by PBA.
     cache: crate::cache::ReadCache,
     /// Which blocks inline dedup fingerprints.
-    selectivity: crate::selectivity::Selectivity,
+    pub(crate) selectivity: crate::selectivity::Selectivity,
     /// CAFTL pre-hash table and sampling figures.
     caftl: Mutex<crate::caftl::PrehashTable>,
     /// Totals of the out-of-line passes.

@@ -953,8 +953,9 @@ impl Engine {
     /// Starts the background out-of-line worker: passes of up to 64 blocks
     /// at most `rate_blocks_per_s` blocks per second, pausing while
     /// foreground requests arrive — except for one batch per ten periods
-    /// while [`Engine::dedup_pressure`] holds. Stops when the handle is
-    /// dropped.
+    /// while [`Engine::dedup_pressure`] holds. With adaptive selectivity
+    /// the rate is scaled by the power factor, and no pass runs in
+    /// low-power mode (SmartDedup §3.4). Stops when the handle is dropped.
     pub fn start_out_of_line(self: &Arc<Self>, rate_blocks_per_s: u64) -> WorkerHandle {
         let stop = Arc::new(AtomicBool::new(false));
         let engine = self.clone();
@@ -991,10 +992,17 @@ impl Engine {
                 while !flag.load(Ordering::Relaxed) {
                     let started = Instant::now();
                     let mut done = 0;
+                    // (on battery the rate follows the charge; in
+                    // low-power mode no pass runs)
+                    let share = engine.selectivity.out_of_line_share();
+                    let rate = (rate_blocks_per_s as f64 * share) as u64;
                     let now_foreground = engine.foreground_ops();
                     let busy = now_foreground != last_foreground;
                     last_foreground = now_foreground;
-                    if busy && last_pass.elapsed() >= period * 10 && engine.dedup_pressure() {
+                    if rate == 0 {
+                        // low-power mode: the records wait
+                    } else if busy && last_pass.elapsed() >= period * 10 && engine.dedup_pressure()
+                    {
                         // the minimum share: one batch of records, and of a
                         // merge scan one step (one chunk of map pages or
                         // one verify) before it yields
@@ -1013,7 +1021,7 @@ impl Engine {
                             || engine.foreground_ops() != seen || flag.load(Ordering::Relaxed);
                         done = report(engine.dedup_pass_yielding(batch as usize, &yield_now));
                     }
-                    let wait = pass_wait(done, rate_blocks_per_s, period, busy);
+                    let wait = pass_wait(done, rate.max(1), period, busy);
                     let elapsed = started.elapsed();
                     let mut left = wait.saturating_sub(elapsed).max(Duration::from_millis(1));
                     while left > Duration::ZERO && !flag.load(Ordering::Relaxed) {

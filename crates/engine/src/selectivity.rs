@@ -275,6 +275,19 @@ impl Selectivity {
         s.power_factor = power;
     }
 
+    /// Share of its rate the out-of-line worker may run at: the power
+    /// factor with adaptive selectivity (0 in low-power mode: SmartDedup
+    /// §3.4 turns dedup off there, so the blocks inline dedup skipped wait
+    /// in the skipped buffer instead of being hashed in the background),
+    /// 1 otherwise. Re-reads power at most once a second.
+    pub fn out_of_line_share(&self) -> f64 {
+        if !self.cfg.adaptive {
+            return 1.0;
+        }
+        self.refresh();
+        self.lock().power_factor.clamp(0.0, 1.0)
+    }
+
     /// Figures for `dedupd stats`.
     pub fn stats(&self) -> SelectivityStats {
         self.refresh();

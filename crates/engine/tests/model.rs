@@ -933,3 +933,63 @@ fn zero_blocks_do_not_take_selection_from_the_data_blocks_beside_them() {
     assert_eq!(s.blocks_selected + s.blocks_unselected, 200, "{s:?}");
     assert!((90..=110).contains(&s.blocks_selected), "{s:?}");
 }
+
+/// SmartDedup §3.4: in low-power mode dedup is off — inline selects no
+/// block, and the background worker leaves the skipped blocks waiting
+/// instead of hashing them; with charge it drains them.
+#[test]
+fn out_of_line_worker_waits_in_low_power_mode() {
+    use dedupd_engine::selectivity::{PowerSource, SelectivityConfig};
+    let on_battery = |pct: f64| EngineConfig {
+        selectivity: SelectivityConfig {
+            adaptive: true,
+            load_aware: false,
+            power: PowerSource::Battery(pct),
+        },
+        ..EngineConfig::default()
+    };
+    let blk = |i: u64| {
+        let mut x = vec![3u8; BLOCK_SIZE];
+        x[..8].copy_from_slice(&(i % 100).to_le_bytes());
+        x
+    };
+    let e = std::sync::Arc::new(Engine::in_memory_with(
+        HashAlgorithm::Sha256,
+        on_battery(10.0),
+    ));
+    let a = e.create_volume("a", 64 << 20).unwrap();
+    for i in 0..1000u64 {
+        e.write(a, i * 4096, &blk(i), false).unwrap();
+    }
+    let s = e.stats();
+    assert_eq!(s.selectivity.blocks_selected, 0);
+    assert_eq!(s.physical_blocks_stored, 1000, "inline dedup ran");
+    let worker = e.start_out_of_line(100_000);
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    worker.stop();
+    let s = e.stats();
+    assert_eq!(s.out_of_line.passes, 0, "a pass ran in low-power mode");
+    assert_eq!(s.skipped.records, 1000);
+    assert_eq!(s.physical_blocks_stored, 1000);
+
+    // the same at half charge: the worker drains them to the 100 distinct
+    let e = std::sync::Arc::new(Engine::in_memory_with(
+        HashAlgorithm::Sha256,
+        on_battery(50.0),
+    ));
+    let a = e.create_volume("a", 64 << 20).unwrap();
+    for i in 0..1000u64 {
+        e.write(a, i * 4096, &blk(i), false).unwrap();
+    }
+    let worker = e.start_out_of_line(100_000);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while e.stats().physical_blocks_stored > 100 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker did not drain"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    worker.stop();
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
