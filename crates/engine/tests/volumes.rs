@@ -118,12 +118,14 @@ fn writes_racing_a_deletion_leak_nothing() {
     let commits = Arc::new(Commits::default());
     let e = Arc::new(store(dir.path(), &commits));
     let (big, _) = e.volume("big").unwrap();
+    let (started_tx, started) = std::sync::mpsc::channel();
     let writer = {
         let e = e.clone();
         std::thread::spawn(move || {
             // new content all over the volume, behind and ahead of the
             // deletion, until the volume is gone
             let mut k = 1 << 40;
+            let mut written = 0u64;
             for round in 0..10_000u64 {
                 let lba = (round * 7919) % (BLOCKS - 8);
                 let fps: Vec<Option<Fingerprint>> = (0..8)
@@ -132,14 +134,29 @@ fn writes_racing_a_deletion_leak_nothing() {
                         Some(fingerprint(k + i))
                     })
                     .collect();
-                if e.write_fingerprinted(big, Lba(lba), &fps).is_err() {
-                    break;
+                match e.write_fingerprinted(big, Lba(lba), &fps) {
+                    Ok(()) => written += 1,
+                    // refused once the deletion began or ended, nothing else
+                    Err(EngineError::ReadOnly(_) | EngineError::NoSuchVolume(_)) => {
+                        return (written, true)
+                    }
+                    Err(other) => panic!("write failed: {other}"),
+                }
+                if written == 1 {
+                    let _ = started_tx.send(());
                 }
             }
+            (written, false)
         })
     };
+    // the deletion starts while the writer writes
+    started.recv().unwrap();
     e.delete_volume("big").unwrap();
-    writer.join().unwrap();
+    let (written, refused) = writer.join().unwrap();
+    assert!(
+        written > 0 && refused,
+        "no race: {written} writes, refused {refused}"
+    );
     e.flush().unwrap();
     assert!(e.check().is_empty(), "{:?}", e.check());
     assert_eq!(e.stats().physical_blocks_stored, 256);
@@ -272,6 +289,7 @@ fn writes_racing_a_shrink_leak_nothing() {
     const FULL: u64 = 2048;
     let vol = e.create_volume("v", FULL * 4096).unwrap();
     let mut k = 0u64;
+    let (mut accepted, mut refused) = (0u64, 0u64);
     for _trial in 0..30 {
         e.resize_volume("v", FULL * 4096).unwrap();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -285,21 +303,30 @@ fn writes_racing_a_shrink_leak_nothing() {
                             k += 1;
                             block[..8].copy_from_slice(&k.to_le_bytes());
                         }
-                        // refused past the end once shrunk: that is fine
-                        let _ = e.write(vol, lba * 4096, &data, false);
+                        // refused past the end once shrunk, nothing else
+                        match e.write(vol, lba * 4096, &data, false) {
+                            Ok(()) => accepted += 1,
+                            Err(EngineError::OutOfRange { .. }) => refused += 1,
+                            Err(other) => panic!("write failed: {other}"),
+                        }
                     }
                 }
-                k
+                (k, accepted, refused)
             })
         };
         std::thread::sleep(std::time::Duration::from_micros(500));
         e.resize_volume("v", FULL / 2 * 4096).unwrap();
         std::thread::sleep(std::time::Duration::from_micros(500));
         stop.store(true, Ordering::Relaxed);
-        k = writer.join().unwrap();
+        (k, accepted, refused) = writer.join().unwrap();
         // shrunk, writer gone: every reference comes from an LBA inside
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
+    // writes landed inside before the shrinks and were refused after them
+    assert!(
+        accepted > 0 && refused > 0,
+        "{accepted} accepted, {refused} refused"
+    );
     e.flush().unwrap();
     drop(e);
     let e = Engine::open(&dir.path().join("store"), EngineConfig::default()).unwrap();
