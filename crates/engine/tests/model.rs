@@ -95,7 +95,8 @@ fn clamp(off: u64, len: u64) -> u64 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    // (about 32 cases for each of the 9 configurations)
+    #![proptest_config(ProptestConfig { cases: 288, ..ProptestConfig::default() })]
     #[test]
     fn engine_matches_model(actions in proptest::collection::vec(action(), 1..60), which in 0u8..9) {
         let cfg = config(which);
