@@ -119,6 +119,12 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
     // --force goes ahead with a client connected
     let c = connect(server.port, "vm1");
     succeeds(&store, &["volume", "delete", "vm1", "--force"]);
+    let out = succeeds(&store, &["volume", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        list.as_array().unwrap().iter().all(|v| v["name"] != "vm1"),
+        "vm1 still listed: {list}"
+    );
     drop(c);
     drop(other);
     server.stop();
