@@ -418,6 +418,9 @@ pub fn read_chain_bytes(file: &File) -> io::Result<(Vec<Txn>, Vec<u8>)> {
             Err(_) => break,
         }
     }
+    // (grown by doubling: give back the spare capacity it holds until
+    // written again)
+    bytes.shrink_to_fit();
     Ok((out, bytes))
 }
 
@@ -730,7 +733,7 @@ impl Journal {
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "journal" });
         self.write_offset_bytes = 0;
-        self.replayed.clear();
+        self.replayed = Vec::new();
         self.reset_pending = false;
         Ok(())
     }
@@ -740,7 +743,7 @@ impl Journal {
     pub fn truncate(&mut self) -> io::Result<()> {
         self.cut_at(0)?;
         self.write_offset_bytes = 0;
-        self.replayed.clear();
+        self.replayed = Vec::new();
         self.cut_pending = false;
         Ok(())
     }
