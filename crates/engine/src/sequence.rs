@@ -82,10 +82,16 @@ impl SequenceRuns {
         let n = cands.len();
         let mut keep = vec![false; n];
         let runs = self.runs.entry(vol).or_default();
-        let carried = runs
-            .iter()
-            .position(|r| r.next_lba == first)
-            .map(|at| runs.remove(at));
+        // runs that would continue at this request's LBA end here: the one
+        // whose next PBA it duplicates carries on, the others are gone
+        let continued = match cands.first() {
+            Some(&Candidate::Stored(p)) => runs
+                .iter()
+                .rposition(|r| r.next_lba == first && r.next_pba == p),
+            _ => None,
+        };
+        let carried = continued.map(|at| runs.remove(at));
+        runs.retain(|r| r.next_lba != first);
         let t = u64::from(threshold_blocks.max(1));
         let mut i = 0;
         while i < n {
@@ -215,6 +221,19 @@ mod tests {
         s.forget(V);
         assert_eq!(s.filter(V, 1071, 2, &[Stored(5071)]), [false]);
         assert_eq!(s.filter(V, 1072, 2, &[Stored(5072)]), [true]);
+    }
+
+    #[test]
+    fn a_rewritten_run_continues_from_its_new_copies() {
+        let mut s = SequenceRuns::default();
+        // LBAs 0–1 duplicate PBAs 100–101, then are rewritten as
+        // duplicates of PBAs 500–501: both runs would go on at LBA 2
+        s.filter(V, 0, 3, &[Stored(100), Stored(101)]);
+        s.filter(V, 0, 3, &[Stored(500), Stored(501)]);
+        // LBA 2 duplicating PBA 502 continues the newer run to 3
+        assert_eq!(s.filter(V, 2, 3, &[Stored(502)]), [true]);
+        // and the older one ended there: PBA 102 next is no continuation
+        assert_eq!(s.filter(V, 2, 3, &[Stored(102)]), [false]);
     }
 
     #[test]
