@@ -3331,9 +3331,14 @@ impl Engine {
         lock(&self.meta).index_bytes()
     }
 
-    /// Checks the metadata invariants (reference counts equal mappings, no
-    /// referenced block free, every stored block indexed). Call when no
-    /// request is in flight; returns one line per violation.
+    /// Checks the metadata invariants: reference counts equal the LBAs
+    /// mapping each PBA, no referenced block is free, no block is on the
+    /// free lists twice, every unreferenced block below the high-water mark
+    /// is free or waiting for a commit (none leaked), and no in-memory
+    /// index entry is stale. Call when no request or commit is in flight
+    /// (a running write holds the blocks it reserved; a commit, the frees
+    /// it carries: the leak check is skipped then); returns one line per
+    /// violation.
     pub fn check(&self) -> Vec<String> {
         lock(&self.meta).check()
     }

@@ -923,9 +923,9 @@ impl Meta {
             if rc > 0 && free_or_pending[p as usize] {
                 errs.push(format!("PBA {p} is referenced and free"));
             }
-            if rc == 0 && !free_or_pending[p as usize] {
-                // (between requests: a write holds the blocks it reserved
-                // only while it runs)
+            // (between requests: a write holds the blocks it reserved only
+            // while it runs, and a commit the frees it carries)
+            if rc == 0 && !free_or_pending[p as usize] && self.frees_in_flight == 0 {
                 errs.push(format!(
                     "PBA {p} is unreferenced but neither free nor pending"
                 ));

@@ -126,7 +126,13 @@ fn writes_racing_a_deletion_leak_nothing() {
             // deletion, until the volume is gone
             let mut k = 1 << 40;
             let mut written = 0u64;
-            for round in 0..10_000u64 {
+            // until refused (30 s at most): the deletion may be slow to
+            // take the metadata lock from this loop
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            for round in 0u64.. {
+                if std::time::Instant::now() > deadline {
+                    break;
+                }
                 let lba = (round * 7919) % (BLOCKS - 8);
                 let fps: Vec<Option<Fingerprint>> = (0..8)
                     .map(|i| {
