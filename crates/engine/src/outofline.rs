@@ -995,7 +995,11 @@ impl Engine {
                     // (on battery the rate follows the charge; in
                     // low-power mode no pass runs)
                     let share = engine.selectivity.out_of_line_share();
-                    let rate = (rate_blocks_per_s as f64 * share) as u64;
+                    let rate = if share > 0.0 {
+                        ((rate_blocks_per_s as f64 * share).ceil() as u64).max(1)
+                    } else {
+                        0
+                    };
                     let now_foreground = engine.foreground_ops();
                     let busy = now_foreground != last_foreground;
                     last_foreground = now_foreground;

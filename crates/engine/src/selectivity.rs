@@ -102,12 +102,15 @@ pub struct SelectivityConfig {
     pub power: PowerSource,
 }
 
+/// The server's default (`--selectivity full`): every block fingerprinted
+/// inline, whatever the duplication level, load or battery of the host
+/// (so a store's behaviour, and its tests', do not depend on the machine).
 impl Default for SelectivityConfig {
     fn default() -> Self {
         SelectivityConfig {
-            adaptive: true,
+            adaptive: false,
             load_aware: false,
-            power: PowerSource::Auto,
+            power: PowerSource::Ac,
         }
     }
 }
@@ -193,8 +196,11 @@ impl Selectivity {
         };
         (0..n)
             .map(|_| {
-                if s.period_pos == 0 {
-                    s.period_selected = (fraction * f64::from(PERIOD_BLOCKS)).round() as u32;
+                // (fixed at the period's start; a lower fraction, as on
+                // entering low-power mode, applies at once)
+                let now = (fraction * f64::from(PERIOD_BLOCKS)).round() as u32;
+                if s.period_pos == 0 || now < s.period_selected {
+                    s.period_selected = now;
                 }
                 let selected = s.period_pos < s.period_selected;
                 s.period_pos = (s.period_pos + 1) % PERIOD_BLOCKS;
@@ -385,14 +391,17 @@ fn power_factor_from(root: &Path) -> f64 {
             .fold((0.0, 0.0), |(n, f), &(a, b)| (n + a, f + b));
         (full > 0.0).then(|| (100.0 * now / full).clamp(0.0, 100.0))
     };
-    let pct = if energy.len() == batteries {
-        total(&energy)
-    } else if charge.len() == batteries {
-        total(&charge)
-    } else {
-        None
-    }
-    .or_else(|| (!percent.is_empty()).then(|| percent.iter().sum::<f64>() / percent.len() as f64));
+    let pct = (energy.len() == batteries)
+        .then(|| total(&energy))
+        .flatten()
+        .or_else(|| {
+            (charge.len() == batteries)
+                .then(|| total(&charge))
+                .flatten()
+        })
+        .or_else(|| {
+            (!percent.is_empty()).then(|| percent.iter().sum::<f64>() / percent.len() as f64)
+        });
     match pct {
         // (no reading: taken as full)
         None => 1.0,
