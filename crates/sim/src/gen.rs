@@ -308,18 +308,25 @@ fn generate_counting<W: Write>(
                     (Some(d), _) => d.min(n),
                     (None, Locality::Uniform | Locality::Weak) => rng.random_range(1..=n),
                     (None, Locality::Good { mean_reuse_blocks }) => {
-                        // geometric on {1, 2, …} with mean m: p = 1/m
+                        // geometric on {1, 2, …} with p = 1/m (mean m),
+                        // truncated to the n writes of the history: drawn
+                        // by inverting the truncated distribution, so a
+                        // distance past the history is never clamped onto
+                        // its first write (which would pile the copies of
+                        // a young trace onto one block)
                         let p = 1.0 / mean_reuse_blocks;
                         let u: f64 = rng.random();
-                        let denominator = (1.0 - p).ln();
+                        let q = (-p).ln_1p(); // ln(1 − p)
                         let k = if p >= 1.0 {
                             1.0
-                        } else if denominator == 0.0 {
-                            // a mean so large that 1 − p rounds to 1: as
-                            // far back as the history goes
-                            f64::INFINITY
+                        } else if q == 0.0 {
+                            // a mean so large that 1 − p rounds to 1: the
+                            // truncated distribution is uniform
+                            (u * n as f64).floor() + 1.0
                         } else {
-                            ((1.0 - u).ln() / denominator).floor() + 1.0
+                            // (1 − p)^n, the chance of a distance past n
+                            let past = (n as f64 * q).exp();
+                            ((1.0 - u * (1.0 - past)).ln() / q).floor() + 1.0
                         };
                         (k as usize).clamp(1, n)
                     }
@@ -419,10 +426,59 @@ mod tests {
         }
     }
 
+    /// Copies per content of the trace `spec` generates, most first.
+    fn copies_per_content(spec: &GenSpec) -> Vec<u64> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.ddt");
+        generate(spec, &path).unwrap();
+        let mut r = crate::reader::TraceReader::open(
+            &path,
+            None,
+            false,
+            std::sync::Arc::new(AtomicU64::new(0)),
+        )
+        .unwrap();
+        let mut counts = std::collections::HashMap::new();
+        let mut req = crate::Request::default();
+        while r.next_into(&mut req).unwrap() {
+            for d in req.blocks.iter().flatten() {
+                *counts.entry(*d).or_insert(0u64) += 1;
+            }
+        }
+        let mut v: Vec<u64> = counts.into_values().collect();
+        v.sort_unstable_by(|a, b| b.cmp(a));
+        v
+    }
+
+    #[test]
+    fn long_reuse_distances_do_not_pile_copies_on_the_first_block() {
+        // a mean far past the trace's length: every distance is truncated
+        // to the history, spread over it, not set to its first write
+        for mean in [10_000.0, 1e9] {
+            let s = GenSpec {
+                size_bytes: 20_000 * 4096,
+                ..spec(mean)
+            };
+            let copies = copies_per_content(&s);
+            let duplicates: u64 = copies.iter().map(|c| c - 1).sum();
+            assert!(duplicates > 9_000, "{duplicates}");
+            // (copies are copied too, so early content gathers copies as in
+            // a Yule–Simon process: about √(20 000) ≈ 150 for the most
+            // copied, as with uniform distances; clamped onto the first
+            // write it took 30 % of the duplicates at a mean of 10 000,
+            // all of them at 10^9)
+            assert!(
+                copies[0] < 500,
+                "mean {mean}: one content has {} copies of {duplicates} duplicates",
+                copies[0]
+            );
+        }
+    }
+
     #[test]
     fn a_huge_mean_reuse_distance_generates_and_an_infinite_one_is_refused() {
-        // 1 − 1/m rounds to 1: the distance is as far back as the history
-        // goes (it panicked reading past the history before)
+        // 1 − 1/m rounds to 1: distances are uniform over the history (it
+        // panicked reading past the history before)
         for m in [1e17, 1e300] {
             let mut out = Vec::new();
             assert_eq!(generate_to(&spec(m), &mut out, "t").unwrap(), 2000);
