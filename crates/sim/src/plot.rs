@@ -191,7 +191,7 @@ where
                         .map_err(&err)?
                         .label(match exact_pct {
                             Some(e) if is_plain_exact(p) => format!(
-                                "{p} ({:.1} % of blocks written; exact dedup of the digests {e:.1} %)",
+                                "{p} ({:.1} % of writes; all digests {e:.1} %)",
                                 mine.iter()
                                     .find(|r| r.policy == *p && r.index_memory_bytes.is_none())
                                     .map_or(0.0, |r| r.duplicate_percent)
@@ -242,8 +242,8 @@ where
             draw_lines(&mut chart)?;
             chart
                 .configure_series_labels()
-                // upper left, below the 100 % line: curves rise with memory
-                .position(SeriesLabelPosition::Coordinate(110, 110))
+                // lower right: curves rise with memory, so it stays clear
+                .position(SeriesLabelPosition::LowerRight)
                 .background_style(WHITE.mix(0.9))
                 .border_style(BLACK)
                 .label_font(("sans-serif", 18))
