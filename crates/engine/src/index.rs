@@ -1394,7 +1394,17 @@ impl FingerprintIndex {
         let mut merged: Vec<Entry> = Vec::new();
         if leaf.disk_pages > 0 {
             self.stats.eviction_reads += 1;
-            let old = self.read_group(&leaf, prefix)?;
+            let old = match self.read_group(&leaf, prefix) {
+                Ok(old) => old,
+                Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                    // damaged and given up (the prefix has no on-disk
+                    // group now): what is being evicted becomes its group,
+                    // instead of leaving memory unwritten; the error still
+                    // counts, for the entries the damage took
+                    return self.merge_to_disk(prefix, add, live).and(Err(e));
+                }
+                Err(e) => return Err(e),
+            };
             merged.reserve(old.len() + add.len());
             let (mut i, mut j) = (0, 0);
             while i < old.len() || j < add.len() {
@@ -2190,6 +2200,26 @@ mod tests {
             .filter(|&i| idx.lookup(&fp(i), &|_, _| true).unwrap().is_some())
             .count();
         assert_eq!(found, 4_000, "entries written after the damage were lost");
+
+        // damage met by an eviction, not a lookup: the group being evicted
+        // is written as the prefix's new group, not dropped unwritten
+        for b in bytes.lock().unwrap().iter_mut().step_by(GROUP_PAGE) {
+            *b ^= 0x40;
+        }
+        for i in 20_000..24_000u64 {
+            put(&mut idx, i);
+        }
+        assert!(
+            idx.stats().eviction_errors > 0,
+            "no eviction met the damage"
+        );
+        let found = (20_000..24_000u64)
+            .filter(|&i| idx.lookup(&fp(i), &|_, _| true).is_ok_and(|p| p.is_some()))
+            .count();
+        assert_eq!(
+            found, 4_000,
+            "entries evicted onto damaged groups were lost"
+        );
     }
 
     #[test]
