@@ -1704,7 +1704,9 @@ impl FingerprintIndex {
                     let (pos, old) = self.add_entry(g, e.0, e.1, false);
                     self.note_access(g, pos, Access::Admit { old }, None);
                 }
-                if self.memory_bytes() * 10 > self.cfg.memory_budget_bytes * 9 {
+                if self.memory_bytes().saturating_mul(10)
+                    > self.cfg.memory_budget_bytes.saturating_mul(9)
+                {
                     self.drop_group(g);
                     state.loading = false;
                 }
