@@ -29,4 +29,7 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# public docs: every item documented (missing_docs in the crates) and every
+# intra-doc link resolving
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 cargo test --workspace -- --test-threads=2

@@ -2169,7 +2169,8 @@ impl Engine {
 
     /// True while the next write, TRIM or zeroing will commit (or
     /// checkpoint) before it returns: a bound on uncommitted changes was
-    /// passed ([`Engine::note_change`]). One atomic load each; a hint for
+    /// passed (the metadata changed, or blocks released, past `--max-dirty`
+    /// or `--max-pending-free`). One atomic load each; a hint for
     /// a front end (that request waits for the disk).
     pub fn commit_due(&self) -> bool {
         self.commit_wanted.load(Ordering::Relaxed)

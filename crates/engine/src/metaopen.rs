@@ -134,7 +134,7 @@ impl Overlay {
 /// there: what lies past it cannot be in use.
 ///
 /// Errors: reading the file; `InvalidData` if it is longer than
-/// [`crate::journal::MAX_FILE_BYTES`].
+/// 2^50 bytes (1 PiB, the bound on every metadata file).
 pub fn open_paged(
     file: Option<File>,
     which: MetaFile,

@@ -5,11 +5,11 @@
 //! - [`text`]: FIU IODedup and MobileAppTraces parsers;
 //! - [`native`]: the native binary format (docs/trace-format.md);
 //! - [`input`]: gzip/zstd detection; [`reader`]: one reader for all formats;
-//! - [`replay`]: multi-stream replay into a simulated engine, the report,
+//! - [`replay`](mod@replay): multi-stream replay into a simulated engine, the report,
 //!   index policies and write-path filters;
 //! - [`sweep`]: grids of (trace, policy, budget) on all cores; [`plot`]:
 //!   their figures;
-//! - [`stats`]: figures of a trace alone; [`convert`]: to the native format;
+//! - [`stats`]: figures of a trace alone; [`convert`](mod@convert): to the native format;
 //! - [`gen`]: seeded fio-like, locality and mixed-stream generators.
 //!
 //! User documentation: docs/replay.md.

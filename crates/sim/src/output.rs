@@ -184,7 +184,7 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
 /// `inputs` (an output written over the trace it was made from would
 /// destroy it).
 ///
-/// Errors: [`TraceError::Config`] naming `path` and the reason.
+/// Errors: [`crate::error::TraceError::Config`] naming `path` and the reason.
 pub fn check_destination(path: &Path, inputs: &[PathBuf]) -> Result<()> {
     let name = path.display();
     let dir = match path.parent() {
