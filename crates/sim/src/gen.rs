@@ -316,17 +316,18 @@ fn generate_counting<W: Write>(
                         // a young trace onto one block)
                         let p = 1.0 / mean_reuse_blocks;
                         let u: f64 = rng.random();
-                        let q = (-p).ln_1p(); // ln(1 − p)
                         let k = if p >= 1.0 {
                             1.0
-                        } else if q == 0.0 {
-                            // a mean so large that 1 − p rounds to 1: the
-                            // truncated distribution is uniform
-                            (u * n as f64).floor() + 1.0
                         } else {
-                            // (1 − p)^n, the chance of a distance past n
-                            let past = (n as f64 * q).exp();
-                            ((1.0 - u * (1.0 - past)).ln() / q).floor() + 1.0
+                            // q = ln(1 − p); within = 1 − (1 − p)^n, the
+                            // chance of a distance within the history;
+                            // k = ⌊ln(1 − u·within) / q⌋ + 1. With
+                            // ln_1p/exp_m1 a huge mean (p near 0) keeps
+                            // its precision: the distances tend to uniform
+                            // over the history instead of collapsing to 1
+                            let q = (-p).ln_1p();
+                            let within = -(n as f64 * q).exp_m1();
+                            ((-u * within).ln_1p() / q).floor() + 1.0
                         };
                         (k as usize).clamp(1, n)
                     }
@@ -426,8 +427,9 @@ mod tests {
         }
     }
 
-    /// Copies per content of the trace `spec` generates, most first.
-    fn copies_per_content(spec: &GenSpec) -> Vec<u64> {
+    /// Copies per content of the trace `spec` generates, most first, and
+    /// the share of duplicates whose content was the write just before.
+    fn copies_per_content(spec: &GenSpec) -> (Vec<u64>, f64) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.ddt");
         generate(spec, &path).unwrap();
@@ -439,27 +441,40 @@ mod tests {
         )
         .unwrap();
         let mut counts = std::collections::HashMap::new();
+        let mut last = std::collections::HashMap::new();
+        let (mut at, mut dups, mut adjacent) = (0u64, 0u64, 0u64);
         let mut req = crate::Request::default();
         while r.next_into(&mut req).unwrap() {
             for d in req.blocks.iter().flatten() {
                 *counts.entry(*d).or_insert(0u64) += 1;
+                if let Some(prev) = last.insert(*d, at) {
+                    dups += 1;
+                    adjacent += u64::from(at - prev == 1);
+                }
+                at += 1;
             }
         }
         let mut v: Vec<u64> = counts.into_values().collect();
         v.sort_unstable_by(|a, b| b.cmp(a));
-        v
+        (v, adjacent as f64 / dups.max(1) as f64)
     }
 
     #[test]
     fn long_reuse_distances_do_not_pile_copies_on_the_first_block() {
         // a mean far past the trace's length: every distance is truncated
         // to the history, spread over it, not set to its first write
-        for mean in [10_000.0, 1e9] {
+        for mean in [10_000.0, 1e9, 1e17, 1e300] {
             let s = GenSpec {
                 size_bytes: 20_000 * 4096,
                 ..spec(mean)
             };
-            let copies = copies_per_content(&s);
+            let (copies, adjacent) = copies_per_content(&s);
+            // nor collapse onto the write just before (a huge mean lost
+            // its precision that way)
+            assert!(
+                adjacent < 0.05,
+                "mean {mean}: {adjacent} of duplicates at distance 1"
+            );
             let duplicates: u64 = copies.iter().map(|c| c - 1).sum();
             assert!(duplicates > 9_000, "{duplicates}");
             // (copies are copied too, so early content gathers copies as in
