@@ -440,12 +440,15 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         .or(names.first())
         .cloned()
         .unwrap_or_default();
-    out_line!(
-        "dedupd: store {} ({} volumes: {})",
-        store.display(),
-        names.len(),
-        names.join(", ")
-    );
+    match names.len() {
+        0 => out_line!("dedupd: store {} (no volumes)", store.display()),
+        1 => out_line!("dedupd: store {} (1 volume: {})", store.display(), names[0]),
+        n => out_line!(
+            "dedupd: store {} ({n} volumes: {})",
+            store.display(),
+            names.join(", ")
+        ),
+    }
     for n in engine.notes() {
         err_line!("dedupd: warning: {n}");
     }
@@ -467,8 +470,17 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         let addr = l.local_addr()?;
         out_line!("dedupd: listening on nbd://{addr}");
         if !names.is_empty() {
+            // (listening on every address: a client on this machine
+            // connects to the loopback one)
+            let mut reach = addr;
+            if reach.ip().is_unspecified() {
+                reach.set_ip(match reach.ip() {
+                    std::net::IpAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                    std::net::IpAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                });
+            }
             out_line!(
-                "dedupd: try: nbdinfo nbd://{addr}/{}",
+                "dedupd: try: nbdinfo nbd://{reach}/{}",
                 uri_encode(first.as_ref())
             );
         }
@@ -514,7 +526,14 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
             let mut received = signals.forever();
             if let Some(sig) = received.next() {
                 say(format!(
-                    "dedupd: signal {sig}: finishing in-flight requests (a second signal exits at once)"
+                    "dedupd: signal {sig}: finishing in-flight requests (a second {} exits at once)",
+                    // (a repeated SIGHUP is ignored: a closing terminal
+                    // sends it twice)
+                    if sig == libc::SIGHUP {
+                        "SIGINT or SIGTERM"
+                    } else {
+                        "signal"
+                    }
                 ));
                 // the control socket stops accepting too; its requests
                 // already taken finish before the store is closed

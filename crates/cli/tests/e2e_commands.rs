@@ -99,7 +99,9 @@ fn delete_and_shrink_wait_for_the_volumes_clients_unless_forced() {
     fails_with(&out, "volume vm1 has 2 NBD connections open");
     // a shrink not asked for is refused first, naming what it would discard
     let out = dedupd(&store, &["volume", "resize", "vm1", "4M"]);
-    fails_with(&out, "would discard the 4194304 bytes");
+    fails_with(&out, "would discard its last 4194304 bytes");
+    // (nothing was written there)
+    fails_with(&out, "0 bytes (0 B) of them holding data");
     fails_with(&out, "pass --shrink");
     assert_eq!(volume_size(&store, "vm1"), 8 << 20);
     // growing takes nothing away from the clients
