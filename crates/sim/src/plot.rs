@@ -123,8 +123,10 @@ where
         Figure::Duplicates => format!("{trace}: duplicates found vs index memory"),
         Figure::EvictionIo => format!("{trace}: eviction I/Os vs index memory"),
     };
-    // labels at the budgets swept (the tick nearest each: ticks are a
-    // twentieth of a doubling apart or closer), in KiB or MiB
+    // labels at the budgets swept, on the tick nearest each (ticks are a
+    // tenth of a doubling apart, so a label sits within 3.5 % of its
+    // budget; budgets closer than that share a tick, labelled with the
+    // nearest), in KiB or MiB
     let mut budgets: Vec<f64> = bounded
         .iter()
         .map(|r| mib(r.index_memory_bytes.unwrap_or(0)).log2())
@@ -132,21 +134,25 @@ where
     budgets.sort_by(f64::total_cmp);
     budgets.dedup();
     let label_x = |x: &f64| {
-        let Some(&b) = budgets.iter().find(|&&b| (x - b).abs() < 0.05) else {
+        let Some(&b) = budgets
+            .iter()
+            .filter(|&&b| (x - b).abs() <= 0.05)
+            .min_by(|a, b| (x - *a).abs().total_cmp(&(x - *b).abs()))
+        else {
             return String::new();
         };
-        let m = b.exp2();
-        let trim = |v: f64| {
-            if (v - v.round()).abs() < 0.05 {
-                format!("{v:.0}")
+        let bytes = (b.exp2() * 1048576.0).round() as u64;
+        // whole KiB or MiB where the budget is one, else two decimals
+        if bytes >= 1 << 20 {
+            if bytes % (1 << 20) == 0 {
+                format!("{} MiB", bytes >> 20)
             } else {
-                format!("{v:.1}")
+                format!("{:.2} MiB", bytes as f64 / 1048576.0)
             }
-        };
-        if m >= 1.0 {
-            format!("{} MiB", trim(m))
+        } else if bytes % 1024 == 0 {
+            format!("{} KiB", bytes >> 10)
         } else {
-            format!("{} KiB", trim(m * 1024.0))
+            format!("{:.2} KiB", bytes as f64 / 1024.0)
         }
     };
     let mut b = ChartBuilder::on(&root);
