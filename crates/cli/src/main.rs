@@ -659,7 +659,7 @@ fn progress_bar(msg: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
-            "{msg} [{bar:40}] {human_pos}/{human_len} blocks, {per_sec} (eta {eta})",
+            "{msg} [{bar:40}] {human_pos}/{human_len} blocks, {per_sec:0} (eta {eta})",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
