@@ -144,12 +144,12 @@ where
         let bytes = (b.exp2() * 1048576.0).round() as u64;
         // whole KiB or MiB where the budget is one, else two decimals
         if bytes >= 1 << 20 {
-            if bytes % (1 << 20) == 0 {
+            if bytes.is_multiple_of(1 << 20) {
                 format!("{} MiB", bytes >> 20)
             } else {
                 format!("{:.2} MiB", bytes as f64 / 1048576.0)
             }
-        } else if bytes % 1024 == 0 {
+        } else if bytes.is_multiple_of(1024) {
             format!("{} KiB", bytes >> 10)
         } else {
             format!("{:.2} KiB", bytes as f64 / 1024.0)
