@@ -296,6 +296,30 @@ fn generate_counting<W: Write>(
         req.source = si as u32;
         req.lba_sectors = slot * blocks_per_req * SECTORS_PER_BLOCK;
         req.blocks.clear();
+        let bpr = blocks_per_req as usize;
+        if spec.streams[si].locality == Locality::Uniform && bpr > 1 {
+            // fio-like: the request's whole buffer repeats an earlier
+            // distinct one, or is new (fio's dedupe_percentage repeats
+            // whole buffers of --bs); the history holds distinct requests
+            // back to back, so request r from the newest starts (r + 1) ×
+            // bpr blocks back
+            let whole = st.len() / bpr;
+            if whole > 0 && rng.random_bool(dup_p) {
+                let start = (rng.random_range(0..whole) + 1) * bpr;
+                for j in 0..bpr {
+                    req.blocks.push(Some(st.ago(start - j)));
+                }
+            } else {
+                for _ in 0..bpr {
+                    let mut d = [0u8; 16];
+                    rng.fill_bytes(&mut d);
+                    st.push(d);
+                    req.blocks.push(Some(d));
+                }
+            }
+            w.write(&req).map_err(io_err(name))?;
+            continue;
+        }
         let mut run_dist: Option<usize> = None;
         for _ in 0..blocks_per_req {
             let n = st.len();
@@ -488,6 +512,50 @@ mod tests {
                 copies[0]
             );
         }
+    }
+
+    #[test]
+    fn fio_like_requests_repeat_whole_earlier_buffers() {
+        let s = GenSpec {
+            streams: vec![StreamSpec {
+                locality: Locality::Uniform,
+                share: 1,
+                name: "fio".into(),
+            }],
+            size_bytes: 2000 * 65536,
+            block_bytes: 65536,
+            dup_percent: 40.0,
+            ..spec(64.0)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.ddt");
+        generate(&s, &path).unwrap();
+        let mut r = crate::reader::TraceReader::open(
+            &path,
+            None,
+            false,
+            std::sync::Arc::new(AtomicU64::new(0)),
+        )
+        .unwrap();
+        let mut seen_buffers = std::collections::HashSet::new();
+        let mut seen_blocks = std::collections::HashSet::new();
+        let (mut requests, mut repeats) = (0u32, 0u32);
+        let mut req = crate::Request::default();
+        while r.next_into(&mut req).unwrap() {
+            let blocks: Vec<_> = req.blocks.iter().map(|b| b.unwrap()).collect();
+            assert_eq!(blocks.len(), 16);
+            requests += 1;
+            if seen_buffers.contains(&blocks) {
+                repeats += 1;
+            } else {
+                // a buffer not seen whole is new block by block
+                assert!(blocks.iter().all(|b| seen_blocks.insert(*b)));
+                seen_buffers.insert(blocks);
+            }
+        }
+        assert_eq!(requests, 2000);
+        let pct = f64::from(repeats) * 100.0 / f64::from(requests);
+        assert!((35.0..45.0).contains(&pct), "{pct} % of buffers repeated");
     }
 
     #[test]
