@@ -94,9 +94,17 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     let quiet = args.quiet;
-    let done = move |r: &SweepRow, n: usize, total: usize| {
+    // bytes of trace read over all points, on a terminal (the point lines
+    // print above it)
+    let bar =
+        indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    if quiet || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(crate::replay::bytes_bar_style());
+    let done = |r: &SweepRow, n: usize, total: usize| {
         if !quiet {
-            eprintln!(
+            let line = format!(
                 "[{n}/{total}] {} {} {}: {:.2} % of exact, {} eviction I/Os ({:.1} s)",
                 r.trace,
                 r.policy,
@@ -105,9 +113,20 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
                 r.eviction_ios(),
                 r.elapsed_seconds
             );
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
         }
     };
-    let rows = dedupd_sim::run_sweep(&cfg, &done)?;
+    let progress = |read: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(read);
+    };
+    let rows = dedupd_sim::run_sweep_with_progress(&cfg, &done, &progress);
+    bar.finish_and_clear();
+    let rows = rows?;
     let files = dedupd_sim::sweep::write_outputs(&rows, &args.out)?;
     println!(
         "{} points on {} threads in {:.1} s",

@@ -40,4 +40,4 @@ pub use replay::{
 };
 pub use request::{Digest, Op, Request, Source};
 pub use stats::{trace_stats, trace_stats_counting, TraceStats};
-pub use sweep::{run_sweep, SweepConfig, SweepRow};
+pub use sweep::{run_sweep, run_sweep_with_progress, SweepConfig, SweepRow};

@@ -172,6 +172,21 @@ pub fn run_sweep(
     cfg: &SweepConfig,
     done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
 ) -> Result<Vec<SweepRow>> {
+    run_sweep_with_progress(cfg, done, &|_, _| {})
+}
+
+/// [`run_sweep`], also calling `progress(bytes_read, bytes_total)` as the
+/// replays read their traces: bytes of trace files read so far over all
+/// points, of the sum of each point's trace size on disk (a trace swept
+/// at several points counts once per point). Called from the worker
+/// threads, at most every 4096 requests of each.
+///
+/// Errors: as [`run_sweep`].
+pub fn run_sweep_with_progress(
+    cfg: &SweepConfig,
+    done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<Vec<SweepRow>> {
     check_distinct_traces(&cfg.traces)?;
     let names = trace_names(&cfg.traces);
     let mut points: Vec<(&PathBuf, &str, String, Option<u64>)> = Vec::new();
@@ -190,6 +205,11 @@ pub fn run_sweep(
     // after a failure no further point starts (the error is returned)
     let failed = std::sync::atomic::AtomicBool::new(false);
     let total = points.len();
+    let bytes_total: u64 = points
+        .iter()
+        .map(|p| std::fs::metadata(p.0).map_or(0, |m| m.len()))
+        .sum();
+    let bytes_read = std::sync::atomic::AtomicU64::new(0);
     let next = AtomicUsize::new(0);
     let finished = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<SweepRow>>>> =
@@ -211,8 +231,25 @@ pub fn run_sweep(
                     index_memory_bytes: *budget,
                     ..cfg.base.clone()
                 };
-                let out = replay(std::slice::from_ref(*trace), &rc, &mut |_| {})
-                    .map(|r| SweepRow::from_report(name, &r));
+                // (each replay reports its own bytes read so far: added
+                // to the sweep's as they grow)
+                let mut seen = 0u64;
+                let out = replay(std::slice::from_ref(*trace), &rc, &mut |p| {
+                    let delta = p.bytes_read.saturating_sub(seen);
+                    seen = seen.max(p.bytes_read);
+                    let now = bytes_read.fetch_add(delta, Ordering::Relaxed) + delta;
+                    progress(now, bytes_total);
+                })
+                .map(|r| SweepRow::from_report(name, &r));
+                if out.is_ok() {
+                    // (the rest of the file, read past the last report)
+                    let size = std::fs::metadata(trace).map_or(0, |m| m.len());
+                    let delta = size.saturating_sub(seen);
+                    progress(
+                        bytes_read.fetch_add(delta, Ordering::Relaxed) + delta,
+                        bytes_total,
+                    );
+                }
                 match &out {
                     Ok(row) => {
                         let n = finished.fetch_add(1, Ordering::Relaxed) + 1;
@@ -399,6 +436,34 @@ mod tests {
             figure_stems(&names),
             ["a_t.fiu", "b_t.fiu", "u.fiu", "a_t.fiu-2"]
         );
+    }
+
+    #[test]
+    fn progress_reaches_the_bytes_of_every_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.fiu");
+        let text: String = (0..5000u64)
+            .map(|i| format!("{i} 1 p {} 8 W 6 0 {:032x}\n", i * 8, i % 700 + 1))
+            .collect();
+        std::fs::write(&t, &text).unwrap();
+        let cfg = SweepConfig {
+            traces: vec![t],
+            // exact once, lru at two budgets: three points
+            policies: vec!["exact".into(), "lru".into()],
+            budgets: vec![1 << 20, 2 << 20],
+            jobs: 2,
+            base: ReplayConfig::default(),
+        };
+        let last = Mutex::new((0u64, 0u64));
+        let rows = run_sweep_with_progress(&cfg, &|_, _, _| {}, &|read, total| {
+            let mut l = last.lock().unwrap();
+            assert!(read <= total, "{read} of {total}");
+            *l = (l.0.max(read), total);
+        })
+        .unwrap();
+        assert_eq!(rows.len(), 3);
+        let size = text.len() as u64;
+        assert_eq!(*last.lock().unwrap(), (3 * size, 3 * size));
     }
 
     #[test]
