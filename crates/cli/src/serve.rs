@@ -525,15 +525,11 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
             };
             let mut received = signals.forever();
             if let Some(sig) = received.next() {
+                // (a SIGHUP after the first signal is ignored: a closing
+                // terminal sends it twice)
                 say(format!(
-                    "dedupd: signal {sig}: finishing in-flight requests (a second {} exits at once)",
-                    // (a repeated SIGHUP is ignored: a closing terminal
-                    // sends it twice)
-                    if sig == libc::SIGHUP {
-                        "SIGINT or SIGTERM"
-                    } else {
-                        "signal"
-                    }
+                    "dedupd: signal {sig}: finishing in-flight requests (a SIGINT or SIGTERM \
+                     now exits at once)"
                 ));
                 // the control socket stops accepting too; its requests
                 // already taken finish before the store is closed

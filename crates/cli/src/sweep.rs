@@ -122,7 +122,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     };
     let progress = |read: u64, total: u64| {
         bar.set_length(total);
-        bar.set_position(read);
+        bar.inc(read);
     };
     let rows = dedupd_sim::run_sweep_with_progress(&cfg, &done, &progress);
     bar.finish_and_clear();

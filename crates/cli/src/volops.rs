@@ -10,9 +10,6 @@ use serde_json::Value;
 use crate::exports::VolumeExports;
 use crate::size::human;
 
-/// Bytes per block.
-const BLOCK_BYTES: u64 = dedupd_engine::BLOCK_SIZE as u64;
-
 /// Resizes volume `name` to `size_bytes`. A smaller size needs `shrink` or
 /// `force`; with `exports` (a running server), a shrink also needs the
 /// volume to have no NBD connection open, or `force`.
@@ -28,17 +25,15 @@ pub fn resize(
     progress: &mut dyn FnMut(u64, u64),
 ) -> anyhow::Result<()> {
     let shrinking = match engine.volume(name) {
-        Some((id, old)) if size_bytes < old => {
+        Some((_, old)) if size_bytes < old => {
             if !(shrink || force) {
                 let lost = old - size_bytes;
-                let data = engine.mapped_blocks_from(id, size_bytes / BLOCK_BYTES) * BLOCK_BYTES;
                 bail!(
                     "resizing volume {name} from {} to {} would discard its last {lost} bytes \
-                     ({}), {data} bytes ({}) of them holding data; pass --shrink to do so",
+                     ({}) and whatever data they hold; pass --shrink to do so",
                     human(old),
                     human(size_bytes),
-                    human(lost),
-                    human(data)
+                    human(lost)
                 );
             }
             true

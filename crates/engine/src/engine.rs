@@ -3344,18 +3344,6 @@ impl Engine {
         lock(&self.meta).check()
     }
 
-    /// Number of LBAs of volume `vol` from block `from_block` to its end
-    /// that map stored data (what a shrink to `from_block` blocks would
-    /// discard); 0 for an unknown volume. Walks the allocated map pages of
-    /// that range only.
-    pub fn mapped_blocks_from(&self, vol: VolumeId, from_block: u64) -> u64 {
-        let m = lock(&self.meta);
-        m.volumes.get(&vol).map_or(0, |v| {
-            v.map
-                .count_nonzero_u64(from_block.min(v.size_blocks())..v.size_blocks())
-        })
-    }
-
     /// Fragmentation of volume `vol`: the number of extents in its map,
     /// i.e. maximal runs of consecutive LBAs mapped to consecutive PBAs (an
     /// unmapped LBA ends a run). 0 for an unknown or empty volume.

@@ -299,8 +299,9 @@ fn generate_counting<W: Write>(
         let bpr = blocks_per_req as usize;
         if spec.streams[si].locality == Locality::Uniform && bpr > 1 {
             // fio-like: the request's whole buffer repeats an earlier
-            // distinct one, or is new (fio's dedupe_percentage repeats
-            // whole buffers of --bs); the history holds distinct requests
+            // distinct one, chosen uniformly, or is new (fio's
+            // dedupe_percentage repeats whole buffers of --bs too, in its
+            // default mode the latest new one); the history holds distinct requests
             // back to back, so request r from the newest starts (r + 1) ×
             // bpr blocks back
             let whole = st.len() / bpr;

@@ -176,10 +176,11 @@ pub fn run_sweep(
 }
 
 /// [`run_sweep`], also calling `progress(bytes_read, bytes_total)` as the
-/// replays read their traces: bytes of trace files read so far over all
-/// points, of the sum of each point's trace size on disk (a trace swept
-/// at several points counts once per point). Called from the worker
-/// threads, at most every 4096 requests of each.
+/// replays read their traces: bytes of trace files read since that
+/// worker's last call, of the sum of each point's trace size on disk (a
+/// trace swept at several points counts once per point); the calls add up
+/// to that sum once every point ran. Called from the worker threads, at
+/// most every 4096 requests of each.
 ///
 /// Errors: as [`run_sweep`].
 pub fn run_sweep_with_progress(
@@ -209,7 +210,6 @@ pub fn run_sweep_with_progress(
         .iter()
         .map(|p| std::fs::metadata(p.0).map_or(0, |m| m.len()))
         .sum();
-    let bytes_read = std::sync::atomic::AtomicU64::new(0);
     let next = AtomicUsize::new(0);
     let finished = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<SweepRow>>>> =
@@ -237,18 +237,13 @@ pub fn run_sweep_with_progress(
                 let out = replay(std::slice::from_ref(*trace), &rc, &mut |p| {
                     let delta = p.bytes_read.saturating_sub(seen);
                     seen = seen.max(p.bytes_read);
-                    let now = bytes_read.fetch_add(delta, Ordering::Relaxed) + delta;
-                    progress(now, bytes_total);
+                    progress(delta, bytes_total);
                 })
                 .map(|r| SweepRow::from_report(name, &r));
                 if out.is_ok() {
                     // (the rest of the file, read past the last report)
                     let size = std::fs::metadata(trace).map_or(0, |m| m.len());
-                    let delta = size.saturating_sub(seen);
-                    progress(
-                        bytes_read.fetch_add(delta, Ordering::Relaxed) + delta,
-                        bytes_total,
-                    );
+                    progress(size.saturating_sub(seen), bytes_total);
                 }
                 match &out {
                     Ok(row) => {
@@ -457,8 +452,8 @@ mod tests {
         let last = Mutex::new((0u64, 0u64));
         let rows = run_sweep_with_progress(&cfg, &|_, _, _| {}, &|read, total| {
             let mut l = last.lock().unwrap();
-            assert!(read <= total, "{read} of {total}");
-            *l = (l.0.max(read), total);
+            *l = (l.0 + read, total);
+            assert!(l.0 <= total, "{} of {total}", l.0);
         })
         .unwrap();
         assert_eq!(rows.len(), 3);
