@@ -452,9 +452,8 @@ mod tests {
         }
     }
 
-    /// Copies per content of the trace `spec` generates, most first, and
-    /// the share of duplicates whose content was the write just before.
-    fn copies_per_content(spec: &GenSpec) -> (Vec<u64>, f64) {
+    /// The blocks of each request of the trace `spec` generates.
+    fn requests_of(spec: &GenSpec) -> Vec<Vec<Digest>> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.ddt");
         generate(spec, &path).unwrap();
@@ -465,12 +464,22 @@ mod tests {
             std::sync::Arc::new(AtomicU64::new(0)),
         )
         .unwrap();
+        let mut out = Vec::new();
+        let mut req = crate::Request::default();
+        while r.next_into(&mut req).unwrap() {
+            out.push(req.blocks.iter().map(|b| b.unwrap()).collect());
+        }
+        out
+    }
+
+    /// Copies per content of the trace `spec` generates, most first, and
+    /// the share of duplicates whose content was the write just before.
+    fn copies_per_content(spec: &GenSpec) -> (Vec<u64>, f64) {
         let mut counts = std::collections::HashMap::new();
         let mut last = std::collections::HashMap::new();
         let (mut at, mut dups, mut adjacent) = (0u64, 0u64, 0u64);
-        let mut req = crate::Request::default();
-        while r.next_into(&mut req).unwrap() {
-            for d in req.blocks.iter().flatten() {
+        for req in requests_of(spec) {
+            for d in &req {
                 *counts.entry(*d).or_insert(0u64) += 1;
                 if let Some(prev) = last.insert(*d, at) {
                     dups += 1;
@@ -528,22 +537,10 @@ mod tests {
             dup_percent: 40.0,
             ..spec(64.0)
         };
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.ddt");
-        generate(&s, &path).unwrap();
-        let mut r = crate::reader::TraceReader::open(
-            &path,
-            None,
-            false,
-            std::sync::Arc::new(AtomicU64::new(0)),
-        )
-        .unwrap();
         let mut seen_buffers = std::collections::HashSet::new();
         let mut seen_blocks = std::collections::HashSet::new();
         let (mut requests, mut repeats) = (0u32, 0u32);
-        let mut req = crate::Request::default();
-        while r.next_into(&mut req).unwrap() {
-            let blocks: Vec<_> = req.blocks.iter().map(|b| b.unwrap()).collect();
+        for blocks in requests_of(&s) {
             assert_eq!(blocks.len(), 16);
             requests += 1;
             if seen_buffers.contains(&blocks) {
