@@ -102,7 +102,15 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     bar.set_style(crate::replay::bytes_bar_style());
+    // rows of the points finished so far: written as partial results if
+    // a later point fails
+    let finished = std::sync::Mutex::new((Vec::new(), 0));
     let done = |r: &SweepRow, n: usize, total: usize| {
+        {
+            let mut f = finished.lock().expect("finished rows");
+            f.0.push(r.clone());
+            f.1 = total;
+        }
         if !quiet {
             let line = format!(
                 "[{n}/{total}] {} {} {}: {:.2} % of exact, {} eviction I/Os ({:.1} s)",
@@ -126,7 +134,35 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     };
     let rows = dedupd_sim::run_sweep_with_progress(&cfg, &done, &progress);
     bar.finish_and_clear();
-    let rows = rows?;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) => {
+            let (mut partial, total) = finished.into_inner().expect("finished rows");
+            if partial.is_empty() {
+                return Err(e.into());
+            }
+            // (in grid order: trace, policy, budget as given)
+            let pos = |r: &SweepRow| {
+                let names = dedupd_sim::sweep::trace_names(&args.traces);
+                (
+                    names.iter().position(|n| *n == r.trace),
+                    args.policies.iter().position(|p| *p == r.policy),
+                    r.index_memory_bytes,
+                )
+            };
+            partial.sort_by_key(pos);
+            let files = dedupd_sim::sweep::write_partial(&partial, &args.out)?;
+            anyhow::bail!(
+                "{e}\nthe sweep stopped; the {} of {total} points that finished are in {}",
+                partial.len(),
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            );
+        }
+    };
     let files = dedupd_sim::sweep::write_outputs(&rows, &args.out)?;
     println!(
         "{} points on {} threads in {:.1} s",

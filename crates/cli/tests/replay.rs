@@ -213,6 +213,66 @@ fn sweep_writes_results_and_figures() {
     }
 }
 
+#[test]
+fn a_sweep_stopped_by_a_bad_trace_keeps_what_finished() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.fiu");
+    let text: String = (0..3000u64)
+        .map(|i| format!("{i} 1 p {} 8 W 6 0 {:032x}\n", i * 8, i % 400 + 1))
+        .collect();
+    std::fs::write(&good, &text).unwrap();
+    let bad = dir.path().join("bad.fiu");
+    std::fs::write(&bad, format!("{}garbage\n", &text[..500])).unwrap();
+    let out = dir.path().join("out");
+    let o = dedupd()
+        .args([
+            "sweep",
+            "-q",
+            "--policies",
+            "exact,lru",
+            "--index-memory",
+            "1M,2M",
+        ])
+        .args(["--jobs", "1", "--traces"])
+        .arg(format!("{},{}", good.display(), bad.display()))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    // the bad line named, and where the finished points went
+    assert!(err.contains("bad.fiu:11: expected 9 fields"), "{err}");
+    assert!(err.contains("the 1 of 6 points that finished"), "{err}");
+    assert!(err.contains("results.partial.csv"), "{err}");
+    let csv = std::fs::read_to_string(out.join("results.partial.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 2, "{csv}");
+    assert!(
+        csv.lines().nth(1).unwrap().starts_with("good.fiu,exact,"),
+        "{csv}"
+    );
+    assert!(!out.join("results.csv").exists());
+    // a sweep that completes replaces them with whole results
+    let o = dedupd()
+        .args([
+            "sweep",
+            "-q",
+            "--policies",
+            "exact,lru",
+            "--index-memory",
+            "1M",
+        ])
+        .arg("--traces")
+        .arg(&good)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    assert!(out.join("results.csv").exists());
+    assert!(!out.join("results.partial.csv").exists());
+}
+
 /// Runs each command line in `dir`: it must fail, its error naming the
 /// given text.
 fn assert_refused(dir: &Path, cases: &[(Vec<&str>, &str)]) {

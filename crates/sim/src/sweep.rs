@@ -162,8 +162,11 @@ pub fn check_distinct_traces(traces: &[PathBuf]) -> Result<()> {
 }
 
 /// Runs the grid on `cfg.jobs` threads, calling `done(row, finished,
-/// total)` as points finish. Rows come back in grid order (trace, policy,
-/// budget).
+/// total)` as points finish. Points start round-robin over the traces
+/// (every trace's first point, then every trace's second, …), so each
+/// trace is read early; rows come back in grid order (trace, policy,
+/// budget). After a failure no further point starts; the rows `done`
+/// was given are all that finished (see [`write_partial`]).
 ///
 /// Errors: a trace given twice ([`check_distinct_traces`]) or a policy
 /// that does not parse (both before anything runs), or the first replay
@@ -210,6 +213,17 @@ pub fn run_sweep_with_progress(
         .iter()
         .map(|p| std::fs::metadata(p.0).map_or(0, |m| m.len()))
         .sum();
+    // run order: the first point of every trace, then the second of
+    // every trace, …, so each trace is read early and a malformed one
+    // stops the sweep near its start, not after hours of other points
+    let mut order: Vec<usize> = (0..total).collect();
+    let mut nth_of_trace = vec![0usize; total];
+    for i in 1..total {
+        if points[i].0 == points[i - 1].0 {
+            nth_of_trace[i] = nth_of_trace[i - 1] + 1;
+        }
+    }
+    order.sort_by_key(|&i| nth_of_trace[i]);
     let next = AtomicUsize::new(0);
     let finished = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<SweepRow>>>> =
@@ -221,10 +235,9 @@ pub fn run_sweep_with_progress(
                 if failed.load(Ordering::Relaxed) {
                     break;
                 }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= total {
+                let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) else {
                     break;
-                }
+                };
                 let (trace, name, policy, budget) = &points[i];
                 let rc = ReplayConfig {
                     policy: policy.clone(),
@@ -327,7 +340,9 @@ pub fn to_csv(rows: &[SweepRow]) -> String {
 /// Writes `results.csv`, `results.json` and, per trace, the figures
 /// `<stem>-duplicates.{png,svg}` and `<stem>-eviction-io.{png,svg}` into
 /// `dir` (created if needed), the stem as [`figure_stems`] makes it from
-/// the traces in order of their first row. Returns the files written.
+/// the traces in order of their first row, and removes the partial results
+/// of an earlier failed sweep ([`write_partial`]) from it. Returns the
+/// files written.
 ///
 /// Errors: I/O, or a drawing failure.
 pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
@@ -342,6 +357,15 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         .map_err(|e| TraceError::Config(format!("encoding results: {e}")))?;
     crate::output::write_whole(&json, (text + "\n").as_bytes())?;
     files.push(json);
+    // (partial results of an earlier sweep that failed are stale now)
+    for stale in ["results.partial.csv", "results.partial.json"] {
+        match std::fs::remove_file(dir.join(stale)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io_err(&name)(e));
+            }
+            _ => {}
+        }
+    }
     let mut traces: Vec<&str> = Vec::new();
     for r in rows {
         if !traces.contains(&r.trace.as_str()) {
@@ -364,6 +388,24 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(files)
+}
+
+/// Writes the rows of the points that finished before a sweep failed as
+/// `results.partial.csv` and `results.partial.json` in `dir` (created if
+/// needed), in the columns of [`write_outputs`]; no figures. Returns the
+/// files written.
+///
+/// Errors: I/O.
+pub fn write_partial(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
+    let name = dir.display().to_string();
+    std::fs::create_dir_all(dir).map_err(io_err(&name))?;
+    let csv = dir.join("results.partial.csv");
+    crate::output::write_whole(&csv, to_csv(rows).as_bytes())?;
+    let json = dir.join("results.partial.json");
+    let text = serde_json::to_string_pretty(rows)
+        .map_err(|e| TraceError::Config(format!("encoding results: {e}")))?;
+    crate::output::write_whole(&json, (text + "\n").as_bytes())?;
+    Ok(vec![csv, json])
 }
 
 /// The file-name stems of the figures of traces `names` (distinct names,
@@ -406,11 +448,16 @@ fn figure_paths(dir: &Path, stem: &str) -> Vec<(PathBuf, crate::plot::Figure)> {
     out
 }
 
-/// Every file [`write_outputs`] may write in `dir` for a sweep of `traces`
-/// (results, and each trace's figures), to check before the sweep runs
+/// Every file [`write_outputs`] or [`write_partial`] may write in `dir`
+/// for a sweep of `traces` (results, and each trace's figures), to check before the sweep runs
 /// that none of them is an input.
 pub fn output_paths(dir: &Path, traces: &[PathBuf]) -> Vec<PathBuf> {
-    let mut out = vec![dir.join("results.csv"), dir.join("results.json")];
+    let mut out = vec![
+        dir.join("results.csv"),
+        dir.join("results.json"),
+        dir.join("results.partial.csv"),
+        dir.join("results.partial.json"),
+    ];
     for stem in figure_stems(&trace_names(traces)) {
         out.extend(figure_paths(dir, &stem).into_iter().map(|(p, _)| p));
     }
@@ -459,6 +506,43 @@ mod tests {
         assert_eq!(rows.len(), 3);
         let size = text.len() as u64;
         assert_eq!(*last.lock().unwrap(), (3 * size, 3 * size));
+    }
+
+    #[test]
+    fn a_malformed_trace_stops_the_sweep_before_the_other_traces_points() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good.fiu");
+        let text: String = (0..2000u64)
+            .map(|i| format!("{i} 1 p {} 8 W 6 0 {:032x}\n", i * 8, i % 300 + 1))
+            .collect();
+        std::fs::write(&good, &text).unwrap();
+        let bad = dir.path().join("bad.fiu");
+        std::fs::write(&bad, format!("{}not a trace line\n", &text[..200])).unwrap();
+        let cfg = SweepConfig {
+            traces: vec![good, bad],
+            // three points per trace
+            policies: vec!["exact".into(), "lru".into()],
+            budgets: vec![1 << 20, 2 << 20],
+            jobs: 1,
+            base: ReplayConfig::default(),
+        };
+        let finished = Mutex::new(Vec::new());
+        let e = run_sweep(&cfg, &|row, _, _| {
+            finished.lock().unwrap().push(row.clone());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("bad.fiu"), "{e}");
+        // the bad trace's first point ran second, not fourth
+        let finished = finished.into_inner().unwrap();
+        assert_eq!(finished.len(), 1, "{finished:?}");
+        assert_eq!(finished[0].trace, "good.fiu");
+        assert_eq!(finished[0].policy, "exact");
+        // what finished is written as a partial result
+        let out = dir.path().join("out");
+        let files = write_partial(&finished, &out).unwrap();
+        let csv = std::fs::read_to_string(&files[0]).unwrap();
+        assert_eq!(csv.lines().count(), 2, "{csv}");
+        assert!(csv.lines().nth(1).unwrap().starts_with("good.fiu,exact,"));
     }
 
     #[test]
@@ -597,9 +681,27 @@ mod tests {
         assert_eq!(files.len(), 2 + 4 * traces.len(), "{files:?}");
         let on_disk = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(on_disk, files.len());
+        // (all but the partial results, written only by a failed sweep)
         assert_eq!(
-            paths.iter().collect::<std::collections::HashSet<_>>(),
+            paths
+                .iter()
+                .filter(|p| !p.to_string_lossy().contains(".partial."))
+                .collect::<std::collections::HashSet<_>>(),
             files.iter().collect::<std::collections::HashSet<_>>()
         );
+    }
+
+    #[test]
+    fn complete_results_replace_partial_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let row = SweepRow {
+            trace: "t".into(),
+            policy: "exact".into(),
+            ..SweepRow::default()
+        };
+        let partial = write_partial(std::slice::from_ref(&row), dir.path()).unwrap();
+        assert!(partial.iter().all(|p| p.exists()));
+        write_outputs(&[row], dir.path()).unwrap();
+        assert!(partial.iter().all(|p| !p.exists()), "{partial:?}");
     }
 }
