@@ -183,15 +183,39 @@ enum VolumeCommand {
     },
 }
 
+/// The commands that use no store (traces only).
+const STORELESS_COMMANDS: [&str; 3] = ["replay", "trace", "sweep"];
+
+/// The command line parser: [`Cli`], with the global `--store` left out of
+/// the commands that use no store (a hidden argument of theirs takes its
+/// name, so it is neither shown in their help nor propagated to them, and
+/// giving it there is an error).
+fn cli_command() -> clap::Command {
+    let mut cmd = Cli::command();
+    for name in STORELESS_COMMANDS {
+        cmd = cmd.mut_subcommand(name, |c| {
+            c.arg(
+                clap::Arg::new("store")
+                    .long("store")
+                    .hide(true)
+                    .value_parser(move |_: &str| -> Result<PathBuf, String> {
+                        Err(format!("`dedupd {name}` uses no store"))
+                    }),
+            )
+        });
+    }
+    cmd
+}
+
 fn main() {
     if let Some(msg) = empty_store_env() {
         eprintln!("error: {msg}");
         std::process::exit(if invoked_fsck() { 16 } else { 2 });
     }
-    let parsed = Cli::command().try_get_matches().and_then(|m| {
+    let parsed = cli_command().try_get_matches().and_then(|m| {
         Cli::from_arg_matches(&m)
             .map(|cli| (cli, m))
-            .map_err(|e| e.format(&mut Cli::command()))
+            .map_err(|e| e.format(&mut cli_command()))
     });
     let (cli, matches) = match parsed {
         Ok(parsed) => parsed,
@@ -323,6 +347,13 @@ fn empty_store_env() -> Option<&'static str> {
     if !empty {
         return None;
     }
+    if invoked_command().is_some_and(|c| STORELESS_COMMANDS.iter().any(|s| c == *s)) {
+        // (the variable means nothing to them; clap would still refuse
+        // it empty)
+        // SAFETY: called first thing in main, before any other thread exists.
+        unsafe { std::env::remove_var("DEDUPD_STORE") };
+        return None;
+    }
     let given = std::env::args_os()
         .skip(1)
         .take_while(|a| a != "--")
@@ -338,19 +369,24 @@ fn empty_store_env() -> Option<&'static str> {
     None
 }
 
-/// True if the command line names the `fsck` subcommand (its first
-/// argument that is not an option or the value of `--store`).
+/// True if the command line names the `fsck` subcommand.
 fn invoked_fsck() -> bool {
+    invoked_command().is_some_and(|c| c == "fsck")
+}
+
+/// The subcommand the command line names: its first argument that is not
+/// an option or the value of `--store`.
+fn invoked_command() -> Option<std::ffi::OsString> {
     // (OS strings: a non-UTF-8 argument must not panic here)
     let mut args = std::env::args_os().skip(1);
     while let Some(a) = args.next() {
         if a == "--store" {
             args.next();
         } else if !a.as_encoded_bytes().starts_with(b"-") {
-            return a == "fsck";
+            return Some(a);
         }
     }
-    false
+    None
 }
 
 fn run(cli: Cli, given: serve::CreationOptionsGiven) -> anyhow::Result<()> {
@@ -1074,6 +1110,11 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_command_line_parser_is_well_formed() {
+        cli_command().debug_assert();
+    }
 
     #[test]
     fn every_figure_the_stats_text_reads_is_in_the_stats() {

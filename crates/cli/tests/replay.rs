@@ -625,3 +625,47 @@ fn an_interrupted_trace_gen_leaves_nothing_behind() {
     assert_eq!(names, ["big.ddt"], "left behind");
     assert_eq!(std::fs::read(&out).unwrap(), b"precious");
 }
+
+#[test]
+fn trace_commands_take_no_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    for cmd in [
+        vec!["replay"],
+        vec!["sweep"],
+        vec!["trace", "gen"],
+        vec!["trace", "stats"],
+        vec!["trace", "convert"],
+    ] {
+        let o = dedupd().args(&cmd).arg("--help").output().unwrap();
+        assert!(o.status.success(), "{cmd:?}");
+        let help = String::from_utf8_lossy(&o.stdout);
+        assert!(!help.contains("--store"), "{cmd:?}: {help}");
+    }
+    let (trace, _, _) = trace(tmp.path());
+    let o = dedupd()
+        .args(["replay", "-q", "--store", "s"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`dedupd replay` uses no store"));
+    // an empty DEDUPD_STORE is no error where no store is used
+    let o = dedupd()
+        .env("DEDUPD_STORE", "")
+        .args(["trace", "stats"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    // and commands of a store still take the option after their name
+    let o = dedupd()
+        .args(["volume", "list", "--store"])
+        .arg(tmp.path().join("missing"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("does not exist"),
+        "{o:?}"
+    );
+}
