@@ -516,6 +516,14 @@ fn a_store_without_its_superblock_gets_a_hint() {
     let out = dedupd(&other, &["volume", "list"]);
     fails_with(&out, "not a dedupd store");
     assert!(!stderr(&out).contains("remove"), "{}", stderr(&out));
+    // a file is not made a store, and stays as it was
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "mine").unwrap();
+    for cmd in [&["init"][..], &["serve", "--listen", "127.0.0.1:0"]] {
+        let out = dedupd(&file, cmd);
+        fails_with(&out, "is not a dedupd store: not a directory");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"mine");
 }
 
 #[test]

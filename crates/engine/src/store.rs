@@ -272,6 +272,12 @@ impl StoreDir {
     /// empty) and returns it opened and locked.
     pub fn create(root: &Path, hash: HashAlgorithm, index_prefix_bits: u32) -> Result<StoreDir> {
         if root.exists() {
+            if !root.is_dir() {
+                return Err(EngineError::NotAStore {
+                    path: root.to_path_buf(),
+                    detail: "not a directory".into(),
+                });
+            }
             check_owner(root)?;
             let mut entries = fs::read_dir(root)
                 .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
