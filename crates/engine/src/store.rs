@@ -271,7 +271,14 @@ impl StoreDir {
     /// Creates a new store at `root` (the directory may exist but must be
     /// empty) and returns it opened and locked.
     pub fn create(root: &Path, hash: HashAlgorithm, index_prefix_bits: u32) -> Result<StoreDir> {
-        if root.exists() {
+        // the directory must be empty but for a lock file: checked before
+        // the lock is taken (no lock file is left in a directory that is
+        // not to be a store), and again under it (another dedupd creating
+        // the store at the same moment is "in use", not a half-made store)
+        let check_empty = || -> Result<()> {
+            if !root.exists() {
+                return Ok(());
+            }
             if !root.is_dir() {
                 return Err(EngineError::NotAStore {
                     path: root.to_path_buf(),
@@ -279,25 +286,44 @@ impl StoreDir {
                 });
             }
             check_owner(root)?;
-            let mut entries = fs::read_dir(root)
+            let entries = fs::read_dir(root)
                 .map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
             if root.join("superblock").exists() {
                 return Err(EngineError::StoreExists(root.to_path_buf()));
             }
-            if entries.next().is_some() {
-                return Err(EngineError::NotAStore {
-                    path: root.to_path_buf(),
-                    detail: "directory is not empty and has no superblock".into(),
-                });
+            for entry in entries {
+                let entry =
+                    entry.map_err(|e| EngineError::io(format!("reading {}", root.display()), e))?;
+                if entry.file_name() != "lock" {
+                    return Err(EngineError::NotAStore {
+                        path: root.to_path_buf(),
+                        detail: "directory is not empty and has no superblock".into(),
+                    });
+                }
             }
-        }
-        fs::create_dir_all(root.join("maps"))
+            Ok(())
+        };
+        // (a lock file there already: taken first, so a store another
+        // dedupd is making right now is "in use", whatever it holds yet)
+        let held = if root.is_dir() && root.join("lock").is_file() {
+            Some(lock(root)?)
+        } else {
+            None
+        };
+        check_empty()?;
+        fs::create_dir_all(root)
             .map_err(|e| EngineError::io(format!("creating {}", root.display()), e))?;
         let dir = StoreDir {
             root: root.to_path_buf(),
-            _lock: lock(root)?,
+            _lock: match held {
+                Some(l) => l,
+                None => lock(root)?,
+            },
             observer: crate::observe::Observer::default(),
         };
+        check_empty()?;
+        fs::create_dir_all(root.join("maps"))
+            .map_err(|e| EngineError::io(format!("creating {}", root.display()), e))?;
         let sb = Superblock {
             magic: SUPERBLOCK_MAGIC.into(),
             format_version: FORMAT_VERSION,
@@ -821,7 +847,19 @@ fn lock(root: &Path) -> Result<File> {
     // SAFETY: flock on a file descriptor we own.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
-        return Err(EngineError::Locked(root.to_path_buf()));
+        let e = std::io::Error::last_os_error();
+        // only another holder is "in use"; any other failure (a file
+        // system without flock: ENOSYS, ENOLCK) is named as it is
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            return Err(EngineError::Locked(root.to_path_buf()));
+        }
+        return Err(EngineError::io(
+            format!(
+                "locking {} (the store's file system must support flock)",
+                p.display()
+            ),
+            e,
+        ));
     }
     Ok(f)
 }
@@ -936,6 +974,45 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_being_created_by_another_process_is_in_use_not_half_made() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("s");
+        // another dedupd's create: lock held, its first files made
+        fs::create_dir_all(root.join("maps")).unwrap();
+        let other = lock(&root).unwrap();
+        fs::write(root.join("journal"), b"").unwrap();
+        let r = StoreDir::create(&root, HashAlgorithm::Sha256, 16).map(|_| ());
+        assert!(matches!(r, Err(EngineError::Locked(_))), "{r:?}");
+        drop(other);
+        // once it is gone, what it left is not taken for an empty directory
+        let r = StoreDir::create(&root, HashAlgorithm::Sha256, 16).map(|_| ());
+        assert!(matches!(r, Err(EngineError::NotAStore { .. })), "{r:?}");
+        // a lone lock file (a create stopped right after locking) is no
+        // obstacle, and a directory that is not empty gets no lock file
+        let lone = d.path().join("lone");
+        fs::create_dir(&lone).unwrap();
+        drop(lock(&lone).unwrap());
+        drop(StoreDir::create(&lone, HashAlgorithm::Sha256, 16).unwrap());
+        StoreDir::open(&lone).unwrap();
+        let mine = d.path().join("mine");
+        fs::create_dir(&mine).unwrap();
+        fs::write(mine.join("notes"), b"x").unwrap();
+        assert!(StoreDir::create(&mine, HashAlgorithm::Sha256, 16).is_err());
+        assert!(!mine.join("lock").exists());
+    }
+
+    #[test]
+    fn a_held_lock_is_in_use_and_free_again_once_released() {
+        // (flock through a second descriptor of the same process fails
+        // with EWOULDBLOCK, as against another process)
+        let d = tempfile::tempdir().unwrap();
+        let held = lock(d.path()).unwrap();
+        assert!(matches!(lock(d.path()), Err(EngineError::Locked(_))));
+        drop(held);
+        lock(d.path()).unwrap();
+    }
 
     #[test]
     fn a_store_of_another_user_is_refused_to_root() {
