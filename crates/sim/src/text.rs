@@ -16,7 +16,9 @@
 //! of 512 zero bytes is a zero block; otherwise its digest is the first 16
 //! bytes of SHA-256 over the 8 digests in sector order (a sector the
 //! request does not cover contributes 16 zero bytes). A process name with
-//! spaces is accepted: the fields are taken from both ends. A process name
+//! spaces is accepted: the fields are taken from both ends; such a name
+//! longer than a Linux process name (15 bytes) is an error, as what a line
+//! cut short and run into the next looks like. A process name
 //! that is not valid UTF-8 (Linux cuts names at 15 bytes, which may split
 //! a multi-byte character) is read with U+FFFD in place of the bad bytes,
 //! in both formats.
@@ -264,6 +266,10 @@ fn blocks_from_sectors(req: &mut Request, hex: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Longest FIU process name of several fields, in bytes: Linux keeps a
+/// process name (comm) in 16 bytes with its NUL.
+const MAX_SPACED_PROCESS_NAME_BYTES: usize = 15;
+
 /// Parses one FIU line into `req` (its block list is cleared first).
 /// `sticky` is the file's last unambiguous digest layout, updated here.
 ///
@@ -311,6 +317,16 @@ pub fn parse_fiu(
         // re-slice the original line from the first to the last name field
         let start = f[2].as_ptr() as usize - line.as_ptr() as usize;
         let end = f[n - 7].as_ptr() as usize - line.as_ptr() as usize + f[n - 7].len();
+        // a name of several fields is a Linux comm with spaces, at most 15
+        // bytes: longer, it is a line cut short and the next run into it
+        if end - start > MAX_SPACED_PROCESS_NAME_BYTES {
+            return Err(format!(
+                "process name of {} bytes in {} fields (a process name with spaces \
+                 has at most {MAX_SPACED_PROCESS_NAME_BYTES}): two lines run together?",
+                end - start,
+                n - 8
+            ));
+        }
         String::from_utf8_lossy(&line[start..end])
     };
     Request::check_sectors(lba, size)?;
@@ -419,6 +435,39 @@ pub fn parse_mobile(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_line_cut_short_and_run_into_the_next_is_malformed() {
+        let parse = |line: &str| {
+            let mut req = Request::default();
+            let mut sources = SourceTable::default();
+            let mut sticky = Layout::PerPage;
+            parse_fiu(line.as_bytes(), &mut req, &mut sources, &mut sticky)
+                .map(|()| sources.sources[0].process.clone())
+        };
+        let digest = "57db00a2a67ca70d33789a784d37729d";
+        // (a name with spaces of 15 bytes parses; of 16 it does not)
+        assert_eq!(
+            parse(&format!("1 7 Web Content ab 8 8 W 6 0 {digest}")).unwrap(),
+            "Web Content ab"
+        );
+        assert_eq!(
+            parse(&format!("1 7 Web Content abc 8 8 W 6 0 {digest}")).unwrap(),
+            "Web Content abc"
+        );
+        assert!(parse(&format!("1 7 Web Content abcd 8 8 W 6 0 {digest}")).is_err());
+        // (one field of any length is one name)
+        assert_eq!(
+            parse(&format!("1 7 a-very-long-process-name 8 8 W 6 0 {digest}")).unwrap(),
+            "a-very-long-process-name"
+        );
+        // the first line of mail-01 cut after its LBA, then its second
+        let e = parse(&format!(
+            "89966527996712 4253 nfsd 50851668089966528039628 4253 nfsd 508516688 8 W 6 0 {digest}"
+        ))
+        .unwrap_err();
+        assert!(e.contains("two lines run together"), "{e}");
+    }
 
     #[test]
     fn sources_differ_by_pid_device_and_name() {
