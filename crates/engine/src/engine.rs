@@ -383,10 +383,6 @@ struct CommitState {
 /// released, the rest left to the next piece).
 pub const RELEASE_PIECE_BLOCKS: u64 = 8192;
 
-/// LBAs of a volume map [`Engine::volumes`] counts under one hold of the
-/// metadata lock (about 260 map pages).
-pub const VOLUME_COUNT_CHUNK_BLOCKS: u64 = 1 << 17;
-
 /// Where a block of a write ends up, decided under the metadata lock.
 enum Placement {
     Done,
@@ -928,6 +924,8 @@ impl Engine {
                 damaged_pages,
                 map_missing,
                 map_truncated_at,
+                // (counted once every map is read: `rebuild_derived`)
+                mapped_blocks: 0,
                 // a delete cut short (crash, error, signal): finished by
                 // deleting again, read-only meanwhile
                 deleting: rec.deleting,
@@ -1314,52 +1312,23 @@ impl Engine {
 
     // ---- volumes ---------------------------------------------------------
 
-    /// Every volume, ordered by id, with its mapped bytes. Counting reads
-    /// every map page; the metadata lock is taken for
-    /// [`VOLUME_COUNT_CHUNK_BLOCKS`] LBAs at a time, so I/O goes on
-    /// meanwhile (the counts are then as of slightly different moments).
+    /// Every volume, ordered by id, with its mapped bytes (kept as LBAs are
+    /// mapped and unmapped: no map is read).
     pub fn volumes(&self) -> Vec<VolumeInfo> {
-        let mut out: Vec<VolumeInfo> = {
-            let m = lock(&self.meta);
-            m.volumes
-                .values()
-                .map(|v| VolumeInfo {
-                    id: v.record.id,
-                    name: v.record.name.clone(),
-                    size_bytes: v.record.size_bytes,
-                    mapped_bytes: 0,
-                    read_only: v.read_only(),
-                    deleting: v.deleting,
-                    sequence_threshold_blocks: v.record.sequence_threshold_blocks,
-                    shrinking_to_bytes: v.record.shrinking_to_bytes,
-                })
-                .collect()
-        };
-        for info in &mut out {
-            let blocks = info.size_bytes / BLOCK_SIZE_U64;
-            let mut mapped = 0;
-            let mut from = 0;
-            while from < blocks {
-                let m = lock(&self.meta);
-                let Some(v) = m.volumes.get(&info.id) else {
-                    break; // deleted meanwhile
-                };
-                // (holes of a thin volume's map are passed over at once)
-                const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
-                let Some(page) = v
-                    .map
-                    .next_present_page(from / PER_PAGE, blocks.div_ceil(PER_PAGE))
-                else {
-                    break;
-                };
-                let next = from.max(page * PER_PAGE);
-                let to = (next + VOLUME_COUNT_CHUNK_BLOCKS).min(blocks);
-                mapped += v.map.count_nonzero_u64(next..to.min(v.size_blocks()));
-                from = to;
-            }
-            info.mapped_bytes = mapped * BLOCK_SIZE_U64;
-        }
-        out
+        let m = lock(&self.meta);
+        m.volumes
+            .values()
+            .map(|v| VolumeInfo {
+                id: v.record.id,
+                name: v.record.name.clone(),
+                size_bytes: v.record.size_bytes,
+                mapped_bytes: v.mapped_blocks * BLOCK_SIZE_U64,
+                read_only: v.read_only(),
+                deleting: v.deleting,
+                sequence_threshold_blocks: v.record.sequence_threshold_blocks,
+                shrinking_to_bytes: v.record.shrinking_to_bytes,
+            })
+            .collect()
     }
 
     /// Every volume's name and size in bytes, ordered by id: what NBD
@@ -1424,6 +1393,7 @@ impl Engine {
                 damaged_pages: Vec::new(),
                 map_missing: false,
                 map_truncated_at: None,
+                mapped_blocks: 0,
                 deleting: false,
                 deletes_running: 0,
                 before_deletes: (false, false),

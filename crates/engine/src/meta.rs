@@ -39,6 +39,9 @@ pub struct Volume {
     /// The map file ended at this page at open, short of the volume (the
     /// LBAs past it read as unmapped); served read-only until repaired.
     pub map_truncated_at: Option<u64>,
+    /// LBAs mapped (the nonzero entries of `map` below the size): counted
+    /// at open ([`Meta::rebuild_derived`]), kept by [`Meta::remap`].
+    pub mapped_blocks: u64,
     /// Being deleted: its blocks are released piece by piece, and writes
     /// are refused meanwhile.
     pub deleting: bool,
@@ -294,8 +297,9 @@ impl Meta {
         self.high_water_blocks = top;
         self.free = free;
         self.mapped_blocks = 0;
-        for v in self.volumes.values() {
-            self.mapped_blocks += v.map.count_nonzero_u64(0..v.size_blocks());
+        for v in self.volumes.values_mut() {
+            v.mapped_blocks = v.map.count_nonzero_u64(0..v.size_blocks());
+            self.mapped_blocks += v.mapped_blocks;
         }
         Ok(references)
     }
@@ -557,8 +561,14 @@ impl Meta {
         v.map.set_u64(lba.0, new.map_or(0, |p| p.0 + 1));
         self.change_count += 1;
         match (old.is_some(), new.is_some()) {
-            (false, true) => self.mapped_blocks += 1,
-            (true, false) => self.mapped_blocks -= 1,
+            (false, true) => {
+                self.mapped_blocks += 1;
+                v.mapped_blocks += 1;
+            }
+            (true, false) => {
+                self.mapped_blocks -= 1;
+                v.mapped_blocks -= 1;
+            }
             _ => {}
         }
         if let Some(p) = new {
@@ -886,6 +896,13 @@ impl Meta {
         let mut errs = Vec::new();
         let mut counts: HashMap<u64, u32> = HashMap::new();
         for v in self.volumes.values() {
+            let mapped = v.map.count_nonzero_u64(0..v.size_blocks());
+            if mapped != v.mapped_blocks {
+                errs.push(format!(
+                    "volume {}: {mapped} LBAs mapped, counted {}",
+                    v.record.name, v.mapped_blocks
+                ));
+            }
             for (lba, raw) in v.map.nonzero_u64(0..v.size_blocks()) {
                 let p = Pba(raw - 1);
                 *counts.entry(p.0).or_default() += 1;

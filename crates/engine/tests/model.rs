@@ -148,6 +148,14 @@ proptest! {
             engine.read(*id, 0, &mut buf).unwrap();
             prop_assert!(buf == model[v], "volume {} differs from the model", v);
         }
+        // each volume's mapped bytes: its non-zero blocks (zero blocks are
+        // never stored, trimmed ones unmapped)
+        let listed = engine.volumes();
+        for (v, id) in ids.iter().enumerate() {
+            let nonzero = model[v].chunks(BLOCK_SIZE).filter(|b| b.iter().any(|&x| x != 0)).count() as u64;
+            let info = listed.iter().find(|i| i.id == *id).unwrap();
+            prop_assert_eq!(info.mapped_bytes, nonzero * 4096, "volume {} mapped bytes", v);
+        }
         // physical blocks = distinct non-zero 4 KiB contents over all volumes
         let mut distinct = std::collections::HashSet::new();
         for m in &model {
