@@ -496,14 +496,26 @@ fn with_store(
 /// labelled `label`, which appears at the first report and is cleared at
 /// the end.
 fn with_bar<T>(label: &str, f: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) -> T {
-    let mut bar: Option<indicatif::ProgressBar> = None;
-    let result = f(&mut |done, all| {
-        let bar = bar.get_or_insert_with(|| progress_bar(label));
-        bar.set_length(all);
-        bar.set_position(done);
+    with_phase_bars(|progress| f(&mut |done, all| progress(label, done, all)))
+}
+
+/// Runs `f` with a progress callback (phase, blocks done, of all) drawn as
+/// one bar per phase, labelled with it: a bar appears at its phase's first
+/// report and is cleared when the next phase begins or `f` ends.
+fn with_phase_bars<T>(f: impl FnOnce(&mut dyn FnMut(&str, u64, u64)) -> T) -> T {
+    let mut bar: Option<(String, indicatif::ProgressBar)> = None;
+    let result = f(&mut |phase, done, all| {
+        if bar.as_ref().is_none_or(|(p, _)| p != phase) {
+            if let Some((_, old)) = bar.take() {
+                old.finish_and_clear();
+            }
+        }
+        let (_, b) = bar.get_or_insert_with(|| (phase.to_string(), progress_bar(phase)));
+        b.set_length(all);
+        b.set_position(done);
     });
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
+    if let Some((_, b)) = bar {
+        b.finish_and_clear();
     }
     result
 }
@@ -769,7 +781,10 @@ fn fsck(
         }
         std::process::exit(8);
     };
-    let report = match dedupd_engine::fsck::fsck_with(store, opts, config) {
+    let checked = with_phase_bars(|progress| {
+        dedupd_engine::fsck::fsck_with_progress(store, opts, config, progress)
+    });
+    let report = match checked {
         Ok(r) => r,
         Err(EngineError::Locked(p)) => fail(
             format!(
@@ -821,9 +836,10 @@ fn fsck(
             out(&format!("data lost: {l}"));
         }
         out(&format!(
-            "{}: {} volumes, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked, {} corrupted, {} unreadable, {} LBAs past the data file; {}",
+            "{}: {} volume{}, {} mapped blocks, {} referenced blocks ({} duplicate copies), {} rehashed, {} leaked, {} corrupted, {} unreadable, {} LBAs past the data file; {}",
             store.display(),
             report.volumes,
+            if report.volumes == 1 { "" } else { "s" },
             report.mapped_blocks,
             report.referenced_blocks,
             report.duplicate_copies,

@@ -211,6 +211,10 @@ impl FsckReport {
     }
 }
 
+/// Blocks (LBAs or PBAs) between two progress calls of
+/// [`fsck_with_progress`] (256 MiB of volume or data).
+pub const FSCK_PROGRESS_STEP_BLOCKS: u64 = 1 << 16;
+
 /// Calls `f` with each PBA in `range` whose reference count is not zero,
 /// in order, a reference-count page at a time: pages that are holes are
 /// skipped without a look, so a long, sparse file costs what it holds.
@@ -259,6 +263,24 @@ pub fn fsck(path: &Path, opts: FsckOptions) -> Result<FsckReport> {
 ///
 /// Errors: as [`fsck`].
 pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result<FsckReport> {
+    fsck_with_progress(path, opts, config, &mut |_, _, _| {})
+}
+
+/// [`fsck_with`], calling `progress(phase, done, total)` as the check goes
+/// (once the store is open): `"checking volume maps"` with LBAs of the
+/// volumes looked at, of all volumes' LBAs; `"checking blocks"` (or
+/// `"re-fingerprinting blocks"` with `rehash`) with PBAs passed, of the
+/// reference-count array's PBAs; with `repair`, `"repairing"` with PBAs
+/// passed again. Each phase ends with a call where `done` equals `total`;
+/// calls come at most every [`FSCK_PROGRESS_STEP_BLOCKS`] blocks.
+///
+/// Errors: as [`fsck`].
+pub fn fsck_with_progress(
+    path: &Path,
+    opts: FsckOptions,
+    config: EngineConfig,
+    progress: &mut dyn FnMut(&str, u64, u64),
+) -> Result<FsckReport> {
     let config = EngineConfig {
         allow_damaged_metadata: true,
         sequence_threshold_from_store: true,
@@ -289,7 +311,7 @@ pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result
             (engine, Some((sb, why, found.is_some())))
         }
     };
-    let mut report = match engine.check_and_repair(opts) {
+    let mut report = match engine.check_and_repair(opts, progress) {
         Ok(r) => r,
         Err(e) => {
             // (a repair that failed committed nothing; a check writes nothing)
@@ -452,7 +474,11 @@ impl Engine {
         }
     }
 
-    fn check_and_repair(&self, opts: FsckOptions) -> Result<FsckReport> {
+    fn check_and_repair(
+        &self,
+        opts: FsckOptions,
+        progress: &mut dyn FnMut(&str, u64, u64),
+    ) -> Result<FsckReport> {
         let mut r = FsckReport::default();
         // commits lost with the journal may have freed blocks that were
         // then reused for other data: their stored fingerprints, and so
@@ -504,6 +530,10 @@ impl Engine {
         let mut outside_per_volume = std::collections::BTreeMap::<crate::VolumeId, u64>::new();
         let mut beyond: Vec<(crate::VolumeId, u64)> = Vec::new();
         let mut beyond_volumes = std::collections::BTreeSet::new();
+        let maps_phase = "checking volume maps";
+        let all_lbas: u64 = m.volumes.values().map(|v| v.size_blocks()).sum();
+        let mut lbas_done = 0;
+        progress(maps_phase, 0, all_lbas);
         for id in &ids {
             let v = &m.volumes[id];
             if v.map_missing {
@@ -541,18 +571,37 @@ impl Engine {
                         beyond_volumes.insert(*id);
                     });
             }
-            v.map.for_each_nonzero_u64(0..v.size_blocks(), |lba, raw| {
-                let p = raw - 1;
-                r.mapped_blocks += 1;
-                if p < data_blocks {
-                    refs.push(p << (64 - pba_bits), 1);
-                } else {
-                    if outside.len() < NAMED_PROBLEMS_MAX {
-                        outside.push((*id, lba));
+            // (in steps, each with its progress; holes of a thin volume's
+            // map passed over at once)
+            let blocks = v.size_blocks();
+            let mut from = 0;
+            while from < blocks {
+                const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
+                let Some(page) = v
+                    .map
+                    .next_present_page(from / PER_PAGE, blocks.div_ceil(PER_PAGE))
+                else {
+                    break;
+                };
+                from = from.max(page * PER_PAGE);
+                let to = (from + FSCK_PROGRESS_STEP_BLOCKS).min(blocks);
+                v.map.for_each_nonzero_u64(from..to, |lba, raw| {
+                    let p = raw - 1;
+                    r.mapped_blocks += 1;
+                    if p < data_blocks {
+                        refs.push(p << (64 - pba_bits), 1);
+                    } else {
+                        if outside.len() < NAMED_PROBLEMS_MAX {
+                            outside.push((*id, lba));
+                        }
+                        *outside_per_volume.entry(*id).or_default() += 1;
                     }
-                    *outside_per_volume.entry(*id).or_default() += 1;
-                }
-            });
+                });
+                progress(maps_phase, lbas_done + to, all_lbas);
+                from = to;
+            }
+            lbas_done += blocks;
+            progress(maps_phase, lbas_done, all_lbas);
         }
         for (id, lbas) in lba_runs(&beyond) {
             let v = &m.volumes[&id];
@@ -615,7 +664,18 @@ impl Engine {
         // merge as they are sorted, so one block stored a million times
         // costs a pair, not a million
         let mut dups = KeySorter::counting(m.stored_blocks, budget, 16, scratch());
+        let blocks_phase = if opts.rehash {
+            "re-fingerprinting blocks"
+        } else {
+            "checking blocks"
+        };
+        progress(blocks_phase, 0, rc_len);
+        let mut reported_step = 0;
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
+            if p / FSCK_PROGRESS_STEP_BLOCKS > reported_step {
+                reported_step = p / FSCK_PROGRESS_STEP_BLOCKS;
+                progress(blocks_phase, p.min(rc_len), rc_len);
+            }
             let rc = m.refcounts.get_u32(p);
             if rc != want {
                 // (a block past the data file's end: its LBAs are named
@@ -706,6 +766,7 @@ impl Engine {
             })
         })?;
         for_each_referenced(&mut m, next..rc_len, |m, q| check(m, q, 0))?;
+        progress(blocks_phase, rc_len, rc_len);
 
         // a referenced block's fingerprint, from its data where the stored
         // one cannot be used (None: unreadable now), for the repair
@@ -788,7 +849,13 @@ impl Engine {
         // the fingerprints of referenced blocks: wrong ones, missing ones
         // (blocks stored unhashed) and those on damaged pages, from the data
         // (an unreadable block keeps what it has)
+        progress("repairing", 0, rc_len);
+        let mut reported_step = 0;
         for_each_referenced(&mut m, 0..rc_len, |m, p| {
+            if p / FSCK_PROGRESS_STEP_BLOCKS > reported_step {
+                reported_step = p / FSCK_PROGRESS_STEP_BLOCKS;
+                progress("repairing", p, rc_len);
+            }
             if let Some(fp) = fp_of(m, p) {
                 if fp != m.fingerprint_of(Pba(p)) {
                     m.fingerprints.set(p, &fp);
@@ -797,6 +864,7 @@ impl Engine {
             Ok::<(), std::convert::Infallible>(())
         })
         .unwrap_or_else(|never| match never {});
+        progress("repairing", rc_len, rc_len);
         for page in &fp_damaged_pages {
             m.fingerprints.redirty(*page);
         }
@@ -898,6 +966,43 @@ mod tests {
     use crate::fingerprint::HashAlgorithm;
 
     #[test]
+    fn progress_goes_through_each_phase_to_its_end() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s");
+        let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+        let v = e.create_volume("v", 1 << 30).unwrap();
+        // (two map steps apart, and a hole the check passes over)
+        for lba in [0u64, 1, 3 * FSCK_PROGRESS_STEP_BLOCKS / 2] {
+            e.write(v, lba * 4096, &[(lba % 251) as u8 + 1; 4096], false)
+                .unwrap();
+        }
+        e.close().unwrap();
+        drop(e);
+        let mut calls: Vec<(String, u64, u64)> = Vec::new();
+        let opts = FsckOptions {
+            repair: true,
+            rehash: true,
+        };
+        let r = fsck_with_progress(&path, opts, EngineConfig::default(), &mut |p, d, t| {
+            calls.push((p.to_string(), d, t))
+        })
+        .unwrap();
+        assert_eq!(r.referenced_blocks, 3);
+        let mut phases: Vec<&str> = calls.iter().map(|c| c.0.as_str()).collect();
+        phases.dedup();
+        // (a clean store needs no repair pass)
+        assert_eq!(phases, ["checking volume maps", "re-fingerprinting blocks"]);
+        let maps: Vec<_> = calls.iter().filter(|c| c.0 == phases[0]).collect();
+        assert_eq!(maps.first().map(|c| c.1), Some(0));
+        assert!(maps.windows(2).all(|w| w[0].1 <= w[1].1), "{maps:?}");
+        assert!(maps.len() >= 4, "{maps:?}");
+        let last = maps.last().unwrap();
+        assert_eq!((last.1, last.2), (1 << 18, 1 << 18));
+        let blocks = calls.iter().rfind(|c| c.0 == phases[1]).unwrap();
+        assert!(blocks.2 >= 3 && blocks.1 == blocks.2, "{blocks:?}");
+    }
+
+    #[test]
     fn an_unreadable_block_is_reported_and_the_check_goes_on() {
         let bad = crate::backend::OneBadBlock::new();
         let e = Engine::in_memory_over(
@@ -916,7 +1021,7 @@ mod tests {
             rehash: true,
             ..FsckOptions::default()
         };
-        let r = e.check_and_repair(rehash).unwrap();
+        let r = e.check_and_repair(rehash, &mut |_, _, _| {}).unwrap();
         assert_eq!(r.unreadable_blocks, 1);
         assert_eq!(r.referenced_blocks, 4);
         assert_eq!(r.blocks_rehashed, 4);
@@ -924,10 +1029,13 @@ mod tests {
         assert_eq!(r.exit_code(), 4);
         // a repair leaves it as it is, and still says so
         let r = e
-            .check_and_repair(FsckOptions {
-                repair: true,
-                rehash: true,
-            })
+            .check_and_repair(
+                FsckOptions {
+                    repair: true,
+                    rehash: true,
+                },
+                &mut |_, _, _| {},
+            )
             .unwrap();
         assert!(r.repaired);
         assert_eq!(r.unreadable_blocks, 1);
@@ -968,7 +1076,9 @@ mod tests {
         let mut bytes = std::fs::read(&map).unwrap();
         bytes[4096 + 100] ^= 0x20;
         std::fs::write(&map, bytes).unwrap();
-        let err = e.check_and_repair(FsckOptions::default()).unwrap_err();
+        let err = e
+            .check_and_repair(FsckOptions::default(), &mut |_, _, _| {})
+            .unwrap_err();
         assert!(
             matches!(err, crate::error::EngineError::MetadataUnreadable(_)),
             "{err}"
@@ -995,23 +1105,30 @@ mod tests {
             assert_ne!(raw, 0);
             m.volumes.get_mut(&vol).unwrap().map.set_u64(20, raw);
         }
-        let r = e.check_and_repair(FsckOptions::default()).unwrap();
+        let r = e
+            .check_and_repair(FsckOptions::default(), &mut |_, _, _| {})
+            .unwrap();
         assert!(
             r.problems.iter().any(|p| p.contains("LBA 20 past")),
             "{:?}",
             r.problems
         );
         let r = e
-            .check_and_repair(FsckOptions {
-                repair: true,
-                ..FsckOptions::default()
-            })
+            .check_and_repair(
+                FsckOptions {
+                    repair: true,
+                    ..FsckOptions::default()
+                },
+                &mut |_, _, _| {},
+            )
             .unwrap();
         assert!(r.repaired);
         assert_eq!(lock(&e.meta).volumes[&vol].map.get_u64(20), 0);
         // the block LBA 0 maps is kept, and a grow exposes nothing
         e.resize_volume("v", 64 * 4096).unwrap();
-        let r = e.check_and_repair(FsckOptions::default()).unwrap();
+        let r = e
+            .check_and_repair(FsckOptions::default(), &mut |_, _, _| {})
+            .unwrap();
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         let mut b = vec![0u8; 4096];
         e.read(vol, 20 * 4096, &mut b).unwrap();
