@@ -8,11 +8,14 @@
 //! * the baseline: `nbdkit file` serving a fresh sparse file, and
 //! * `dedupd serve` on a fresh store,
 //!
-//! alternating between the two `--repeats` times so that both see the same
-//! machine state. Every run gets a fresh server and a fresh file or store in
-//! a temporary directory. It reports the median of each side, the ratio
-//! dedupd / baseline, whether that ratio meets the target, and dedupd's peak
-//! RSS and share of duplicate writes eliminated (from `dedupd stats --json`).
+//! alternating between the two `--repeats` times (one pair per repeat, the
+//! order swapped every repeat) so that both see the same machine state,
+//! after one discarded warm-up pair. Every run gets a fresh server and a
+//! fresh file or store in a temporary directory. It reports the median of
+//! each side, the ratio dedupd / baseline as the median of the pairs'
+//! ratios (each pair ran back to back) with their range, whether that ratio
+//! meets the target, and dedupd's peak RSS and share of duplicate writes
+//! eliminated (from `dedupd stats --json`).
 //!
 //! It builds nothing: run `cargo build --release` first. `nbdkit` and `fio`
 //! (with the `nbd` ioengine) must be on `PATH`.
@@ -37,6 +40,10 @@ use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use serde_json::Value;
 
+/// Seconds of each timed fio run before its measurement starts (fio
+/// `ramp_time`).
+const RAMP_S: u64 = 1;
+
 /// SIGTERM's signal number (Linux).
 const SIGTERM: i32 = 15;
 
@@ -48,13 +55,14 @@ const SIGTERM: i32 = 15;
     after_help = "Build dedupd first: cargo build --release -p dedupd. Needs nbdkit and fio (with the nbd ioengine) on PATH."
 )]
 pub struct Cli {
-    /// Short run: 3 s per measurement, 1 repeat, 256 MiB region (each can still be overridden).
+    /// Short run: 3 s per measurement, 2 repeats, 256 MiB region (each can still be overridden).
     #[arg(long)]
     pub quick: bool,
     /// Seconds each fio measurement runs (default 10, or 3 with --quick).
     #[arg(long)]
     pub runtime_s: Option<u64>,
-    /// Runs of each server per (workload, dup %) pair (default 3, or 1 with --quick).
+    /// Runs of each server per (workload, dup %) row (default 4, or 2 with
+    /// --quick; even, so each server runs first equally often).
     #[arg(long)]
     pub repeats: Option<usize>,
     /// Size of the region fio works on (default 1G, or 256M with --quick).
@@ -174,6 +182,8 @@ pub struct Settings {
     pub volume_bytes: u64,
     /// The dedupd binary.
     pub dedupd: PathBuf,
+    /// Directory of the temporary stores and files.
+    pub dir: PathBuf,
 }
 
 /// Stops a server process when dropped: SIGTERM, then waits (SIGKILL after a grace period).
@@ -626,14 +636,14 @@ fn measure(
     target: Target,
     workload: Workload,
     dup: u32,
-    rep: usize,
+    run_tag: &str,
 ) -> anyhow::Result<Sample> {
     // Short names: dedupd's control socket lives in the store and Unix socket paths are short.
     let short = match target {
         Target::Baseline => 'b',
         Target::Dedupd => 'd',
     };
-    let dir = TempDir::new(base, &format!("{short}-{workload}-{dup}-{rep}"))?;
+    let dir = TempDir::new(base, &format!("{short}-{workload}-{dup}-{run_tag}"))?;
     let mut running = match target {
         Target::Baseline => start_nbdkit(dir.path(), settings.volume_bytes)?,
         Target::Dedupd => start_dedupd(&settings.dedupd, dir.path(), settings.volume_bytes)?,
@@ -662,6 +672,8 @@ fn measure(
     let mut args: Vec<String> = workload.fio_args().iter().map(|s| s.to_string()).collect();
     args.push(size);
     args.push("--time_based".into());
+    // (the first second, connection and first touches, is not counted)
+    args.push(format!("--ramp_time={RAMP_S}"));
     args.push(format!("--runtime={}", settings.runtime_s));
     if workload.is_write() {
         args.extend(dedupe.iter().cloned());
@@ -671,7 +683,7 @@ fn measure(
         &running.uri,
         &workload.to_string(),
         &args,
-        Duration::from_secs(settings.runtime_s + 120),
+        Duration::from_secs(settings.runtime_s + RAMP_S + 120),
     )?;
     let d = if workload.is_write() { w } else { r };
     let value = match workload.unit() {
@@ -690,8 +702,19 @@ fn measure(
             bail!("dedupd exited during the run ({status})");
         }
         let stats = dedupd_stats(&settings.dedupd, store)?;
-        sample.peak_rss_bytes = stats["peak_rss_bytes"].as_u64();
-        sample.dup_eliminated_percent = stats["duplicate_writes_eliminated_percent"].as_f64();
+        // (a figure missing, or a peak RSS of 0 (unread), is an error, not
+        // a blank in the table)
+        sample.peak_rss_bytes = Some(
+            stats["peak_rss_bytes"]
+                .as_u64()
+                .filter(|&b| b > 0)
+                .context("dedupd stats --json has no peak_rss_bytes (or 0)")?,
+        );
+        sample.dup_eliminated_percent = Some(
+            stats["duplicate_writes_eliminated_percent"]
+                .as_f64()
+                .context("dedupd stats --json has no duplicate_writes_eliminated_percent")?,
+        );
     }
     running.guard.stop(Duration::from_secs(120))?;
     Ok(sample)
@@ -711,19 +734,38 @@ fn mib(bytes: u64) -> String {
     format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
+/// dedupd ÷ baseline of each repeat's pair of runs (which ran back to
+/// back), in repeat order.
+pub fn pair_ratios(row: &Row) -> Vec<f64> {
+    row.baseline
+        .iter()
+        .zip(&row.dedupd)
+        .map(|(b, d)| d.value / b.value)
+        .filter(|r| r.is_finite())
+        .collect()
+}
+
 /// Renders the Markdown report.
 pub fn report(header: &str, rows: &[Row]) -> String {
     let mut s = String::new();
     s.push_str(header);
     s.push_str(
-        "\n| Workload | Dup % | Unit | Baseline (nbdkit file) median | dedupd median | Ratio | Target | Met | dedupd dup writes eliminated | dedupd peak RSS |\n",
+        "\n| Workload | Dup % | Unit | Baseline (nbdkit file) median | dedupd median | Ratio (median of pairs) | Pair ratios | Target | Met | dedupd dup writes eliminated | dedupd peak RSS |\n",
     );
-    s.push_str("|---|---:|---|---:|---:|---:|---:|---|---:|---:|\n");
+    s.push_str("|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|\n");
     for row in rows {
         let unit = row.workload.unit();
         let b = median(&row.baseline.iter().map(|x| x.value).collect::<Vec<_>>());
         let d = median(&row.dedupd.iter().map(|x| x.value).collect::<Vec<_>>());
-        let ratio = d / b;
+        let pairs = pair_ratios(row);
+        let ratio = median(&pairs);
+        let range = if pairs.is_empty() {
+            "-".to_string()
+        } else {
+            let lo = pairs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = pairs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{lo:.2}–{hi:.2}x")
+        };
         let target = row.workload.target(row.dup);
         let met = if ratio.is_finite() && ratio >= target {
             "yes"
@@ -749,20 +791,21 @@ pub fn report(header: &str, rows: &[Row]) -> String {
             .unwrap_or_else(|| "-".into());
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {:.2}x | ≥ {:.1}x | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {:.2}x | {} | ≥ {:.1}x | {} | {} | {} |",
             row.workload.label(),
             row.dup,
             unit,
             fmt_value(b, unit),
             fmt_value(d, unit),
             ratio,
+            range,
             target,
             met,
             elim,
             rss
         );
     }
-    s.push_str("\nRaw runs (baseline / dedupd, in run order):\n\n");
+    s.push_str("\nRaw runs (baseline / dedupd, in repeat order; pair i is the i-th of each):\n\n");
     for row in rows {
         let list = |v: &[Sample]| {
             v.iter()
@@ -801,6 +844,7 @@ fn header(settings: &Settings) -> String {
         })
         .unwrap_or_else(|| "?".into());
     let fio = command_output("fio", &["--version"]);
+    let dir_fs = command_output("stat", &["-f", "-c", "%T", &settings.dir.to_string_lossy()]);
     let nbdkit = command_output("nbdkit", &["--version"]);
     let repo = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let rev = command_output("git", &["-C", repo, "rev-parse", "--short", "HEAD"]);
@@ -817,6 +861,12 @@ fn header(settings: &Settings) -> String {
     let _ = writeln!(s, "- fio: {fio}; nbdkit: {nbdkit}");
     let _ = writeln!(
         s,
+        "- files under {} ({})",
+        settings.dir.display(),
+        if dir_fs.is_empty() { "?" } else { &dir_fs }
+    );
+    let _ = writeln!(
+        s,
         "- dedupd: {} (git {}{})",
         settings.dedupd.display(),
         if rev.is_empty() { "?" } else { &rev },
@@ -824,11 +874,17 @@ fn header(settings: &Settings) -> String {
     );
     let _ = writeln!(
         s,
-        "- fio ioengine=nbd over TCP 127.0.0.1, 1 job; region {}; volume/file {}; runtime {} s per run; {} repeat(s) per server, alternating baseline/dedupd, fresh server and store/file per run",
+        "- fio ioengine=nbd over TCP 127.0.0.1, 1 job; region {}; volume/file {}; runtime {} s per run after {RAMP_S} s of ramp; {} repeat(s) per server, each a pair of runs back to back (baseline first in even repeats, dedupd first in odd ones) after one discarded warm-up pair; fresh server and store/file per run",
         mib(settings.region_bytes),
         mib(settings.volume_bytes),
         settings.runtime_s,
         settings.repeats
+    );
+    s.push_str(
+        "- duplicates: fio dedupe_percentage with its default dedupe_mode=repeat (a duplicate buffer repeats an earlier one: for 1 MiB writes, 256 blocks in a row) and refill_buffers (0% means no duplicate blocks)\n",
+    );
+    s.push_str(
+        "- ratio: the median over repeats of dedupd ÷ baseline of each pair, with the range of those pair ratios; peak RSS of the read rows includes their prefill\n",
     );
     s.push_str(
         "- random read runs follow a sequential 1 MiB write prefill of the region with the same dedupe_percentage\n",
@@ -851,7 +907,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .runtime_s
             .unwrap_or(if cli.quick { 3 } else { 10 })
             .max(1),
-        repeats: cli.repeats.unwrap_or(if cli.quick { 1 } else { 3 }).max(1),
+        repeats: cli.repeats.unwrap_or(if cli.quick { 2 } else { 4 }).max(1),
         region_bytes: parse_size(cli.region.as_deref().unwrap_or(if cli.quick {
             "256M"
         } else {
@@ -859,6 +915,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }))?,
         volume_bytes: parse_size(&cli.volume_size)?,
         dedupd: fs::canonicalize(&dedupd).unwrap_or(dedupd),
+        dir: cli.dir.clone(),
     };
     if settings.region_bytes == 0
         || settings.region_bytes > settings.volume_bytes
@@ -876,6 +933,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         &cli.dir,
         &format!("dbench-{}-{nanos:x}", std::process::id()),
     )?;
+    // one pair first, not counted: whichever server runs first meets the
+    // machine's first touches of memory and files
+    if let (Some(&workload), Some(&dup)) = (cli.workloads.first(), cli.dup.first()) {
+        for target in [Target::Baseline, Target::Dedupd] {
+            let sample = measure(&settings, base.path(), target, workload, dup, "warm-up")
+                .with_context(|| format!("warm-up run of {}", target.name()))?;
+            eprintln!(
+                "[warm-up] {:<20} dup {dup:>3}% {:<12} {:>10} {} (not counted)",
+                workload.label(),
+                target.name(),
+                fmt_value(sample.value, workload.unit()),
+                workload.unit()
+            );
+        }
+    }
     let total = cli.workloads.len() * cli.dup.len() * settings.repeats * 2;
     let mut done = 0;
     let mut rows = Vec::new();
@@ -897,10 +969,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 };
                 for target in order {
                     done += 1;
-                    let sample = measure(&settings, base.path(), target, workload, dup, rep)
-                        .with_context(|| {
-                            format!("{} {workload} dup {dup}% run {}", target.name(), rep + 1)
-                        })?;
+                    let sample = measure(
+                        &settings,
+                        base.path(),
+                        target,
+                        workload,
+                        dup,
+                        &rep.to_string(),
+                    )
+                    .with_context(|| {
+                        format!("{} {workload} dup {dup}% run {}", target.name(), rep + 1)
+                    })?;
                     eprintln!(
                         "[{done}/{total}] {:<20} dup {dup:>3}% {:<12} {:>10} {}{}",
                         workload.label(),
@@ -958,6 +1037,25 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn ratios_pair_the_runs_of_each_repeat() {
+        let s = |value| Sample {
+            value,
+            peak_rss_bytes: None,
+            dup_eliminated_percent: None,
+        };
+        let row = Row {
+            workload: Workload::Randwrite,
+            dup: 0,
+            baseline: vec![s(100.0), s(50.0), s(80.0)],
+            dedupd: vec![s(90.0), s(60.0), s(40.0)],
+        };
+        assert_eq!(pair_ratios(&row), [0.9, 1.2, 0.5]);
+        // the median of the pairs' ratios, not the ratio of the medians
+        assert_eq!(median(&pair_ratios(&row)), 0.9);
+        assert_eq!(row.dedupd[1].value / row.baseline[2].value, 0.75);
     }
 
     #[test]
