@@ -16,7 +16,19 @@
 //! - every write acknowledged by a FLUSH (or FUA) reads back intact;
 //! - every other block reads back as its content at the last FLUSH or as
 //!   one of the contents written since (never a mix, never another block's);
-//! - `fsck --rehash` finds nothing wrong.
+//! - `fsck --rehash` finds nothing wrong;
+//! - after recovery, new writes, TRIMs and a FLUSH, then a clean close,
+//!   every block reads what it read after recovery or was written since,
+//!   and reopened, exactly its last content;
+//! - a second crash (power loss), while recovering or in that later work
+//!   (its writes recorded too), recovers as the first: consistent, every
+//!   block one of its allowed contents. Every other first crash is a
+//!   process kill instead of a power loss: the recovery reads every write
+//!   made (the page cache keeps them) though the unsynced ones are not
+//!   durable, and the second crash may lose them.
+//!
+//! Data-file writes not yet synced may be torn too (any subset of their
+//! sectors): no block a map points at may show it.
 //!
 //! The normal run builds several hundred states; set `DEDUPD_CRASH_STATES`
 //! (e.g. 5000) for a long run.
@@ -123,13 +135,24 @@ fn apply(content: &mut Vec<u8>, ev: &Ev) {
     }
 }
 
-/// The files a crash after event `k` may leave: synced changes, plus each
-/// unsynced change kept with probability 1/2 (in order).
+/// What ends the process at event `k`.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Crash {
+    /// Power loss: synced changes, plus each unsynced change kept with
+    /// probability 1/2 (in order), some torn.
+    PowerLoss,
+    /// The process killed: every change is in the page cache, so the next
+    /// process reads them all (though the unsynced ones are not durable).
+    Kill,
+}
+
+/// The files a crash after event `k` leaves.
 fn crash_state(
     base: &BTreeMap<String, Vec<u8>>,
     events: &[Ev],
     k: usize,
     rng: &mut Rng,
+    crash: Crash,
 ) -> BTreeMap<String, Vec<u8>> {
     let mut durable: BTreeMap<String, Option<Vec<u8>>> = base
         .iter()
@@ -164,7 +187,11 @@ fn crash_state(
         };
         let paged = n == "refcounts" || n == "fingerprints" || n.starts_with("maps/");
         for p in pending.get(&n).map(|v| v.as_slice()).unwrap_or(&[]) {
-            match (rng.below(4), p) {
+            let dice = match crash {
+                Crash::PowerLoss => rng.below(4),
+                Crash::Kill => 3,
+            };
+            match (dice, p) {
                 (0 | 1, _) => {}
                 // a page of metadata torn in place: only its first sectors
                 (2, Ev::Write(f, off, data)) if paged && data.len() >= 1024 => {
@@ -173,6 +200,19 @@ fn crash_state(
                         &mut c,
                         &Ev::Write(f.clone(), *off, data[..sectors * 512].to_vec()),
                     );
+                }
+                // a data write of several sectors of which only some reached
+                // the disk, in any order (blocks are never rewritten in
+                // place, so no block a map points at may show it)
+                (2, Ev::Write(f, off, data)) if n == "data" && data.len() >= 1024 => {
+                    for (i, sector) in data.chunks(512).enumerate() {
+                        if rng.below(2) == 0 {
+                            apply(
+                                &mut c,
+                                &Ev::Write(f.clone(), *off + i as u64 * 512, sector.to_vec()),
+                            );
+                        }
+                    }
                 }
                 // a journal write of which only some sectors reached the
                 // disk, in any order (power loss): its end without its
@@ -214,6 +254,44 @@ fn write_tree(root: &Path, files: &BTreeMap<String, Vec<u8>>) {
 
 /// Allowed contents (pattern ids) per (volume, block) after each operation.
 type Allowed = Vec<Vec<BTreeSet<u8>>>;
+
+/// The contents allowed after a crash at event `k` of a workload whose
+/// `history` holds (event count after each operation, allowed contents
+/// after it): those after the last operation complete by then, united with
+/// those after the operation in progress (if any); before the first
+/// entry's end, that entry's alone. Returns the index of that last
+/// operation too.
+fn allowed_at(history: &[(usize, Allowed)], k: usize) -> (usize, Allowed) {
+    let Some(j) = history.iter().rposition(|(end, _)| *end <= k) else {
+        return (0, history[0].1.clone());
+    };
+    let mut allowed = history[j].1.clone();
+    if let Some((_, next)) = history.get(j + 1) {
+        for (a, n) in allowed.iter_mut().zip(next) {
+            for (set, more) in a.iter_mut().zip(n) {
+                set.extend(more.iter().copied());
+            }
+        }
+    }
+    (j, allowed)
+}
+
+/// Asserts that every block of every volume reads one of its allowed
+/// contents.
+fn assert_reads(e: &Engine, allowed: &Allowed, what: &str) {
+    for (v, vol) in allowed.iter().enumerate() {
+        let (id, _) = e.volume(&format!("v{v}")).unwrap();
+        for (b, set) in vol.iter().enumerate() {
+            let mut buf = vec![0u8; 4096];
+            e.read(id, b as u64 * 4096, &mut buf).unwrap();
+            assert!(
+                set.iter().any(|&p| block(p) == buf),
+                "{what}: volume v{v} block {b} reads content not in {set:?} (first byte {})",
+                buf[0]
+            );
+        }
+    }
+}
 
 /// Runs one seeded workload and checks its crash states; returns the
 /// states checked and the journal patches and in-place page writes made.
@@ -323,12 +401,14 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
         .filter(|e| matches!(e, Ev::Write(f, _, _) if f == "refcounts" || f.starts_with("maps")))
         .count();
 
-    // crash points: after each sync, and random points in between
+    // crash points: after each sync, right before each (its file's writes
+    // all pending: what a kill leaves a recovery to read without their
+    // being durable), and random points in between
     let mut points: Vec<usize> = events
         .iter()
         .enumerate()
         .filter(|(_, e)| matches!(e, Ev::Sync(_)))
-        .map(|(i, _)| i + 1)
+        .flat_map(|(i, _)| [i, i + 1])
         .collect();
     for _ in 0..points.len() / 2 + 4 {
         points.push(rng.below(events.len() as u64 + 1) as usize);
@@ -338,22 +418,27 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
     let stride = (points.len() / states_wanted.max(1)).max(1);
     let mut checked = 0;
     for (n, &k) in points.iter().enumerate().filter(|(n, _)| n % stride == 0) {
-        // allowed contents: those after the last operation complete at event
-        // k, united with those after the operation in progress (if any)
-        let j = history.iter().rposition(|(end, _)| *end <= k).unwrap_or(0);
-        let mut allowed_k = history[j].1.clone();
-        if let Some((_, next)) = history.get(j + 1) {
-            for (a, n) in allowed_k.iter_mut().zip(next) {
-                for (set, more) in a.iter_mut().zip(n) {
-                    set.extend(more.iter().copied());
-                }
-            }
-        }
+        let (j, allowed_k) = allowed_at(&history, k);
         let allowed = &allowed_k;
-        let files = crash_state(&base, &events, k, &mut rng);
+        // every other point a kill (the page cache keeps every write: the
+        // recovery reads changes that are not durable), else a power loss
+        let first = if n % 2 == 1 {
+            Crash::Kill
+        } else {
+            Crash::PowerLoss
+        };
+        let files = crash_state(&base, &events, k, &mut rng, first);
         let crash = dir.join(format!("crash-{n}"));
         write_tree(&crash, &files);
-        let e = Engine::open(&crash, EngineConfig::default()).unwrap_or_else(|err| {
+        // (what recovery itself writes is recorded: crashes during it are
+        // built below)
+        let base2 = read_tree(&crash);
+        let recorder2 = Arc::new(Recorder::default());
+        let config2 = EngineConfig {
+            observer: Observer(Some(recorder2.clone())),
+            ..EngineConfig::default()
+        };
+        let e = Engine::open(&crash, config2).unwrap_or_else(|err| {
             panic!("seed {seed} point {k}: crash state does not open: {err}")
         });
         let errs = e.check();
@@ -368,13 +453,17 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
             "seed {seed} point {k}: damage after a crash: {:?}",
             e.damage().iter().map(|d| d.describe()).collect::<Vec<_>>()
         );
+        // the pattern each block reads after recovery
+        let mut seen = vec![vec![0u8; BLOCKS as usize]; VOLUMES];
         for (v, name) in (0..VOLUMES).map(|v| (v, format!("v{v}"))) {
             let (id, _) = e.volume(&name).unwrap();
             #[allow(clippy::needless_range_loop)] // b is also the block number
             for b in 0..BLOCKS as usize {
                 let mut buf = vec![0u8; 4096];
                 e.read(id, b as u64 * 4096, &mut buf).unwrap();
-                let ok = allowed[v][b].iter().any(|&p| block(p) == buf);
+                let found = allowed[v][b].iter().copied().find(|&p| block(p) == buf);
+                let ok = found.is_some();
+                seen[v][b] = found.unwrap_or(0);
                 if !ok && std::env::var_os("DEDUPD_CRASH_DEBUG").is_some() {
                     for (i, ev) in events.iter().enumerate().take(k + 3) {
                         let d = match ev {
@@ -403,6 +492,125 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
                 );
             }
         }
+        // after recovery: new writes (reusing the blocks recovery freed),
+        // TRIMs and a FLUSH, then a clean close; each block reads what it
+        // read after recovery or what was written since
+        let mut current2 = seen.clone();
+        // (after a kill what recovery read is not all durable until its
+        // first write or FLUSH makes the replayed journal so: a power loss
+        // before then may give any content the first crash allowed)
+        let mut allowed2: Allowed = match first {
+            Crash::PowerLoss => seen
+                .iter()
+                .map(|vol| vol.iter().map(|&p| BTreeSet::from([p])).collect())
+                .collect(),
+            Crash::Kill => allowed.clone(),
+        };
+        let mut history2: Vec<(usize, Allowed)> = vec![(recorder2.len(), allowed2.clone())];
+        // (half the time a FLUSH first, with nothing written since the
+        // recovery: it still makes what the recovery read durable)
+        let flush_first = rng.below(2) == 0;
+        for step in 0..12 {
+            let v = rng.below(VOLUMES as u64) as usize;
+            let (id, _) = e.volume(&format!("v{v}")).unwrap();
+            let lba = rng.below(BLOCKS);
+            if step == 8 || (step == 0 && flush_first) {
+                e.flush().unwrap();
+                for (a, c) in allowed2.iter_mut().zip(&current2) {
+                    for (set, &p) in a.iter_mut().zip(c) {
+                        *set = BTreeSet::from([p]);
+                    }
+                }
+            } else if rng.below(4) == 0 {
+                e.trim(id, lba * 4096, 4096, false).unwrap();
+                current2[v][lba as usize] = 0;
+                allowed2[v][lba as usize].insert(0);
+            } else {
+                let p = rng.below(7) as u8;
+                e.write(id, lba * 4096, &block(p), false).unwrap();
+                current2[v][lba as usize] = p;
+                allowed2[v][lba as usize].insert(p);
+            }
+            history2.push((recorder2.len(), allowed2.clone()));
+        }
+        e.close()
+            .unwrap_or_else(|err| panic!("seed {seed} point {k}: close after recovery: {err}"));
+        let closed_at = recorder2.len();
+        drop(e);
+        let events2 = recorder2.0.lock().unwrap().clone();
+        // a crash while recovering or right after: a second recovery
+        for c in 0..2 {
+            let k2 = if c == 0 {
+                // (within the open itself, where recovery writes)
+                rng.below(history2[0].0 as u64 + 1) as usize
+            } else {
+                // (right after a sync: where one file is durable and the
+                // next not yet)
+                let syncs: Vec<usize> = events2
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| matches!(e, Ev::Sync(_)))
+                    .map(|(i, _)| i + 1)
+                    .collect();
+                match syncs.len() {
+                    0 => rng.below(events2.len() as u64 + 1) as usize,
+                    n => syncs[rng.below(n as u64) as usize],
+                }
+            };
+            let (_, allowed_k2) = allowed_at(&history2, k2);
+            let again = dir.join(format!("crash-{n}-again-{c}"));
+            // a power loss now: after a power loss, over the state that
+            // recovery found; after a kill, over what was durable then, the
+            // killed process's unsynced writes still pending (a sync of a
+            // file by the recovery makes them durable too)
+            let state = match first {
+                Crash::PowerLoss => crash_state(&base2, &events2, k2, &mut rng, Crash::PowerLoss),
+                Crash::Kill => {
+                    let both: Vec<Ev> = events[..k].iter().chain(&events2).cloned().collect();
+                    crash_state(&base, &both, k + k2, &mut rng, Crash::PowerLoss)
+                }
+            };
+            write_tree(&again, &state);
+            let e2 = Engine::open(&again, EngineConfig::default()).unwrap_or_else(|err| {
+                panic!("seed {seed} point {k}, crash {k2} in recovery: does not open: {err}")
+            });
+            let errs = e2.check();
+            assert!(
+                errs.is_empty(),
+                "seed {seed} point {k}, crash {k2} in recovery: invariants violated: {errs:?}"
+            );
+            assert!(
+                e2.damage().is_empty(),
+                "seed {seed} point {k}, crash {k2} in recovery: damage: {:?}",
+                e2.damage().iter().map(|d| d.describe()).collect::<Vec<_>>()
+            );
+            assert_reads(
+                &e2,
+                &allowed_k2,
+                &format!(
+                    "seed {seed} point {k}, crash {k2}/{} in recovery",
+                    events2.len()
+                ),
+            );
+            drop(e2);
+            std::fs::remove_dir_all(&again).unwrap();
+        }
+        // the clean close made everything durable
+        let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+        assert!(
+            e.check().is_empty(),
+            "seed {seed} point {k}: {:?}",
+            e.check()
+        );
+        let exact: Allowed = current2
+            .iter()
+            .map(|vol| vol.iter().map(|&p| BTreeSet::from([p])).collect())
+            .collect();
+        assert_reads(
+            &e,
+            &exact,
+            &format!("seed {seed} point {k}, reopened after recovery ({closed_at} events)"),
+        );
         drop(e);
         let r = fsck(
             &crash,
