@@ -808,9 +808,14 @@ impl Engine {
             if f.is_some() && !existed {
                 // the new file's directory entry is durable before anything
                 // (the data file growing, a commit) may depend on it
-                if let Some(parent) = path.parent() {
-                    crate::store::sync_dir(parent)?;
-                }
+                let rel = file.relative_path();
+                dir.observer()
+                    .emit(crate::observe::IoEvent::Create { file: &rel });
+                let parent = std::path::Path::new(&rel)
+                    .parent()
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                dir.sync_dir_observed(&parent)?;
             }
             let name = path.display().to_string();
             let opened = crate::metaopen::open_paged(f, file, ops, &name, group, max_len, visit)
@@ -1124,7 +1129,9 @@ impl Engine {
             if data_missing {
                 // nothing referenced: an empty data file, its entry durable
                 dir.open_file("data", true)?;
-                crate::store::sync_dir(dir.root())?;
+                dir.observer()
+                    .emit(crate::observe::IoEvent::Create { file: "data" });
+                dir.sync_dir_observed("")?;
             }
             dir.open_file("data", false)?
         };

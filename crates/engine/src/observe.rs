@@ -1,7 +1,10 @@
-//! Observation of every change the engine makes to its files, for crash
-//! testing: a recorder sees each write, length change, removal and sync in
-//! the order they happen, and a test builds the states a crash could leave
-//! (everything synced, plus any subset of what was not).
+//! Observation of the changes the engine makes to its metadata, journal
+//! and data files, for crash testing: a recorder sees each write, length
+//! change, creation, removal, file sync and directory sync in the order
+//! they happen, and a test builds the states a crash could leave
+//! (everything synced, plus any subset of what was not). Not reported:
+//! the superblock and the skipped-buffer file (each written whole to a
+//! new file, synced and renamed into place), the lock and scratch files.
 //!
 //! File names are relative to the store directory (`data`, `journal`,
 //! `maps/3`, …). The on-disk fingerprint store (`fpgroups`) is rebuilt at
@@ -29,10 +32,24 @@ pub enum IoEvent<'a> {
         /// New length in bytes.
         len_bytes: u64,
     },
-    /// The file was removed (the directory is synced right after).
+    /// The file was removed (its directory entry gone for good once the
+    /// directory is synced: [`IoEvent::SyncDir`]).
     Remove {
         /// File, relative to the store.
         file: &'a str,
+    },
+    /// The file was created, empty (its directory entry durable once the
+    /// directory is synced: [`IoEvent::SyncDir`]).
+    Create {
+        /// File, relative to the store.
+        file: &'a str,
+    },
+    /// Every earlier creation and removal of a file in the directory is
+    /// durable.
+    SyncDir {
+        /// Directory, relative to the store (`""` for the store itself,
+        /// `maps`).
+        dir: &'a str,
     },
     /// Every earlier change to the file is durable.
     Sync {

@@ -660,7 +660,8 @@ impl StoreDir {
             let f = match open.entry(file) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    dir_changed |= !path.exists();
+                    let created = !path.exists();
+                    dir_changed |= created;
                     let f = OpenOptions::new()
                         .read(true)
                         .write(true)
@@ -668,6 +669,10 @@ impl StoreDir {
                         .truncate(false)
                         .open(&path)
                         .map_err(|e| EngineError::io(ctx("opening"), e))?;
+                    if created {
+                        self.observer
+                            .emit(crate::observe::IoEvent::Create { file: &name(file) });
+                    }
                     e.insert(f)
                 }
             };
@@ -778,9 +783,20 @@ impl StoreDir {
         // sync of its directory (its entry not yet durable), and the
         // journal is restarted after this
         if dir_changed || !open.is_empty() {
-            sync_dir(&self.root.join("maps"))?;
-            sync_dir(&self.root)?;
+            self.sync_dir_observed("maps")?;
+            self.sync_dir_observed("")?;
         }
+        Ok(())
+    }
+
+    /// Syncs the store's directory `rel` (`""` for the store itself,
+    /// `maps`), reporting it to the observer.
+    ///
+    /// Errors: I/O.
+    pub fn sync_dir_observed(&self, rel: &str) -> Result<()> {
+        sync_dir(&self.root.join(rel))?;
+        self.observer
+            .emit(crate::observe::IoEvent::SyncDir { dir: rel });
         Ok(())
     }
 

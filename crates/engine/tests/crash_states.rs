@@ -1,8 +1,11 @@
 //! Crash-state enumeration in the spirit of CrashMonkey and ALICE.
 //!
-//! A recorder sees every write, length change, removal and sync the engine
-//! makes to its files. For random seeded workloads (writes with duplicate
-//! content, overwrites, TRIMs, FLUSHes and FUA writes, with small journal
+//! A recorder sees every write, length change, creation, removal, file sync
+//! and directory sync the engine makes to its files (a file created or
+//! removed since its directory's last sync may or may not be there after a
+//! power loss). For random seeded workloads (writes with duplicate
+//! content, overwrites, TRIMs, FLUSHes and FUA writes, a third volume
+//! created, written, resized and deleted over and over, with small journal
 //! and dirty bounds so commits and checkpoints happen often; commits log
 //! pages whole and then as patches, which checkpoints fold in), the test
 //! builds post-crash states — at each sync boundary and at random points,
@@ -51,6 +54,13 @@ enum Ev {
     SetLen(String, u64),
     Remove(String),
     Sync(String),
+    Create(String),
+    SyncDir(String),
+}
+
+/// The directory of store file `name` (`""` for the store's own).
+fn dir_of(name: &str) -> &str {
+    name.rsplit_once('/').map_or("", |(d, _)| d)
 }
 
 #[derive(Default)]
@@ -63,6 +73,8 @@ impl IoObserver for Recorder {
             IoEvent::SetLen { file, len_bytes } => Ev::SetLen(file.into(), len_bytes),
             IoEvent::Remove { file } => Ev::Remove(file.into()),
             IoEvent::Sync { file } => Ev::Sync(file.into()),
+            IoEvent::Create { file } => Ev::Create(file.into()),
+            IoEvent::SyncDir { dir } => Ev::SyncDir(dir.into()),
         };
         self.0.lock().unwrap().push(ev);
     }
@@ -154,37 +166,69 @@ fn crash_state(
     rng: &mut Rng,
     crash: Crash,
 ) -> BTreeMap<String, Vec<u8>> {
-    let mut durable: BTreeMap<String, Option<Vec<u8>>> = base
-        .iter()
-        .map(|(n, c)| (n.clone(), Some(c.clone())))
-        .collect();
+    // each file's content as far as it is durable (in its inode), and its
+    // directory entry: there now, and there durably (since the last sync
+    // of its directory)
+    let mut durable: BTreeMap<String, Vec<u8>> = base.clone();
+    let mut entry_now: BTreeMap<String, bool> = base.keys().map(|n| (n.clone(), true)).collect();
+    let mut entry_durable = entry_now.clone();
     let mut pending: HashMap<String, Vec<Ev>> = HashMap::new();
     for ev in &events[..k] {
         match ev {
             Ev::Write(f, ..) | Ev::SetLen(f, _) => {
+                // (a file written that no event created was there before)
+                if !entry_now.contains_key(f) {
+                    entry_now.insert(f.clone(), true);
+                    entry_durable.insert(f.clone(), true);
+                }
                 pending.entry(f.clone()).or_default().push(ev.clone())
             }
             Ev::Sync(f) => {
-                let c = durable.entry(f.clone()).or_insert_with(|| Some(Vec::new()));
-                let c = c.get_or_insert_with(Vec::new);
+                let c = durable.entry(f.clone()).or_default();
                 for p in pending.remove(f).unwrap_or_default() {
                     apply(c, &p);
                 }
             }
-            Ev::Remove(f) => {
-                durable.insert(f.clone(), None);
+            Ev::Create(f) => {
+                entry_now.insert(f.clone(), true);
+                entry_durable.entry(f.clone()).or_insert(false);
+                durable.insert(f.clone(), Vec::new());
                 pending.remove(f);
+            }
+            Ev::Remove(f) => {
+                // (its content stays as durable: the entry may come back)
+                entry_now.insert(f.clone(), false);
+                pending.remove(f);
+            }
+            Ev::SyncDir(d) => {
+                for (n, now) in &entry_now {
+                    if dir_of(n) == d {
+                        entry_durable.insert(n.clone(), *now);
+                    }
+                }
             }
         }
     }
     let mut out = BTreeMap::new();
-    let names: BTreeSet<String> = durable.keys().chain(pending.keys()).cloned().collect();
-    for n in names {
-        let mut c = match durable.get(&n) {
-            Some(Some(c)) => c.clone(),
-            Some(None) => continue,
-            None => Vec::new(),
+    for (n, &now) in &entry_now {
+        let was = entry_durable.get(n).copied().unwrap_or(false);
+        // an entry created or removed since its directory's last sync may
+        // or may not be there after a power loss
+        let exists = match crash {
+            Crash::Kill => now,
+            Crash::PowerLoss if now == was => now,
+            Crash::PowerLoss => rng.below(2) == 0,
         };
+        if !exists {
+            continue;
+        }
+        let mut c = durable.get(n).cloned().unwrap_or_default();
+        if !now {
+            // a removal lost: the file as it was durably
+            out.insert(n.clone(), c);
+            continue;
+        }
+        let n = n.clone();
         let paged = n == "refcounts" || n == "fingerprints" || n.starts_with("maps/");
         for p in pending.get(&n).map(|v| v.as_slice()).unwrap_or(&[]) {
             let dice = match crash {
@@ -294,8 +338,9 @@ fn assert_reads(e: &Engine, allowed: &Allowed, what: &str) {
 }
 
 /// Runs one seeded workload and checks its crash states; returns the
-/// states checked and the journal patches and in-place page writes made.
-fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize) {
+/// states checked, the journal patches and in-place page writes made, and
+/// the files created or removed.
+fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize, usize) {
     let store = dir.join("store");
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     {
@@ -333,11 +378,50 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
     // (event count after the op, allowed sets after the op)
     let mut history: Vec<(usize, Allowed)> = vec![(0, allowed.clone())];
     let mut log: Vec<String> = Vec::new();
+    // a third volume, `v2`, created, written, resized and deleted over and
+    // over (map files created and removed, blocks it shared with v0 and v1
+    // released): patterns 4–9, so it shares some contents with them and
+    // has some of its own; every pattern each of its blocks ever held
+    let mut v2: Option<(VolumeId, u64)> = None;
+    let mut v2_ever: Vec<BTreeSet<u8>> = vec![BTreeSet::from([0u8]); BLOCKS as usize];
+    let mut v2_ops = 0;
     for _ in 0..120 {
         let v = rng.below(VOLUMES as u64) as usize;
         let lba = rng.below(BLOCKS);
         let n = (1 + rng.below(4)).min(BLOCKS - lba) as usize;
-        match rng.below(11) {
+        match rng.below(13) {
+            11 => match v2 {
+                None => {
+                    let id = engine.create_volume("v2", BLOCKS * 4096).unwrap();
+                    v2 = Some((id, BLOCKS));
+                    v2_ops += 1;
+                    log.push("create v2".into());
+                }
+                Some((id, _)) if rng.below(2) == 0 => {
+                    engine.delete_volume("v2").unwrap();
+                    v2 = None;
+                    log.push(format!("delete v2 ({id:?})"));
+                }
+                Some((id, _)) => {
+                    let blocks = 1 + rng.below(BLOCKS);
+                    engine.resize_volume("v2", blocks * 4096).unwrap();
+                    v2 = Some((id, blocks));
+                    log.push(format!("resize v2 to {blocks} blocks"));
+                }
+            },
+            12 => {
+                if let Some((id, blocks)) = v2 {
+                    let lba = rng.below(blocks);
+                    let n = (1 + rng.below(3)).min(blocks - lba) as usize;
+                    let pats: Vec<u8> = (0..n).map(|_| 4 + rng.below(6) as u8).collect();
+                    let data: Vec<u8> = pats.iter().flat_map(|&p| block(p)).collect();
+                    engine.write(id, lba * 4096, &data, false).unwrap();
+                    log.push(format!("write v2 lba {lba} {pats:?}"));
+                    for (i, &p) in pats.iter().enumerate() {
+                        v2_ever[lba as usize + i].insert(p);
+                    }
+                }
+            }
             10 => {
                 engine.dedup_pass(1 + rng.below(16) as usize).unwrap();
                 log.push("dedup pass".into());
@@ -471,6 +555,8 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
                             Ev::SetLen(f, l) => format!("L {f} {l}"),
                             Ev::Remove(f) => format!("R {f}"),
                             Ev::Sync(f) => format!("S {f}"),
+                            Ev::Create(f) => format!("C {f}"),
+                            Ev::SyncDir(d) => format!("D {d}"),
                         };
                         eprintln!("{i:4} {d}");
                     }
@@ -495,6 +581,20 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
         // after recovery: new writes (reusing the blocks recovery freed),
         // TRIMs and a FLUSH, then a clean close; each block reads what it
         // read after recovery or what was written since
+        // v2, if there (it may be as created, resized, being deleted or
+        // gone): each block one of the contents it ever held, or zeros
+        if let Some((id, size_bytes)) = e.volume("v2") {
+            for b in 0..(size_bytes / 4096).min(BLOCKS) {
+                let mut buf = vec![0u8; 4096];
+                e.read(id, b * 4096, &mut buf).unwrap();
+                let set = &v2_ever[b as usize];
+                assert!(
+                    set.iter().any(|&p| block(p) == buf),
+                    "seed {seed} point {k}: volume v2 block {b} reads content not in {set:?} (first byte {})",
+                    buf[0]
+                );
+            }
+        }
         let mut current2 = seen.clone();
         // (after a kill what recovery read is not all durable until its
         // first write or FLUSH makes the replayed journal so: a power loss
@@ -629,7 +729,12 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
         std::fs::remove_dir_all(&crash).unwrap();
         checked += 1;
     }
-    (checked, patches, in_place)
+    let entries = events
+        .iter()
+        .filter(|e| matches!(e, Ev::Create(_) | Ev::Remove(_)))
+        .count();
+    assert!(v2_ops > 0 || entries == 0);
+    (checked, patches, in_place, entries)
 }
 
 #[test]
@@ -640,17 +745,20 @@ fn every_crash_state_recovers_consistent_with_flushed_writes_intact() {
         .unwrap_or(400);
     // more states means more workloads too: about 50 states per seed
     let seeds = (total as u64 / 50).max(8);
-    let (mut checked, mut patches, mut in_place) = (0, 0, 0);
+    let (mut checked, mut patches, mut in_place, mut entries) = (0, 0, 0, 0);
     for seed in 1..=seeds {
         let dir = tempfile::tempdir().unwrap();
-        let (c, p, w) = run_seed(seed, (total as u64 / seeds) as usize, dir.path());
+        let (c, p, w, e) = run_seed(seed, (total as u64 / seeds) as usize, dir.path());
         checked += c;
         patches += p;
         in_place += w;
+        entries += e;
     }
     eprintln!(
-        "crash states checked: {checked} (journal patches {patches}, pages checkpointed in place {in_place})"
+        "crash states checked: {checked} (journal patches {patches}, pages checkpointed in place {in_place}, files created or removed {entries})"
     );
+    // and map files created and removed, as volumes come and go
+    assert!(entries > 0, "no file was created or removed");
     // the states cover commits that log patches and checkpoints that fold
     // them into pages written in place
     assert!(

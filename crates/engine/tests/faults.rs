@@ -304,7 +304,9 @@ impl dedupd_engine::observe::IoObserver for FailingMetadata {
             IoEvent::Write { file, .. }
             | IoEvent::SetLen { file, .. }
             | IoEvent::Remove { file }
+            | IoEvent::Create { file }
             | IoEvent::Sync { file } => file,
+            IoEvent::SyncDir { dir } => dir,
         };
         (self.armed.load(Ordering::SeqCst) && self.prefix.iter().any(|p| file.starts_with(p)))
             .then(|| io::Error::from_raw_os_error(5))
