@@ -62,7 +62,7 @@ pub struct Cli {
     #[arg(long)]
     pub runtime_s: Option<u64>,
     /// Runs of each server per (workload, dup %) row (default 4, or 2 with
-    /// --quick; even, so each server runs first equally often).
+    /// --quick; with an even count each server runs first equally often).
     #[arg(long)]
     pub repeats: Option<usize>,
     /// Size of the region fio works on (default 1G, or 256M with --quick).

@@ -191,18 +191,28 @@ const STORELESS_COMMANDS: [&str; 3] = ["replay", "trace", "sweep"];
 /// name, so it is neither shown in their help nor propagated to them, and
 /// giving it there is an error).
 fn cli_command() -> clap::Command {
+    /// `c` (`dedupd <path>`) and its subcommands with the hidden argument.
+    fn storeless(mut c: clap::Command, path: String) -> clap::Command {
+        let subs: Vec<String> = c
+            .get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .collect();
+        for sub in subs {
+            let sub_path = format!("{path} {sub}");
+            c = c.mut_subcommand(&sub, |s| storeless(s, sub_path));
+        }
+        c.arg(
+            clap::Arg::new("store")
+                .long("store")
+                .hide(true)
+                .value_parser(move |_: &str| -> Result<PathBuf, String> {
+                    Err(format!("`dedupd {path}` uses no store"))
+                }),
+        )
+    }
     let mut cmd = Cli::command();
     for name in STORELESS_COMMANDS {
-        cmd = cmd.mut_subcommand(name, |c| {
-            c.arg(
-                clap::Arg::new("store")
-                    .long("store")
-                    .hide(true)
-                    .value_parser(move |_: &str| -> Result<PathBuf, String> {
-                        Err(format!("`dedupd {name}` uses no store"))
-                    }),
-            )
-        });
+        cmd = cmd.mut_subcommand(name, |c| storeless(c, name.to_string()));
     }
     cmd
 }

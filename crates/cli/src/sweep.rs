@@ -102,15 +102,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     bar.set_style(crate::replay::bytes_bar_style());
-    // rows of the points finished so far: written as partial results if
-    // a later point fails
-    let finished = std::sync::Mutex::new((Vec::new(), 0));
+    // (the grid's points, for the message of a sweep that stops)
+    let points_total = std::sync::atomic::AtomicUsize::new(0);
     let done = |r: &SweepRow, n: usize, total: usize| {
-        {
-            let mut f = finished.lock().expect("finished rows");
-            f.0.push(r.clone());
-            f.1 = total;
-        }
+        points_total.store(total, std::sync::atomic::Ordering::Relaxed);
         if !quiet {
             let line = format!(
                 "[{n}/{total}] {} {} {}: {:.2} % of exact, {} eviction I/Os ({:.1} s)",
@@ -132,37 +127,36 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         bar.set_length(total);
         bar.inc(read);
     };
-    let rows = dedupd_sim::run_sweep_with_progress(&cfg, &done, &progress);
+    let (rows, failed) = dedupd_sim::sweep::run_sweep_keeping_rows(&cfg, &done, &progress);
     bar.finish_and_clear();
-    let rows = match rows {
-        Ok(rows) => rows,
-        Err(e) => {
-            let (mut partial, total) = finished.into_inner().expect("finished rows");
-            if partial.is_empty() {
-                return Err(e.into());
+    if let Some(e) = failed {
+        // what finished is kept (in grid order, without figures); partial
+        // results of an earlier sweep are not left to pass for this one's
+        let kept = if rows.is_empty() {
+            for stale in ["results.partial.csv", "results.partial.json"] {
+                let _ = std::fs::remove_file(args.out.join(stale));
             }
-            // (in grid order: trace, policy, budget as given)
-            let pos = |r: &SweepRow| {
-                let names = dedupd_sim::sweep::trace_names(&args.traces);
-                (
-                    names.iter().position(|n| *n == r.trace),
-                    args.policies.iter().position(|p| *p == r.policy),
-                    r.index_memory_bytes,
-                )
-            };
-            partial.sort_by_key(pos);
-            let files = dedupd_sim::sweep::write_partial(&partial, &args.out)?;
-            anyhow::bail!(
-                "{e}\nthe sweep stopped; the {} of {total} points that finished are in {}",
-                partial.len(),
-                files
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(" and ")
-            );
-        }
-    };
+            String::new()
+        } else {
+            match dedupd_sim::sweep::write_partial(&rows, &args.out) {
+                Ok(files) => format!(
+                    "\nthe sweep stopped; the {} of {} points that finished are in {}",
+                    rows.len(),
+                    points_total.load(std::sync::atomic::Ordering::Relaxed),
+                    files
+                        .iter()
+                        .map(|f| f.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                ),
+                Err(w) => format!(
+                    "\nthe sweep stopped, and the {} points that finished could not be written: {w}",
+                    rows.len()
+                ),
+            }
+        };
+        anyhow::bail!("{e}{kept}");
+    }
     let files = dedupd_sim::sweep::write_outputs(&rows, &args.out)?;
     println!(
         "{} points on {} threads in {:.1} s",

@@ -649,6 +649,16 @@ fn trace_commands_take_no_store() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("`dedupd replay` uses no store"));
+    let o = dedupd()
+        .args(["trace", "stats", "--store", "s"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("`dedupd trace stats` uses no store"),
+        "{o:?}"
+    );
     // an empty DEDUPD_STORE is no error where no store is used
     let o = dedupd()
         .env("DEDUPD_STORE", "")

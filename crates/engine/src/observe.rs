@@ -4,7 +4,12 @@
 //! they happen, and a test builds the states a crash could leave
 //! (everything synced, plus any subset of what was not). Not reported:
 //! the superblock and the skipped-buffer file (each written whole to a
-//! new file, synced and renamed into place), the lock and scratch files.
+//! new file, synced and renamed into place, then the store's directory
+//! synced), the journal a repair makes anew (renamed over `journal`, then
+//! the directory synced) and its removal by a repair that failed, the lock
+//! and scratch files. A directory sync among those is not reported either:
+//! a model built from these events may take an entry to be less durable
+//! than it is, never more.
 //!
 //! File names are relative to the store directory (`data`, `journal`,
 //! `maps/3`, …). The on-disk fingerprint store (`fpgroups`) is rebuilt at

@@ -173,6 +173,12 @@ fn crash_state(
     let mut entry_now: BTreeMap<String, bool> = base.keys().map(|n| (n.clone(), true)).collect();
     let mut entry_durable = entry_now.clone();
     let mut pending: HashMap<String, Vec<Ev>> = HashMap::new();
+    // files removed since their directory's last sync: their writes not
+    // yet synced when removed
+    let mut removed: HashMap<String, Vec<Ev>> = HashMap::new();
+    // files created again since: the old one's durable content and writes
+    // not yet synced
+    let mut replaced: HashMap<String, (Vec<u8>, Vec<Ev>)> = HashMap::new();
     for ev in &events[..k] {
         match ev {
             Ev::Write(f, ..) | Ev::SetLen(f, _) => {
@@ -190,20 +196,30 @@ fn crash_state(
                 }
             }
             Ev::Create(f) => {
+                // created again under a name removed since its directory's
+                // last sync (a recovery replaying a volume's creation and
+                // deletion): the old file may come back instead
+                if let Some(old_unsynced) = removed.remove(f) {
+                    let old = durable.get(f).cloned().unwrap_or_default();
+                    replaced.insert(f.clone(), (old, old_unsynced));
+                }
                 entry_now.insert(f.clone(), true);
                 entry_durable.entry(f.clone()).or_insert(false);
                 durable.insert(f.clone(), Vec::new());
                 pending.remove(f);
             }
             Ev::Remove(f) => {
-                // (its content stays as durable: the entry may come back)
+                // the entry may come back: with its durable content and
+                // any of the writes not yet synced
                 entry_now.insert(f.clone(), false);
-                pending.remove(f);
+                removed.insert(f.clone(), pending.remove(f).unwrap_or_default());
             }
             Ev::SyncDir(d) => {
                 for (n, now) in &entry_now {
                     if dir_of(n) == d {
                         entry_durable.insert(n.clone(), *now);
+                        removed.remove(n);
+                        replaced.remove(n);
                     }
                 }
             }
@@ -214,23 +230,45 @@ fn crash_state(
         let was = entry_durable.get(n).copied().unwrap_or(false);
         // an entry created or removed since its directory's last sync may
         // or may not be there after a power loss
-        let exists = match crash {
+        let mut exists = match crash {
             Crash::Kill => now,
             Crash::PowerLoss if now == was => now,
             Crash::PowerLoss => rng.below(2) == 0,
         };
-        if !exists {
-            continue;
-        }
-        let mut c = durable.get(n).cloned().unwrap_or_default();
-        if !now {
-            // a removal lost: the file as it was durably
-            out.insert(n.clone(), c);
+        // a file created again: its old self, none, or the new one
+        let old = match (crash, replaced.get(n)) {
+            (Crash::PowerLoss, Some(old)) => match rng.below(3) {
+                0 => Some(old),
+                1 => {
+                    exists = false;
+                    None
+                }
+                _ => {
+                    exists = true;
+                    None
+                }
+            },
+            _ => None,
+        };
+        if !exists && old.is_none() {
             continue;
         }
         let n = n.clone();
+        // (a removal lost: the file as it was durably, and any of the
+        // writes it had not synced)
+        let (mut c, unsynced) = match old {
+            Some((content, unsynced)) => (content.clone(), Some(unsynced)),
+            None if now => (
+                durable.get(&n).cloned().unwrap_or_default(),
+                pending.get(&n),
+            ),
+            None => (
+                durable.get(&n).cloned().unwrap_or_default(),
+                removed.get(&n),
+            ),
+        };
         let paged = n == "refcounts" || n == "fingerprints" || n.starts_with("maps/");
-        for p in pending.get(&n).map(|v| v.as_slice()).unwrap_or(&[]) {
+        for p in unsynced.map(|v| v.as_slice()).unwrap_or(&[]) {
             let dice = match crash {
                 Crash::PowerLoss => rng.below(4),
                 Crash::Kill => 3,
@@ -501,16 +539,18 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
     points.dedup();
     let stride = (points.len() / states_wanted.max(1)).max(1);
     let mut checked = 0;
+    let mut kills = 0;
     for (n, &k) in points.iter().enumerate().filter(|(n, _)| n % stride == 0) {
         let (j, allowed_k) = allowed_at(&history, k);
         let allowed = &allowed_k;
-        // every other point a kill (the page cache keeps every write: the
+        // every other state a kill (the page cache keeps every write: the
         // recovery reads changes that are not durable), else a power loss
-        let first = if n % 2 == 1 {
+        let first = if checked % 2 == 1 {
             Crash::Kill
         } else {
             Crash::PowerLoss
         };
+        kills += usize::from(first == Crash::Kill);
         let files = crash_state(&base, &events, k, &mut rng, first);
         let crash = dir.join(format!("crash-{n}"));
         write_tree(&crash, &files);
@@ -734,6 +774,10 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
         .filter(|e| matches!(e, Ev::Create(_) | Ev::Remove(_)))
         .count();
     assert!(v2_ops > 0 || entries == 0);
+    assert!(
+        kills > 0 || checked < 2,
+        "seed {seed}: no first crash was a kill"
+    );
     (checked, patches, in_place, entries)
 }
 

@@ -1295,16 +1295,12 @@ impl dedupd_engine::observe::IoObserver for CopyBeforeCheckpoint {
     fn event(&self, e: dedupd_engine::observe::IoEvent<'_>) {
         use dedupd_engine::observe::IoEvent;
         use std::sync::atomic::Ordering;
-        if matches!(e, IoEvent::Create { .. } | IoEvent::SyncDir { .. }) {
-            return;
-        }
         let file = match e {
             IoEvent::Write { file, .. }
             | IoEvent::SetLen { file, .. }
             | IoEvent::Remove { file }
-            | IoEvent::Create { file }
             | IoEvent::Sync { file } => file,
-            IoEvent::SyncDir { dir } => dir,
+            IoEvent::Create { .. } | IoEvent::SyncDir { .. } => return,
         };
         if self.checkpoint_began.load(Ordering::SeqCst) || file == "data" {
             return;

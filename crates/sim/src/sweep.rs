@@ -165,8 +165,8 @@ pub fn check_distinct_traces(traces: &[PathBuf]) -> Result<()> {
 /// total)` as points finish. Points start round-robin over the traces
 /// (every trace's first point, then every trace's second, …), so each
 /// trace is read early; rows come back in grid order (trace, policy,
-/// budget). After a failure no further point starts; the rows `done`
-/// was given are all that finished (see [`write_partial`]).
+/// budget). After a failure no further point starts
+/// ([`run_sweep_keeping_rows`] returns the rows that finished too).
 ///
 /// Errors: a trace given twice ([`check_distinct_traces`]) or a policy
 /// that does not parse (both before anything runs), or the first replay
@@ -191,6 +191,36 @@ pub fn run_sweep_with_progress(
     done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<Vec<SweepRow>> {
+    match run_sweep_keeping_rows(cfg, done, progress) {
+        (rows, None) => Ok(rows),
+        (_, Some(e)) => Err(e),
+    }
+}
+
+/// [`run_sweep_with_progress`], returning the rows of the points that
+/// finished (in grid order) together with the error that stopped the
+/// sweep, if one did (the first in grid order among the points that
+/// failed; or a trace given twice or a policy that does not parse, found
+/// before any point runs, with no rows). For writing what finished when a
+/// point fails ([`write_partial`]).
+pub fn run_sweep_keeping_rows(
+    cfg: &SweepConfig,
+    done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> (Vec<SweepRow>, Option<TraceError>) {
+    match plan_and_run(cfg, done, progress) {
+        Ok(results) => collect_results(results),
+        Err(e) => (Vec::new(), Some(e)),
+    }
+}
+
+/// Runs the grid: each point's result in grid order (`None`: a point left
+/// out after a failure). Errors: those found before any point runs.
+fn plan_and_run(
+    cfg: &SweepConfig,
+    done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<Vec<Option<Result<SweepRow>>>> {
     check_distinct_traces(&cfg.traces)?;
     let names = trace_names(&cfg.traces);
     let mut points: Vec<(&PathBuf, &str, String, Option<u64>)> = Vec::new();
@@ -269,29 +299,31 @@ pub fn run_sweep_with_progress(
             });
         }
     });
-    collect_results(results.into_inner().expect("results lock"))
+    Ok(results.into_inner().expect("results lock"))
 }
 
-/// The rows of a sweep's points in grid order (`None`: a point that did
-/// not run, as none starts after a failure), or its first error in grid
-/// order — an error of a point that ran, never that of a point left out
-/// because of it.
-fn collect_results(results: Vec<Option<Result<SweepRow>>>) -> Result<Vec<SweepRow>> {
+/// The rows of a sweep's points that finished, in grid order (`None`: a
+/// point that did not run, as none starts after a failure), and its first
+/// error in grid order — an error of a point that ran, never that of a
+/// point left out because of it.
+fn collect_results(results: Vec<Option<Result<SweepRow>>>) -> (Vec<SweepRow>, Option<TraceError>) {
     let mut rows = Vec::with_capacity(results.len());
+    let mut first_error = None;
     let mut skipped = false;
     for r in results {
         match r {
             Some(Ok(row)) => rows.push(row),
-            Some(Err(e)) => return Err(e),
+            Some(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
             None => skipped = true,
         }
     }
-    if skipped {
-        // (only a failure stops points from running, and it is returned
-        // above: not reached)
-        return Err(TraceError::Config("a sweep point did not run".into()));
+    if skipped && first_error.is_none() {
+        // (only a failure stops points from running: not reached)
+        first_error = Some(TraceError::Config("a sweep point did not run".into()));
     }
-    Ok(rows)
+    (rows, first_error)
 }
 
 fn csv_field(s: &str) -> String {
@@ -526,14 +558,10 @@ mod tests {
             jobs: 1,
             base: ReplayConfig::default(),
         };
-        let finished = Mutex::new(Vec::new());
-        let e = run_sweep(&cfg, &|row, _, _| {
-            finished.lock().unwrap().push(row.clone());
-        })
-        .unwrap_err();
+        let (finished, e) = run_sweep_keeping_rows(&cfg, &|_, _, _| {}, &|_, _| {});
+        let e = e.unwrap();
         assert!(e.to_string().contains("bad.fiu"), "{e}");
         // the bad trace's first point ran second, not fourth
-        let finished = finished.into_inner().unwrap();
         assert_eq!(finished.len(), 1, "{finished:?}");
         assert_eq!(finished[0].trace, "good.fiu");
         assert_eq!(finished[0].policy, "exact");
@@ -592,10 +620,12 @@ mod tests {
         let ok = || Some(Ok(SweepRow::default()));
         let failed = || Some(Err(TraceError::Config("point 1 failed".into())));
         for results in [vec![None, failed(), None], vec![ok(), None, failed()]] {
-            let e = collect_results(results).unwrap_err();
+            let e = collect_results(results).1.unwrap();
             assert_eq!(e.to_string(), "point 1 failed");
         }
-        assert_eq!(collect_results(vec![ok(), ok()]).unwrap().len(), 2);
+        let (rows, e) = collect_results(vec![ok(), ok()]);
+        assert_eq!(rows.len(), 2);
+        assert!(e.is_none());
     }
 
     #[test]
