@@ -27,6 +27,8 @@ use anyhow::{anyhow, bail, Context};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::stopsignal::StopSignal;
+
 /// A control request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
@@ -169,7 +171,7 @@ pub const MAX_CONTROL_CONNECTIONS: usize = 16;
 /// of all), the reply's result.
 pub type Handler = dyn Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value> + Send + Sync;
 
-/// Serves control requests on `listener` until `stop` is set, answering
+/// Serves control requests on `listener` until `stop` is raised, answering
 /// each with `handle` (one thread per connection, at most
 /// [`MAX_CONTROL_CONNECTIONS`] at once); then stops accepting
 /// and returns once every request already taken is answered (a volume
@@ -177,13 +179,18 @@ pub type Handler = dyn Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<V
 /// is closed).
 pub fn serve(
     listener: UnixListener,
-    stop: Arc<AtomicBool>,
+    stop: Arc<StopSignal>,
     handle: impl Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<Value> + Send + Sync + 'static,
 ) {
     let handle = Arc::new(handle);
     listener.set_nonblocking(true).ok();
     let mut running: Vec<std::thread::JoinHandle<()>> = Vec::new();
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.is_stopped() {
+        // (asleep until a client connects or the stop is raised)
+        if !wait_for_client(&listener, &stop) {
+            continue;
+        }
+        // (the requests that ended while it slept no longer count)
         running.retain(|t| !t.is_finished());
         match listener.accept() {
             // only the server's user (and root) may manage its store
@@ -208,9 +215,7 @@ pub fn serve(
                     let _ = answer(stream, &*handle);
                 }));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(50))
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }
@@ -218,6 +223,29 @@ pub fn serve(
     for t in running {
         let _ = t.join();
     }
+}
+
+/// Waits until `listener` has a client to accept (true), or `stop` is
+/// raised or a while passed (false).
+fn wait_for_client(listener: &UnixListener, stop: &StopSignal) -> bool {
+    use std::os::fd::AsRawFd;
+    let pfd = |fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let (wake, timeout) = match stop.wake_fd() {
+        // (a safeguard: the wake comes at once)
+        Some(fd) => (fd, 5000),
+        None => (
+            -1,
+            crate::stopsignal::POLL_FALLBACK.as_millis() as libc::c_int,
+        ),
+    };
+    let mut fds = [pfd(listener.as_raw_fd()), pfd(wake)];
+    // SAFETY: two valid pollfds (a negative fd is ignored by poll).
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+    r > 0 && fds[0].revents != 0
 }
 
 /// True if the process at the other end of `stream` runs as the server's
@@ -383,9 +411,9 @@ mod tests {
 
     /// A server whose handler reports `steps` progress steps 100 ms apart
     /// for `volume_delete`, then answers; `stats` fails.
-    fn start(dir: &Path, finished: Arc<AtomicU64>) -> Arc<AtomicBool> {
+    fn start(dir: &Path, finished: Arc<AtomicU64>) -> Arc<StopSignal> {
         let listener = UnixListener::bind(socket_path(dir)).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(StopSignal::new());
         let s = stop.clone();
         std::thread::spawn(move || {
             serve(listener, s, move |req, progress| match req {
@@ -433,7 +461,7 @@ mod tests {
         assert!(seen.iter().all(|&(d, t)| t == 8 && d <= 8), "{seen:?}");
         let e = call(dir.path(), &Request::Stats, &mut |_, _| {}).unwrap_err();
         assert!(e.to_string().contains("no such thing"), "{e}");
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
     }
 
     #[test]
@@ -457,7 +485,7 @@ mod tests {
         // and the client takes the reply after them
         let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
         assert_eq!(r, Value::Null);
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
     }
 
     #[test]
@@ -468,14 +496,14 @@ mod tests {
         let e = call(dir.path(), &Request::VolumeList, &mut |_, _| {}).unwrap_err();
         assert!(e.to_string().contains("stuck"), "{e}");
         assert!(started.elapsed() < Duration::from_millis(2500));
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
     }
 
     #[test]
     fn a_panicking_operation_is_answered_and_does_not_hold_the_stop() {
         let dir = tempfile::tempdir().unwrap();
         let listener = UnixListener::bind(socket_path(dir.path())).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(StopSignal::new());
         let s = stop.clone();
         let server = std::thread::spawn(move || {
             serve(listener, s, move |_, _| -> anyhow::Result<Value> {
@@ -484,7 +512,7 @@ mod tests {
         });
         let e = call(dir.path(), &Request::VolumeList, &mut |_, _| {}).unwrap_err();
         assert!(e.to_string().contains("internal error"), "{e}");
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
         server.join().unwrap();
     }
 
@@ -515,7 +543,7 @@ mod tests {
         // room again
         let r = call(dir.path(), &req, &mut |_, _| {}).unwrap();
         assert_eq!(r, Value::Null);
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
     }
 
     #[test]
@@ -540,14 +568,14 @@ mod tests {
             std::thread::sleep(Duration::from_millis(200));
         }
         assert!(closed, "still reading a request after 5 s");
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
     }
 
     #[test]
     fn stopping_waits_for_the_operations_already_taken() {
         let dir = tempfile::tempdir().unwrap();
         let listener = UnixListener::bind(socket_path(dir.path())).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(StopSignal::new());
         let done = Arc::new(AtomicBool::new(false));
         let (s, d) = (stop.clone(), done.clone());
         let server = std::thread::spawn(move || {
@@ -563,7 +591,7 @@ mod tests {
         };
         // the request is taken, then the server is told to stop
         std::thread::sleep(Duration::from_millis(200));
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
         server.join().unwrap();
         assert!(done.load(Ordering::SeqCst), "serve returned mid-operation");
         assert_eq!(client.join().unwrap().unwrap(), Value::Null);
@@ -594,6 +622,6 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
     }
 }

@@ -10,6 +10,7 @@ mod replay;
 mod serve;
 mod size;
 mod sockpath;
+mod stopsignal;
 mod sweep;
 mod trace;
 mod volops;

@@ -22,10 +22,10 @@ macro_rules! out_line {
 }
 
 use crate::sockpath::SocketPath;
+use crate::stopsignal::StopSignal;
 use std::net::TcpListener;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -415,7 +415,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         std::os::unix::fs::PermissionsExt::from_mode(0o600),
     )
     .with_context(|| format!("restricting {}", ctl_path.display()))?;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(StopSignal::new());
 
     // the stop signals are caught from here on, before the server says it
     // is ready (one sent as soon as it has would otherwise kill it); they
@@ -533,7 +533,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
                 ));
                 // the control socket stops accepting too; its requests
                 // already taken finish before the store is closed
-                stop.store(true, Ordering::Relaxed);
+                stop.stop();
                 handle.shutdown();
             }
             // a second SIGINT or SIGTERM (the operator will not wait, say
@@ -570,16 +570,10 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
             let stop = stop.clone();
             let interval = Duration::from_millis(args.commit_interval_ms);
             s.spawn(move || {
-                let step = Duration::from_millis(50);
-                let mut waited = Duration::ZERO;
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(step);
-                    waited += step;
-                    if waited >= interval {
-                        waited = Duration::ZERO;
-                        if let Err(e) = engine.flush() {
-                            err_line!("dedupd: periodic commit failed: {e}");
-                        }
+                // (asleep between commits; the stop wakes it)
+                while !stop.wait_timeout(interval) {
+                    if let Err(e) = engine.flush() {
+                        err_line!("dedupd: periodic commit failed: {e}");
                     }
                 }
             });
@@ -615,7 +609,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
                 result = Err(anyhow::Error::from(e).context("serving NBD"));
             }
         }
-        stop.store(true, Ordering::Relaxed);
+        stop.stop();
         // the clients' writes committed now, not only once a control
         // command still running (a long delete or offline pass) ends: the
         // periodic commit has stopped, and the operator may not wait

@@ -598,3 +598,44 @@ fn an_empty_dedupd_store_variable_is_named_in_the_error() {
     // nothing was created in the working directory
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
 }
+
+/// Voluntary context switches of all of process `pid`'s threads: each is
+/// a thread going to sleep, so one that wakes to look at something counts.
+fn sleeps_of(pid: u32) -> u64 {
+    let mut total = 0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        total += status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    total
+}
+
+#[test]
+fn an_idle_server_sleeps_and_stops_at_once() {
+    // a phone or an edge box: a server with nothing to do must not wake
+    // its threads to poll (it woke about 360 times a second when its
+    // loops polled every 3 to 50 ms)
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    // (past the start, whose first out-of-line looks come quickly)
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let before = sleeps_of(server.pid());
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    let woke = sleeps_of(server.pid()) - before;
+    assert!(woke <= 40, "{woke} wake-ups in 4 s of idling");
+    let started = std::time::Instant::now();
+    server.stop();
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "an idle server took {:?} to stop",
+        started.elapsed()
+    );
+}

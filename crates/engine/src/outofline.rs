@@ -953,7 +953,9 @@ impl Engine {
     /// Starts the background out-of-line worker: passes of up to 64 blocks
     /// at most `rate_blocks_per_s` blocks per second, pausing while
     /// foreground requests arrive — except for one batch per ten periods
-    /// while [`Engine::dedup_pressure`] holds. With adaptive selectivity
+    /// while [`Engine::dedup_pressure`] holds. With nothing to do and no
+    /// requests arriving it waits longer and longer, up to
+    /// [`IDLE_WAIT_MAX`], between looks. With adaptive selectivity
     /// the rate is scaled by the power factor, and no pass runs in
     /// low-power mode (SmartDedup §3.4). Stops when the handle is dropped.
     pub fn start_out_of_line(self: &Arc<Self>, rate_blocks_per_s: u64) -> WorkerHandle {
@@ -989,6 +991,10 @@ impl Engine {
                         0
                     }
                 };
+                // waits while there is nothing to do grow from a period
+                // to IDLE_WAIT_MAX, so an idle server wakes seldom (a phone
+                // on battery); any work or client request resets them
+                let mut idle_wait = period;
                 while !flag.load(Ordering::Relaxed) {
                     let started = Instant::now();
                     let mut done = 0;
@@ -1025,13 +1031,21 @@ impl Engine {
                             || engine.foreground_ops() != seen || flag.load(Ordering::Relaxed);
                         done = report(engine.dedup_pass_yielding(batch as usize, &yield_now));
                     }
-                    let wait = pass_wait(done, rate.max(1), period, busy);
-                    let elapsed = started.elapsed();
-                    let mut left = wait.saturating_sub(elapsed).max(Duration::from_millis(1));
-                    while left > Duration::ZERO && !flag.load(Ordering::Relaxed) {
-                        let step = left.min(Duration::from_millis(50));
-                        std::thread::sleep(step);
-                        left = left.saturating_sub(step);
+                    let mut wait = pass_wait(done, rate.max(1), period, busy);
+                    if busy || done > 0 || (rate > 0 && engine.dedup_pending()) {
+                        idle_wait = period;
+                    } else {
+                        wait = wait.max(idle_wait);
+                        idle_wait = (idle_wait * 2).min(IDLE_WAIT_MAX);
+                    }
+                    // (parked: a stop unparks the thread at once)
+                    let until = started + wait.max(Duration::from_millis(1));
+                    while !flag.load(Ordering::Relaxed) {
+                        let now = Instant::now();
+                        if now >= until {
+                            break;
+                        }
+                        std::thread::park_timeout(until - now);
                     }
                 }
             })
@@ -1064,6 +1078,11 @@ fn pass_wait(done: u64, rate_blocks_per_s: u64, period: Duration, busy: bool) ->
 /// Longest wait after one pass (a merge scan that applied many merges).
 const MAX_PASS_WAIT: Duration = Duration::from_secs(10);
 
+/// Longest wait of the background worker while it has nothing to do and
+/// no client sends requests: records written meanwhile wait at most this
+/// long for their pass.
+pub const IDLE_WAIT_MAX: Duration = Duration::from_secs(1);
+
 /// The running background worker; dropping it stops the worker and waits.
 pub struct WorkerHandle {
     stop: Arc<AtomicBool>,
@@ -1080,6 +1099,7 @@ impl WorkerHandle {
     fn halt(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
+            t.thread().unpark();
             let _ = t.join();
         }
     }

@@ -36,8 +36,12 @@ const SHUTDOWN_NEGOTIATION_GRACE: Duration = Duration::from_secs(1);
 /// requests have been carried out by then; only replies not yet read are
 /// lost, as in a network failure.
 const SHUTDOWN_CLOSE_AFTER: Duration = Duration::from_secs(60);
-/// How often an idle accept loop checks for shutdown.
+/// How often an idle accept loop checks for shutdown when it has no wake
+/// pair ([`Shared::wake`]).
 const ACCEPT_POLL_MS: libc::c_int = 50;
+/// Longest wait of an accept loop for a client when the shutdown wakes it
+/// (only a safeguard: the wake comes at once).
+const IDLE_ACCEPT_POLL_MS: libc::c_int = 5000;
 /// A reply write that makes no progress for this long (the client does not
 /// read) fails, and the connection is dropped.
 const STALLED_CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
@@ -248,6 +252,9 @@ struct SocketReader {
     payload_timeout: Duration,
     /// While negotiating: when reading must have ended.
     deadline: Option<Instant>,
+    /// Readable once the server shuts down ([`Shared::wake`]): a wait for
+    /// the client ends then too.
+    wake: Option<RawFd>,
 }
 
 impl SocketReader {
@@ -286,7 +293,11 @@ impl Read for SocketReader {
 impl RequestSource for SocketReader {
     fn input_pending(&mut self) -> bool {
         !self.buffered.buffer().is_empty()
-            || wait_readable(self.socket().raw_fd(), 0).unwrap_or(false)
+            || wait_readable(self.socket().raw_fd(), None, 0).unwrap_or(false)
+    }
+
+    fn wakes_on_stop(&self) -> bool {
+        self.wake.is_some()
     }
 
     fn wait_input(&mut self, timeout: Duration) -> bool {
@@ -294,7 +305,7 @@ impl RequestSource for SocketReader {
         if !self.buffered.buffer().is_empty() {
             return true;
         }
-        match wait_readable(self.socket().raw_fd(), ms) {
+        match wait_readable(self.socket().raw_fd(), self.wake, ms) {
             Ok(readable) => readable,
             // a signal: not input (the caller waits again)
             Err(e) if e.kind() == io::ErrorKind::Interrupted => false,
@@ -380,6 +391,11 @@ struct Shared {
     connections_refused: AtomicU64,
     requests_total: AtomicU64,
     kept_buffer_bytes: AtomicU64,
+    /// A connected pair: the accept loops poll the first, the shutdown
+    /// writes a byte to the second, so an idle server sleeps in `poll`
+    /// instead of waking to look at `stopping` (None if the pair could not
+    /// be made: the loops then look every [`ACCEPT_POLL_MS`]).
+    wake: Option<(UnixStream, UnixStream)>,
 }
 
 impl Shared {
@@ -428,6 +444,10 @@ impl ShutdownHandle {
     /// replies not yet sent are lost). Idempotent and permanent.
     pub fn shutdown(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
+        if let Some((_, waker)) = &self.shared.wake {
+            // (non-blocking: a full pipe already wakes the loops)
+            let _ = (&*waker).write(&[1]);
+        }
         for r in self.shared.registry().values() {
             stop_socket(r.socket.as_ref());
         }
@@ -465,6 +485,12 @@ impl Server {
                 connections_refused: AtomicU64::new(0),
                 requests_total: AtomicU64::new(0),
                 kept_buffer_bytes: AtomicU64::new(0),
+                wake: UnixStream::pair()
+                    .and_then(|(r, w)| {
+                        w.set_nonblocking(true)?;
+                        Ok((r, w))
+                    })
+                    .ok(),
             }),
         }
     }
@@ -503,7 +529,7 @@ impl Server {
         listener.set_nonblocking(true)?;
         let fd = listener.as_raw_fd();
         self.accept_loop(
-            || wait_readable(fd, ACCEPT_POLL_MS),
+            || self.wait_for_client(fd),
             || {
                 let (stream, _) = listener.accept()?;
                 stream.set_nonblocking(false)?;
@@ -523,13 +549,22 @@ impl Server {
         listener.set_nonblocking(true)?;
         let fd = listener.as_raw_fd();
         self.accept_loop(
-            || wait_readable(fd, ACCEPT_POLL_MS),
+            || self.wait_for_client(fd),
             || {
                 let (stream, _) = listener.accept()?;
                 stream.set_nonblocking(false)?;
                 Ok(Box::new(stream))
             },
         )
+    }
+
+    /// Waits until listener `fd` has a client to accept (true), or the
+    /// shutdown began or a while passed (false).
+    fn wait_for_client(&self, fd: RawFd) -> io::Result<bool> {
+        match &self.shared.wake {
+            Some((wake, _)) => wait_readable(fd, Some(wake.as_raw_fd()), IDLE_ACCEPT_POLL_MS),
+            None => wait_readable(fd, None, ACCEPT_POLL_MS),
+        }
     }
 
     /// Accepts connections until shutdown or a failure of `wait` (true
@@ -663,20 +698,22 @@ fn stop_socket(socket: &dyn Socket) {
     let _ = socket.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
 }
 
-/// Waits up to `timeout_ms` for `fd` to become readable.
-fn wait_readable(fd: RawFd, timeout_ms: libc::c_int) -> io::Result<bool> {
-    let mut pfd = libc::pollfd {
+/// Waits up to `timeout_ms` for `fd` to become readable (true), or for
+/// `wake` to (false).
+fn wait_readable(fd: RawFd, wake: Option<RawFd>, timeout_ms: libc::c_int) -> io::Result<bool> {
+    let pfd = |fd| libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: `pfd` is a valid pollfd for the duration of the call and the
-    // count passed is 1.
-    let r = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    let mut fds = [pfd(fd), pfd(wake.unwrap_or(-1))];
+    let n = if wake.is_some() { 2 } else { 1 };
+    // SAFETY: `fds` holds `n` valid pollfds for the duration of the call.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), n, timeout_ms) };
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(r > 0)
+    Ok(fds[0].revents != 0)
 }
 
 /// Unregisters a connection and fixes the counters when it ends.
@@ -724,6 +761,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         buffered: BufReader::with_capacity(READ_BUFFER_BYTES, read_half),
         payload_timeout: shared.config.payload_timeout,
         deadline: Some(Instant::now() + shared.config.handshake_timeout),
+        wake: shared.wake.as_ref().map(|(r, _)| r.as_raw_fd()),
     };
     let mut writer: Box<dyn Socket> = socket;
     // Replies of one option leave together (negotiate flushes per option).

@@ -131,6 +131,13 @@ pub(crate) trait RequestSource: Read + Send {
     /// unsure.
     fn input_pending(&mut self) -> bool;
 
+    /// True if [`RequestSource::wait_input`] also ends when the server
+    /// shuts down, so a connection waiting for its client need not wake up
+    /// to look. Default: false.
+    fn wakes_on_stop(&self) -> bool {
+        false
+    }
+
     /// Waits up to `timeout` for input; false if none arrived (end of
     /// stream counts as input: the next read finds it). A source that
     /// cannot wait answers true at once.
@@ -405,8 +412,13 @@ const fn buffer_bytes(bytes: usize) -> usize {
 /// it frees its kept request buffers.
 pub(crate) const IDLE_BUFFER_FREE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// How often a connection waiting for its client checks for shutdown.
+/// How often a connection waiting for its client checks for shutdown
+/// when its source does not wake it ([`RequestSource::wakes_on_stop`]).
 pub(crate) const STOP_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Longest single wait of an idle connection whose source wakes it at a
+/// shutdown (only a safeguard).
+const IDLE_WAIT_STEP: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A request read whole, ready to execute.
 struct Job {
@@ -635,19 +647,31 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         let waiting = !reader.input_pending();
         if waiting {
             writer.set_awaiting_client(true);
-            // wait for the client in short steps: a shutdown stops the
-            // wait, and a client idle for long (maybe hours) lets the
-            // connection free its kept buffers
-            let mut waited = std::time::Duration::ZERO;
-            while !reader.wait_input(STOP_POLL_INTERVAL) {
+            // wait for the client: a shutdown stops the wait (waking it,
+            // or seen at the next of short steps), and a client idle for
+            // long (maybe hours) lets the connection free its kept buffers
+            let started = std::time::Instant::now();
+            loop {
+                let step = if !reader.wakes_on_stop() {
+                    STOP_POLL_INTERVAL
+                } else if self.idle.load(Ordering::SeqCst) {
+                    IDLE_WAIT_STEP
+                } else {
+                    IDLE_BUFFER_FREE_AFTER
+                        .saturating_sub(started.elapsed())
+                        .max(std::time::Duration::from_millis(1))
+                };
+                if reader.wait_input(step) {
+                    break;
+                }
                 if self.res.stopping.load(Ordering::SeqCst) {
                     writer.set_awaiting_client(false);
                     // from the top, where a request that arrived since the
                     // last poll is answered NBD_ESHUTDOWN, not dropped
                     return self.next(reader);
                 }
-                waited += STOP_POLL_INTERVAL;
-                if waited >= IDLE_BUFFER_FREE_AFTER && !self.idle.load(Ordering::SeqCst) {
+                if started.elapsed() >= IDLE_BUFFER_FREE_AFTER && !self.idle.load(Ordering::SeqCst)
+                {
                     self.idle.store(true, Ordering::SeqCst);
                     self.free_spare_buffers();
                 }

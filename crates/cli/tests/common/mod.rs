@@ -132,6 +132,11 @@ impl Server {
         }
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// NBD URI of volume `name`.
     pub fn uri(&self, name: &str) -> String {
         format!("nbd://127.0.0.1:{}/{}", self.port, name)
