@@ -224,21 +224,17 @@ fn a_sweep_stopped_by_a_bad_trace_keeps_what_finished() {
     let bad = dir.path().join("bad.fiu");
     std::fs::write(&bad, format!("{}garbage\n", &text[..500])).unwrap();
     let out = dir.path().join("out");
-    let o = dedupd()
-        .args([
-            "sweep",
-            "-q",
-            "--policies",
-            "exact,lru",
-            "--index-memory",
-            "1M,2M",
-        ])
-        .args(["--jobs", "1", "--traces"])
-        .arg(format!("{},{}", good.display(), bad.display()))
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
+    // `dedupd sweep` of policies exact and lru at `budgets` over `traces`
+    let sweep = |budgets: &str, traces: String| {
+        dedupd()
+            .args(["sweep", "-q", "--policies", "exact,lru", "--jobs", "1"])
+            .args(["--index-memory", budgets, "--traces", &traces])
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let o = sweep("1M,2M", format!("{},{}", good.display(), bad.display()));
     assert!(!o.status.success(), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     // the bad line named, and where the finished points went
@@ -253,21 +249,7 @@ fn a_sweep_stopped_by_a_bad_trace_keeps_what_finished() {
     );
     assert!(!out.join("results.csv").exists());
     // a sweep that completes replaces them with whole results
-    let o = dedupd()
-        .args([
-            "sweep",
-            "-q",
-            "--policies",
-            "exact,lru",
-            "--index-memory",
-            "1M",
-        ])
-        .arg("--traces")
-        .arg(&good)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = sweep("1M", good.display().to_string());
     assert!(o.status.success(), "{o:?}");
     assert!(out.join("results.csv").exists());
     assert!(!out.join("results.partial.csv").exists());

@@ -358,6 +358,19 @@ fn allowed_at(history: &[(usize, Allowed)], k: usize) -> (usize, Allowed) {
     (j, allowed)
 }
 
+/// Asserts that a store recovered from a crash is consistent and not
+/// damaged: a crash is not damage (no file missing, short or failing its
+/// checksums where the journal does not cover it).
+fn assert_recovered(e: &Engine, what: &str) {
+    let errs = e.check();
+    assert!(errs.is_empty(), "{what}: invariants violated: {errs:?}");
+    assert!(
+        e.damage().is_empty(),
+        "{what}: damage after a crash: {:?}",
+        e.damage().iter().map(|d| d.describe()).collect::<Vec<_>>()
+    );
+}
+
 /// Asserts that every block of every volume reads one of its allowed
 /// contents.
 fn assert_reads(e: &Engine, allowed: &Allowed, what: &str) {
@@ -565,18 +578,7 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
         let e = Engine::open(&crash, config2).unwrap_or_else(|err| {
             panic!("seed {seed} point {k}: crash state does not open: {err}")
         });
-        let errs = e.check();
-        assert!(
-            errs.is_empty(),
-            "seed {seed} point {k}: invariants violated: {errs:?}"
-        );
-        // a crash is not damage: no file is missing, short or failing its
-        // checksums where the journal does not cover it
-        assert!(
-            e.damage().is_empty(),
-            "seed {seed} point {k}: damage after a crash: {:?}",
-            e.damage().iter().map(|d| d.describe()).collect::<Vec<_>>()
-        );
+        assert_recovered(&e, &format!("seed {seed} point {k}"));
         // the pattern each block reads after recovery
         let mut seen = vec![vec![0u8; BLOCKS as usize]; VOLUMES];
         for (v, name) in (0..VOLUMES).map(|v| (v, format!("v{v}"))) {
@@ -714,15 +716,9 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
             let e2 = Engine::open(&again, EngineConfig::default()).unwrap_or_else(|err| {
                 panic!("seed {seed} point {k}, crash {k2} in recovery: does not open: {err}")
             });
-            let errs = e2.check();
-            assert!(
-                errs.is_empty(),
-                "seed {seed} point {k}, crash {k2} in recovery: invariants violated: {errs:?}"
-            );
-            assert!(
-                e2.damage().is_empty(),
-                "seed {seed} point {k}, crash {k2} in recovery: damage: {:?}",
-                e2.damage().iter().map(|d| d.describe()).collect::<Vec<_>>()
+            assert_recovered(
+                &e2,
+                &format!("seed {seed} point {k}, crash {k2} in recovery"),
             );
             assert_reads(
                 &e2,
