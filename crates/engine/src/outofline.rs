@@ -973,14 +973,19 @@ impl Engine {
                 // a lasting error (full disk, a metadata fault) is reported
                 // once, not at every period
                 let mut last_error = String::new();
+                // (the last pass failed: its records wait, and the worker
+                // backs off as if idle instead of trying at every period)
+                let failing = std::cell::Cell::new(false);
                 // (the blocks a pass examined and merged: what its rate
                 // counts)
                 let mut report = |r: Result<PassReport>| match r {
                     Ok(r) => {
                         last_error.clear();
+                        failing.set(false);
                         r.blocks_examined + r.merges_applied
                     }
                     Err(e) => {
+                        failing.set(true);
                         let msg = e.to_string();
                         if msg != last_error {
                             // (a closed stderr must not stop the worker)
@@ -994,7 +999,7 @@ impl Engine {
                 // waits while there is nothing to do grow from a period
                 // to IDLE_WAIT_MAX, so an idle server wakes seldom (a phone
                 // on battery); any work or client request resets them
-                let mut idle_wait = period;
+                let mut idle_wait = period.max(Duration::from_millis(1));
                 while !flag.load(Ordering::Relaxed) {
                     let started = Instant::now();
                     let mut done = 0;
@@ -1032,8 +1037,8 @@ impl Engine {
                         done = report(engine.dedup_pass_yielding(batch as usize, &yield_now));
                     }
                     let mut wait = pass_wait(done, rate.max(1), period, busy);
-                    if busy || done > 0 || (rate > 0 && engine.dedup_pending()) {
-                        idle_wait = period;
+                    if busy || done > 0 || (rate > 0 && !failing.get() && engine.dedup_pending()) {
+                        idle_wait = period.max(Duration::from_millis(1));
                     } else {
                         wait = wait.max(idle_wait);
                         idle_wait = (idle_wait * 2).min(IDLE_WAIT_MAX);
@@ -1078,9 +1083,9 @@ fn pass_wait(done: u64, rate_blocks_per_s: u64, period: Duration, busy: bool) ->
 /// Longest wait after one pass (a merge scan that applied many merges).
 const MAX_PASS_WAIT: Duration = Duration::from_secs(10);
 
-/// Longest wait of the background worker while it has nothing to do and
-/// no client sends requests: records written meanwhile wait at most this
-/// long for their pass.
+/// Longest wait of the background worker while it has nothing to do (or
+/// its passes fail) and no client sends requests: records written
+/// meanwhile wait at most this long before the worker looks at them.
 pub const IDLE_WAIT_MAX: Duration = Duration::from_secs(1);
 
 /// The running background worker; dropping it stops the worker and waits.
