@@ -124,6 +124,8 @@ impl BlockBackend for FileBackend {
     }
 
     fn sync(&self) -> io::Result<()> {
+        self.observer
+            .emit(crate::observe::IoEvent::SyncStart { file: "data" });
         self.file.sync_data()?;
         self.observer
             .emit(crate::observe::IoEvent::Sync { file: "data" });

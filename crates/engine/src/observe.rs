@@ -56,7 +56,16 @@ pub enum IoEvent<'a> {
         /// `maps`).
         dir: &'a str,
     },
-    /// Every earlier change to the file is durable.
+    /// A sync of the file begins (reported for the data file, which
+    /// request threads write while a commit syncs it): the changes
+    /// reported before this are those the [`IoEvent::Sync`] that ends it
+    /// makes durable.
+    SyncStart {
+        /// File, relative to the store.
+        file: &'a str,
+    },
+    /// Every earlier change to the file is durable (for the data file:
+    /// every change reported before its [`IoEvent::SyncStart`]).
     Sync {
         /// File, relative to the store.
         file: &'a str,

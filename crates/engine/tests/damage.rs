@@ -1300,7 +1300,7 @@ impl dedupd_engine::observe::IoObserver for CopyBeforeCheckpoint {
             | IoEvent::SetLen { file, .. }
             | IoEvent::Remove { file }
             | IoEvent::Sync { file } => file,
-            IoEvent::Create { .. } | IoEvent::SyncDir { .. } => return,
+            IoEvent::Create { .. } | IoEvent::SyncDir { .. } | IoEvent::SyncStart { .. } => return,
         };
         if self.checkpoint_began.load(Ordering::SeqCst) || file == "data" {
             return;

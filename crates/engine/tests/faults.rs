@@ -305,6 +305,7 @@ impl dedupd_engine::observe::IoObserver for FailingMetadata {
             | IoEvent::SetLen { file, .. }
             | IoEvent::Remove { file }
             | IoEvent::Create { file }
+            | IoEvent::SyncStart { file }
             | IoEvent::Sync { file } => file,
             IoEvent::SyncDir { dir } => dir,
         };
