@@ -352,6 +352,29 @@ fn write_tree(root: &Path, files: &BTreeMap<String, Vec<u8>>) {
     }
 }
 
+/// The engine's configuration for a recorded workload: small journal and
+/// dirty bounds, so commits and checkpoints happen often, one-page caches
+/// and a tiny memory-only index, reporting to `recorder`.
+fn recorded_config(recorder: &Arc<Recorder>) -> EngineConfig {
+    EngineConfig {
+        journal_size_bytes: 16 << 10,
+        // a one-page reverse-index cache: pages leave and come back
+        reverse_index_cache_bytes: 4064,
+        // and one page for the volume maps and reference counts together
+        map_cache_bytes: 4064,
+        max_dirty_bytes: 8 << 10,
+        max_pending_free_bytes: 16 << 10,
+        // a tiny memory-only index: inline dedup misses, out-of-line passes run
+        index: dedupd_engine::index::IndexConfig {
+            memory_budget_bytes: 4096,
+            prefix_bits: 8,
+            ..Default::default()
+        },
+        observer: Observer(Some(recorder.clone())),
+        ..EngineConfig::default()
+    }
+}
+
 /// Allowed contents (pattern ids) per (volume, block) after each operation.
 type Allowed = Vec<Vec<BTreeSet<u8>>>;
 
@@ -421,24 +444,7 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
     }
     let base = read_tree(&store);
     let recorder = Arc::new(Recorder::default());
-    let config = EngineConfig {
-        journal_size_bytes: 16 << 10,
-        // a one-page reverse-index cache: pages leave and come back
-        reverse_index_cache_bytes: 4064,
-        // and one page for the volume maps and reference counts together
-        map_cache_bytes: 4064,
-        max_dirty_bytes: 8 << 10,
-        max_pending_free_bytes: 16 << 10,
-        // a tiny memory-only index: inline dedup misses, out-of-line passes run
-        index: dedupd_engine::index::IndexConfig {
-            memory_budget_bytes: 4096,
-            prefix_bits: 8,
-            ..Default::default()
-        },
-        observer: Observer(Some(recorder.clone())),
-        ..EngineConfig::default()
-    };
-    let engine = Engine::open(&store, config).unwrap();
+    let engine = Engine::open(&store, recorded_config(&recorder)).unwrap();
     let ids: Vec<VolumeId> = (0..VOLUMES)
         .map(|v| engine.volume(&format!("v{v}")).unwrap().0)
         .collect();
@@ -869,19 +875,7 @@ fn concurrent_writes_and_flushes_recover_with_flushed_writes_intact() {
         }
         let base = read_tree(&store);
         let recorder = Arc::new(Recorder::default());
-        let config = EngineConfig {
-            journal_size_bytes: 16 << 10,
-            max_dirty_bytes: 8 << 10,
-            max_pending_free_bytes: 16 << 10,
-            index: dedupd_engine::index::IndexConfig {
-                memory_budget_bytes: 4096,
-                prefix_bits: 8,
-                ..Default::default()
-            },
-            observer: Observer(Some(recorder.clone())),
-            ..EngineConfig::default()
-        };
-        let engine = Arc::new(Engine::open(&store, config).unwrap());
+        let engine = Arc::new(Engine::open(&store, recorded_config(&recorder)).unwrap());
         let (v0, _) = engine.volume("v0").unwrap();
         // (what returned before a FLUSH began is told by this clock, not
         // by the recorder's count, which two threads may read alike)
