@@ -375,6 +375,24 @@ fn recorded_config(recorder: &Arc<Recorder>) -> EngineConfig {
     }
 }
 
+/// Crash points of `events`, in order: right before each sync and after it
+/// (before: its file's writes all pending, what a kill leaves a recovery
+/// to read without their being durable), and `random` points anywhere.
+fn crash_points(events: &[Ev], random: usize, rng: &mut Rng) -> Vec<usize> {
+    let mut points: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Ev::Sync(_)))
+        .flat_map(|(i, _)| [i, i + 1])
+        .collect();
+    for _ in 0..random {
+        points.push(rng.below(events.len() as u64 + 1) as usize);
+    }
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
 /// Allowed contents (pattern ids) per (volume, block) after each operation.
 type Allowed = Vec<Vec<BTreeSet<u8>>>;
 
@@ -560,20 +578,8 @@ fn run_seed(seed: u64, states_wanted: usize, dir: &Path) -> (usize, usize, usize
         .filter(|e| matches!(e, Ev::Write(f, _, _) if f == "refcounts" || f.starts_with("maps")))
         .count();
 
-    // crash points: after each sync, right before each (its file's writes
-    // all pending: what a kill leaves a recovery to read without their
-    // being durable), and random points in between
-    let mut points: Vec<usize> = events
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| matches!(e, Ev::Sync(_)))
-        .flat_map(|(i, _)| [i, i + 1])
-        .collect();
-    for _ in 0..points.len() / 2 + 4 {
-        points.push(rng.below(events.len() as u64 + 1) as usize);
-    }
-    points.sort_unstable();
-    points.dedup();
+    let syncs = events.iter().filter(|e| matches!(e, Ev::Sync(_))).count();
+    let points = crash_points(&events, syncs + 4, &mut rng);
     let stride = (points.len() / states_wanted.max(1)).max(1);
     let mut checked = 0;
     let mut kills = 0;
@@ -934,17 +940,7 @@ fn concurrent_writes_and_flushes_recover_with_flushed_writes_intact() {
         let events = recorder.0.lock().unwrap().clone();
         drop(engine);
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-        let mut points: Vec<usize> = events
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| matches!(e, Ev::Sync(_)))
-            .flat_map(|(i, _)| [i, i + 1])
-            .collect();
-        for _ in 0..20 {
-            points.push(rng.below(events.len() as u64 + 1) as usize);
-        }
-        points.sort_unstable();
-        points.dedup();
+        let points = crash_points(&events, 20, &mut rng);
         let stride = (points.len() / 40).max(1);
         for (n, &k) in points.iter().enumerate().filter(|(n, _)| n % stride == 0) {
             // each block: its content as of the last completed FLUSH's
