@@ -72,23 +72,72 @@ impl LbaRun {
     }
 }
 
-/// `lbas` (volume, LBA) pairs in order, merged into runs of consecutive
-/// LBAs of the same volume.
-fn lba_runs(lbas: &[(crate::VolumeId, u64)]) -> Vec<(crate::VolumeId, LbaRun)> {
-    let mut runs: Vec<(crate::VolumeId, LbaRun)> = Vec::new();
-    for &(id, lba) in lbas {
-        match runs.last_mut() {
-            Some((v, run)) if *v == id && run.last.checked_add(1) == Some(lba) => run.last = lba,
-            _ => runs.push((
+/// Runs of consecutive LBAs of each volume, built as LBAs arrive in order
+/// (volume by volume, LBAs ascending): at most [`NAMED_PROBLEMS_MAX`] runs
+/// are kept; an LBA that would start a run past that is only counted.
+#[derive(Debug, Default)]
+struct LbaRuns {
+    runs: Vec<(crate::VolumeId, LbaRun)>,
+    /// LBAs per volume, listed in `runs` or not.
+    total: std::collections::BTreeMap<crate::VolumeId, u64>,
+}
+
+impl LbaRuns {
+    fn push(&mut self, id: crate::VolumeId, lba: u64) {
+        *self.total.entry(id).or_default() += 1;
+        if let Some((v, run)) = self.runs.last_mut() {
+            if *v == id && run.last.checked_add(1) == Some(lba) {
+                run.last = lba;
+                return;
+            }
+        }
+        if self.runs.len() < NAMED_PROBLEMS_MAX {
+            self.runs.push((
                 id,
                 LbaRun {
                     first: lba,
                     last: lba,
                 },
-            )),
+            ));
         }
     }
-    runs
+
+    /// LBAs of volume `id` found but in no run.
+    fn not_listed(&self, id: crate::VolumeId) -> u64 {
+        let listed: u64 = self
+            .runs
+            .iter()
+            .filter(|(v, _)| *v == id)
+            .map(|(_, r)| r.last - r.first + 1)
+            .sum();
+        self.total.get(&id).copied().unwrap_or(0) - listed
+    }
+}
+
+/// A run of consecutive PBAs with the same reference-count problem, for
+/// messages: "PBA 7: ..." or "PBAs 7-9 (3): ...".
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PbaProblemRun {
+    first: u64,
+    last: u64,
+    /// What the problem says of each PBA of the run.
+    what: String,
+}
+
+impl PbaProblemRun {
+    fn describe(&self) -> String {
+        if self.first == self.last {
+            format!("PBA {}: {}", self.first, self.what)
+        } else {
+            format!(
+                "PBAs {}-{} ({}): {}",
+                self.first,
+                self.last,
+                self.last - self.first + 1,
+                self.what
+            )
+        }
+    }
 }
 
 impl FsckReport {
@@ -98,6 +147,7 @@ impl FsckReport {
             self.problems.push(line);
         } else {
             self.problems_not_listed += 1;
+            self.problem_lines_dropped += 1;
         }
     }
 
@@ -107,21 +157,33 @@ impl FsckReport {
             self.data_lost.push(line);
         } else {
             self.data_lost_not_listed += 1;
+            self.lost_lines_dropped += 1;
         }
     }
 
-    /// Closes the lists with how many were only counted.
+    /// Lists a line that sums up `count` LBAs not listed one by one (as a
+    /// problem, and as lost data if `lost` is given).
+    fn note_summary(&mut self, problem: String, lost: Option<String>, count: u64) {
+        self.problems.push(problem);
+        self.problems_not_listed += count;
+        if let Some(lost) = lost {
+            self.data_lost.push(lost);
+            self.data_lost_not_listed += count;
+        }
+    }
+
+    /// Closes the lists with how many lines were only counted.
     fn close_lists(&mut self) {
-        if self.problems_not_listed > 0 {
+        if self.problem_lines_dropped > 0 {
             self.problems.push(format!(
                 "... and {} more problems not listed",
-                self.problems_not_listed
+                self.problem_lines_dropped
             ));
         }
-        if self.data_lost_not_listed > 0 {
+        if self.lost_lines_dropped > 0 {
             self.data_lost.push(format!(
                 "... and {} more not listed",
-                self.data_lost_not_listed
+                self.lost_lines_dropped
             ));
         }
     }
@@ -180,10 +242,18 @@ pub struct FsckReport {
     /// Problems that a repair could fix only by discarding data (listed
     /// also in `problems`).
     pub data_lost: Vec<String>,
-    /// Problems found past the first [`NAMED_PROBLEMS_MAX`] listed.
+    /// Problems found but not listed one by one: lines past the first
+    /// [`NAMED_PROBLEMS_MAX`], plus the LBAs that a per-volume line sums up
+    /// ("N more LBAs ...") when their runs would exceed that many lines.
     pub problems_not_listed: u64,
-    /// Lost data found past the first [`NAMED_PROBLEMS_MAX`] listed.
+    /// Lost data not listed one by one, counted as `problems_not_listed`.
     pub data_lost_not_listed: u64,
+    /// Problem lines past [`NAMED_PROBLEMS_MAX`] (the closing line's count).
+    #[serde(skip)]
+    problem_lines_dropped: u64,
+    /// Lost-data lines past [`NAMED_PROBLEMS_MAX`].
+    #[serde(skip)]
+    lost_lines_dropped: u64,
     /// Set when a repair was committed (its journal transaction is
     /// durable, and replays at the next start) but closing the store, which
     /// puts it in place, failed: why. The report stands.
@@ -191,11 +261,11 @@ pub struct FsckReport {
 }
 
 impl FsckReport {
-    /// Problems found, listed or not (the closing "more not listed" line
-    /// not counted).
+    /// Problem lines, listed or not (the closing "more not listed" line
+    /// not counted; a line that sums up LBAs of a volume counts once).
     pub fn problem_count(&self) -> u64 {
-        self.problems.len() as u64 - u64::from(self.problems_not_listed > 0)
-            + self.problems_not_listed
+        self.problems.len() as u64 - u64::from(self.problem_lines_dropped > 0)
+            + self.problem_lines_dropped
     }
 
     /// e2fsck-style exit code: 0 clean, 1 corrected, 4 uncorrected (also
@@ -208,6 +278,13 @@ impl FsckReport {
         } else {
             4
         }
+    }
+}
+
+/// Lists the pending run of PBAs with one count problem, if any.
+fn flush_pba_run(r: &mut FsckReport, run: &mut Option<PbaProblemRun>) {
+    if let Some(done) = run.take() {
+        r.note_problem(done.describe());
     }
 }
 
@@ -526,10 +603,8 @@ impl Engine {
         r.volumes = ids.len() as u64;
         // mappings past the data file's end: the first ones by LBA, and the
         // number per volume (all unmapped by a repair)
-        let mut outside: Vec<(crate::VolumeId, u64)> = Vec::new();
-        let mut outside_per_volume = std::collections::BTreeMap::<crate::VolumeId, u64>::new();
-        let mut beyond: Vec<(crate::VolumeId, u64)> = Vec::new();
-        let mut beyond_volumes = std::collections::BTreeSet::new();
+        let mut outside = LbaRuns::default();
+        let mut beyond = LbaRuns::default();
         let maps_phase = "checking volume maps";
         let all_lbas: u64 = m.volumes.values().map(|v| v.size_blocks()).sum();
         let mut lbas_done = 0;
@@ -564,11 +639,8 @@ impl Engine {
             if map_end > v.size_blocks() {
                 v.map
                     .for_each_nonzero_u64(v.size_blocks()..map_end, |lba, _| {
-                        // (the first 10 000 named, all unmapped by a repair)
-                        if beyond.len() < NAMED_PROBLEMS_MAX {
-                            beyond.push((*id, lba));
-                        }
-                        beyond_volumes.insert(*id);
+                        // (all unmapped by a repair)
+                        beyond.push(*id, lba);
                     });
             }
             // (in steps, each with its progress; holes of a thin volume's
@@ -591,10 +663,7 @@ impl Engine {
                     if p < data_blocks {
                         refs.push(p << (64 - pba_bits), 1);
                     } else {
-                        if outside.len() < NAMED_PROBLEMS_MAX {
-                            outside.push((*id, lba));
-                        }
-                        *outside_per_volume.entry(*id).or_default() += 1;
+                        outside.push(*id, lba);
                     }
                 });
                 progress(maps_phase, lbas_done + to, all_lbas);
@@ -603,7 +672,7 @@ impl Engine {
             lbas_done += blocks;
             progress(maps_phase, lbas_done, all_lbas);
         }
-        for (id, lbas) in lba_runs(&beyond) {
+        for &(id, lbas) in &beyond.runs {
             let v = &m.volumes[&id];
             r.note_problem(format!(
                 "volume {}: {} past the volume's end ({} blocks) but mapped",
@@ -612,8 +681,8 @@ impl Engine {
                 v.size_blocks()
             ));
         }
-        for (id, lbas) in lba_runs(&outside) {
-            let name = m.volumes[&id].record.name.clone();
+        for &(id, lbas) in &outside.runs {
+            let name = &m.volumes[&id].record.name;
             r.note_problem(format!(
                 "volume {name}: {} mapped past the end of the data file",
                 lbas.describe()
@@ -623,19 +692,33 @@ impl Engine {
                 lbas.describe()
             ));
         }
-        for (id, &count) in &outside_per_volume {
+        for &id in beyond.total.keys() {
+            let more = beyond.not_listed(id);
+            if more > 0 {
+                let v = &m.volumes[&id];
+                r.note_summary(
+                    format!(
+                        "volume {}: {more} more LBAs past the volume's end ({} blocks) but mapped",
+                        v.record.name,
+                        v.size_blocks()
+                    ),
+                    None,
+                    more,
+                );
+            }
+        }
+        for (&id, &count) in &outside.total {
             r.lbas_outside_data_file += count;
-            let named = outside.iter().filter(|(v, _)| v == id).count() as u64;
-            if count > named {
-                let name = &m.volumes[id].record.name;
-                r.problems.push(format!(
-                    "volume {name}: {} more LBAs map past the end of the data file",
-                    count - named
-                ));
-                r.data_lost.push(format!(
-                    "volume {name}: {} more LBAs unmapped (their blocks are missing)",
-                    count - named
-                ));
+            let more = outside.not_listed(id);
+            if more > 0 {
+                let name = &m.volumes[&id].record.name;
+                r.note_summary(
+                    format!("volume {name}: {more} more LBAs map past the end of the data file"),
+                    Some(format!(
+                        "volume {name}: {more} more LBAs unmapped (their blocks are missing)"
+                    )),
+                    more,
+                );
             }
         }
 
@@ -671,6 +754,8 @@ impl Engine {
         };
         progress(blocks_phase, 0, rc_len);
         let mut reported_step = 0;
+        // (consecutive PBAs with the same count problem are named as a run)
+        let mut pba_run: Option<PbaProblemRun> = None;
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
             if p / FSCK_PROGRESS_STEP_BLOCKS > reported_step {
                 reported_step = p / FSCK_PROGRESS_STEP_BLOCKS;
@@ -684,8 +769,8 @@ impl Engine {
                 if rc > want && want == 0 && !past_end {
                     r.leaked_blocks += 1;
                 }
-                r.note_problem(format!(
-                    "PBA {p}: reference count {rc}, mapped by {want} LBA(s){}",
+                let what = format!(
+                    "reference count {rc}, mapped by {want} LBA(s){}",
                     if past_end {
                         " (past the end of the data file)"
                     } else if rc < want {
@@ -693,7 +778,20 @@ impl Engine {
                     } else {
                         ""
                     }
-                ));
+                );
+                match &mut pba_run {
+                    Some(run) if run.last + 1 == p && run.what == what => run.last = p,
+                    _ => {
+                        let new = PbaProblemRun {
+                            first: p,
+                            last: p,
+                            what,
+                        };
+                        if let Some(done) = pba_run.replace(new) {
+                            r.note_problem(done.describe());
+                        }
+                    }
+                }
                 if opts.repair {
                     m.refcounts.set_u32(p, want);
                 }
@@ -706,6 +804,7 @@ impl Engine {
             let fp = if opts.rehash || needs_hash(p, &stored) {
                 r.blocks_rehashed += 1;
                 let Some(actual) = hash_of(p) else {
+                    flush_pba_run(&mut r, &mut pba_run);
                     r.unreadable_blocks += 1;
                     r.note_problem(format!("PBA {p}: cannot be read (I/O error)"));
                     r.note_lost(format!(
@@ -719,6 +818,7 @@ impl Engine {
                 if actual != stored && !needs_hash(p, &stored) {
                     // the fingerprint page passed its checksum: the data
                     // changed on disk, and no repair can undo that
+                    flush_pba_run(&mut r, &mut pba_run);
                     r.corrupted_blocks += 1;
                     r.note_problem(format!(
                         "PBA {p}: stored fingerprint does not match its data"
@@ -766,6 +866,7 @@ impl Engine {
             })
         })?;
         for_each_referenced(&mut m, next..rc_len, |m, q| check(m, q, 0))?;
+        flush_pba_run(&mut r, &mut pba_run);
         progress(blocks_phase, rc_len, rc_len);
 
         // a referenced block's fingerprint, from its data where the stored
@@ -823,7 +924,7 @@ impl Engine {
         // repair: unmap entries outside the data file or past the volume's
         // end, rebuild counts and fingerprints, make damaged volumes
         // writable
-        for id in outside_per_volume.keys() {
+        for id in outside.total.keys() {
             let v = m.volumes.get_mut(id).expect("listed above");
             // a map page's worth of LBAs at a time (bounded memory)
             for from in (0..v.size_blocks()).step_by(4096) {
@@ -836,7 +937,7 @@ impl Engine {
                 }
             }
         }
-        for id in &beyond_volumes {
+        for id in beyond.total.keys() {
             let v = m.volumes.get_mut(id).expect("listed above");
             let (start, end) = (v.size_blocks(), v.map.logical_len() / 8);
             // a map page's worth of LBAs at a time (bounded memory)
@@ -949,19 +1050,37 @@ mod tests {
     #[test]
     fn consecutive_lbas_are_named_as_runs() {
         let (a, b) = (crate::VolumeId(1), crate::VolumeId(2));
-        let runs: Vec<(crate::VolumeId, String)> =
-            lba_runs(&[(a, 3), (a, 4), (a, 5), (a, 9), (b, 10), (b, 11)])
-                .into_iter()
-                .map(|(v, r)| (v, r.describe()))
-                .collect();
+        let mut runs = LbaRuns::default();
+        for (v, lba) in [(a, 3), (a, 4), (a, 5), (a, 9), (b, 10), (b, 11)] {
+            runs.push(v, lba);
+        }
+        let named: Vec<(crate::VolumeId, String)> =
+            runs.runs.iter().map(|&(v, r)| (v, r.describe())).collect();
         assert_eq!(
-            runs,
+            named,
             [
                 (a, "LBAs 3-5 (3)".to_string()),
                 (a, "LBA 9".to_string()),
                 (b, "LBAs 10-11 (2)".to_string()),
             ]
         );
+        assert_eq!((runs.not_listed(a), runs.not_listed(b)), (0, 0));
+    }
+
+    #[test]
+    fn lbas_past_the_listed_runs_are_counted_per_volume() {
+        let (a, b) = (crate::VolumeId(1), crate::VolumeId(2));
+        let mut runs = LbaRuns::default();
+        // every other LBA: a run each
+        for i in 0..NAMED_PROBLEMS_MAX as u64 + 5 {
+            runs.push(a, 2 * i);
+        }
+        // the last run still grows; new ones are only counted
+        runs.push(a, 2 * (NAMED_PROBLEMS_MAX as u64 + 4) + 1);
+        runs.push(b, 0);
+        assert_eq!(runs.runs.len(), NAMED_PROBLEMS_MAX);
+        assert_eq!(runs.not_listed(a), 5 + 1);
+        assert_eq!(runs.not_listed(b), 1);
     }
     use crate::fingerprint::HashAlgorithm;
 

@@ -1113,6 +1113,22 @@ fn truncated_data_file(len_bytes: u64) {
         check.data_lost,
         ["volume a: LBAs 300-599 (300) unmapped (data missing)"]
     );
+    // their PBAs too, as one run with the same count problem
+    let past_end: Vec<&String> = check
+        .problems
+        .iter()
+        .filter(|l| l.contains("past the end of the data file") && l.starts_with("PBA"))
+        .collect();
+    assert_eq!(
+        past_end,
+        ["PBAs 300-599 (300): reference count 1, mapped by 0 LBA(s) (past the end of the data file)"],
+        "{:?}",
+        check.problems
+    );
+    assert_eq!(
+        (check.problems_not_listed, check.data_lost_not_listed),
+        (0, 0)
+    );
     let fixed = fsck_rehash_repair(&path);
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
     assert_eq!(
