@@ -92,11 +92,12 @@ pub struct ServeArgs {
     /// out-of-line dedup — for phones and battery-powered devices).
     #[arg(long, default_value = "full", value_parser = ["adaptive", "full"])]
     pub selectivity: String,
-    /// Also lower selectivity under CPU or I/O pressure (/proc/pressure; without it, CPU or disk utilisation over 90 % from /proc/stat and /proc/diskstats).
+    /// With --selectivity adaptive, also lower selectivity under CPU or I/O pressure (/proc/pressure; without it, CPU or disk utilisation over 90 % from /proc/stat and /proc/diskstats).
     #[arg(long)]
     pub selectivity_load: bool,
-    /// Power source for selectivity: auto (/sys/class/power_supply), ac, or
-    /// battery:PERCENT (simulated; below 15 % inline dedup is off).
+    /// Power source for adaptive selectivity (--selectivity adaptive): auto
+    /// (/sys/class/power_supply), ac, or battery:PERCENT (simulated; below
+    /// 15 % inline dedup is off).
     #[arg(long, default_value = "auto")]
     pub power_source: dedupd_engine::selectivity::PowerSource,
     /// Bytes of the read cache keyed by PBA (reads of different LBAs with
@@ -124,7 +125,9 @@ pub struct ServeArgs {
     /// connection run concurrently up to this many).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub workers: u16,
-    /// Bytes of request payload in flight at once, over all connections.
+    /// Bytes of request payload in flight at once, over all connections;
+    /// at least 2M. The largest request accepted is half of it (at most
+    /// 32 MiB), and one connection holds at most half.
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     pub inflight_budget: u64,
     /// NBD connections open at once, over all listeners (each holds a
@@ -325,9 +328,38 @@ fn open_or_create(
     Ok(engine)
 }
 
+/// Smallest `--inflight-budget`: the largest request a client may send is
+/// half of it, and the NBD protocol expects servers to take 1 MiB ones.
+const INFLIGHT_BUDGET_MIN_BYTES: u64 = 2 << 20;
+
+/// Refuses options that would be ignored or cannot work together.
+fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
+    if args.selectivity != "adaptive" {
+        if args.selectivity_load {
+            anyhow::bail!(
+                "--selectivity-load applies to adaptive selectivity only: add --selectivity adaptive"
+            );
+        }
+        if args.power_source != dedupd_engine::selectivity::PowerSource::Auto {
+            anyhow::bail!(
+                "--power-source applies to adaptive selectivity only: add --selectivity adaptive"
+            );
+        }
+    }
+    if args.inflight_budget < INFLIGHT_BUDGET_MIN_BYTES {
+        anyhow::bail!(
+            "--inflight-budget {} is too small: at least 2M (the largest request a client \
+             may send is half of it, and NBD clients expect to send 1 MiB ones)",
+            human(args.inflight_budget)
+        );
+    }
+    Ok(())
+}
+
 /// Runs the server until SIGINT, SIGTERM or SIGHUP. `given` tells which
 /// creation options the user gave (warned of if the store exists).
 pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow::Result<()> {
+    check_option_combinations(&args)?;
     let mut config = EngineConfig {
         journal_size_bytes: args.journal_size,
         max_dirty_bytes: args.max_dirty,

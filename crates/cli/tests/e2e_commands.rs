@@ -265,6 +265,31 @@ fn worker_counts_out_of_range_are_refused_and_long_names_keep_the_list_aligned()
 }
 
 #[test]
+fn serve_options_that_would_be_ignored_or_cannot_work_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    for (args, says) in [
+        (
+            &["serve", "--power-source", "battery:5"][..],
+            "--power-source applies to adaptive selectivity only",
+        ),
+        (
+            &["serve", "--selectivity", "full", "--selectivity-load"][..],
+            "--selectivity-load applies to adaptive selectivity only",
+        ),
+        (
+            &["serve", "--inflight-budget", "1M"][..],
+            "--inflight-budget 1.00 MiB is too small: at least 2M",
+        ),
+    ] {
+        let out = dedupd(&store, args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        fails_with(&out, says);
+        assert!(!store.exists(), "a refused serve created the store");
+    }
+}
+
+#[test]
 fn a_shrink_without_a_server_needs_shrink_too() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");

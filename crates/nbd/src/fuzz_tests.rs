@@ -94,6 +94,7 @@ fn run_transmission(input: &[u8]) -> Vec<u8> {
     let kept = AtomicU64::new(0);
     let res = Resources {
         workers: 2,
+        max_payload: proto::BLOCK_SIZE_MAX,
         budget: &budget,
         requests_total: &requests,
         stopping: &stopping,
@@ -160,6 +161,7 @@ fn handshake(input: &[u8]) {
     let _ = negotiate(
         &mut Cursor::new(input),
         &mut out,
+        proto::BLOCK_SIZE_MAX,
         &provider,
         &stopping,
         &AtomicBool::new(false),
@@ -226,6 +228,7 @@ fn handshake_go_then_transmission_roundtrip() {
     let r = negotiate(
         &mut cur,
         &mut out,
+        proto::BLOCK_SIZE_MAX,
         &provider,
         &stopping,
         &AtomicBool::new(false),
@@ -258,6 +261,7 @@ fn oversized_option_is_discarded_not_allocated() {
     let r = negotiate(
         &mut Cursor::new(&input[..]),
         &mut out,
+        proto::BLOCK_SIZE_MAX,
         &provider,
         &stopping,
         &AtomicBool::new(false),

@@ -67,7 +67,8 @@ fn known_option(option: u32) -> bool {
 
 /// Runs the server side of fixed newstyle negotiation.
 ///
-/// `r` and `w` are the two directions of one connection. `stopping` is the
+/// `r` and `w` are the two directions of one connection. `max_payload` is
+/// the maximum payload size advertised (bytes). `stopping` is the
 /// server's shutdown flag: once set, options other than `NBD_OPT_ABORT` are
 /// answered `NBD_REP_ERR_SHUTDOWN`. `transmitting` is set before the reply
 /// that moves the client to transmission is flushed, so a shutdown from
@@ -76,6 +77,7 @@ fn known_option(option: u32) -> bool {
 pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
     r: &mut R,
     w: &mut W,
+    max_payload: u32,
     provider: &dyn ExportProvider,
     stopping: &AtomicBool,
     transmitting: &AtomicBool,
@@ -181,7 +183,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 }
             }
             proto::OPT_INFO | proto::OPT_GO => {
-                if let Some(export) = answer_info(w, option, &data, provider)? {
+                if let Some(export) = answer_info(w, option, &data, max_payload, provider)? {
                     if option == proto::OPT_GO {
                         transmitting.store(true, Ordering::SeqCst);
                         w.flush()?;
@@ -204,6 +206,7 @@ fn answer_info<W: Write + ?Sized>(
     w: &mut W,
     option: u32,
     data: &[u8],
+    max_payload: u32,
     provider: &dyn ExportProvider,
 ) -> io::Result<Option<Arc<dyn Export>>> {
     let req = match proto::decode_info_request(data) {
@@ -262,7 +265,7 @@ fn answer_info<W: Write + ?Sized>(
         &proto::encode_info_block_size(
             proto::BLOCK_SIZE_MIN,
             proto::BLOCK_SIZE_PREFERRED,
-            proto::BLOCK_SIZE_MAX,
+            max_payload,
         ),
     )?;
     reply(w, option, proto::REP_ACK, &[])?;

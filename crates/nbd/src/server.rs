@@ -66,9 +66,11 @@ pub struct ServerConfig {
     pub workers_per_connection: usize,
     /// Bytes of request payload (WRITE data, READ reply buffers) that may be
     /// in flight at once, summed over all connections of the server. A
-    /// request waits for room before its buffer is allocated; a single
-    /// request larger than the whole budget runs alone. One connection may
-    /// hold at most half of it (a larger request alone), so a client that
+    /// request waits for room before its buffer is allocated. It also sets
+    /// the largest request accepted ([`ServerConfig::max_payload_bytes`]:
+    /// half of it, at most 32 MiB), so no request is larger than a
+    /// connection's part. One connection may
+    /// hold at most half of it, so a client that
     /// stops reading its replies leaves room for the others' requests of
     /// up to half the budget; requests wait in arrival order, so one
     /// larger than that room waits (until the stalled replies' send times
@@ -91,6 +93,24 @@ pub struct ServerConfig {
     /// keepalive probes find a vanished peer: [`TCP_KEEPALIVE_IDLE`]).
     /// Default 30 s.
     pub handshake_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Largest READ or WRITE payload accepted, in bytes, advertised as the
+    /// maximum payload size of `NBD_INFO_BLOCK_SIZE` (proto.md "Block size
+    /// constraints"): half of [`ServerConfig::inflight_budget_bytes`]
+    /// rounded down to 4 KiB, at most 2^25 (32 MiB, the protocol's default
+    /// and the default here) and at least 4 KiB (the preferred block
+    /// size). A longer READ gets `NBD_EINVAL`; a longer WRITE of up to
+    /// 32 MiB has its payload read and dropped and gets `NBD_EINVAL`, a
+    /// longer one gets `NBD_EINVAL` and the connection is closed.
+    pub fn max_payload_bytes(&self) -> u32 {
+        let half = (self.inflight_budget_bytes / 2) as u64 / 4096 * 4096;
+        half.clamp(
+            u64::from(crate::proto::BLOCK_SIZE_PREFERRED),
+            u64::from(crate::proto::BLOCK_SIZE_MAX),
+        ) as u32
+    }
 }
 
 impl Default for ServerConfig {
@@ -769,9 +789,11 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     // A client that does not finish negotiating in time is dropped; an
     // idle client in transmission is not (it may send its next request in
     // hours).
+    let max_payload = shared.config.max_payload_bytes();
     let outcome = handshake::negotiate(
         &mut reader,
         &mut buffered,
+        max_payload,
         shared.provider.as_ref(),
         &shared.stopping,
         &transmitting,
@@ -797,6 +819,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         ));
         let res = Resources {
             workers: shared.config.workers_per_connection,
+            max_payload,
             budget: &shared.budget,
             requests_total: &shared.requests_total,
             stopping: &shared.stopping,

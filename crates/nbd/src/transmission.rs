@@ -45,21 +45,22 @@ pub(crate) enum Plan {
 }
 
 /// Checks a request against the export (`size` bytes, `read_only`) and the
-/// server's limits; pure.
-pub(crate) fn plan(req: &Request, size: u64, read_only: bool) -> Plan {
+/// server's limits (READ and WRITE payloads up to `max_payload` bytes);
+/// pure.
+pub(crate) fn plan(req: &Request, size: u64, read_only: bool, max_payload: u32) -> Plan {
     let flags_ok = req.flags & !req.command.allowed_flags() == 0;
     let in_range = req
         .offset
         .checked_add(u64::from(req.length))
         .is_some_and(|end| end <= size);
-    let too_long = req.length > proto::BLOCK_SIZE_MAX;
+    let too_long = req.length > max_payload;
     match req.command {
         Command::Disc => Plan::Disconnect,
         Command::Unknown(_) => Plan::Reply(proto::NBD_EINVAL),
         Command::Write => {
-            if too_long {
+            if req.length > proto::BLOCK_SIZE_MAX {
                 Plan::ReplyThenClose(proto::NBD_EINVAL)
-            } else if !flags_ok {
+            } else if too_long || !flags_ok {
                 Plan::SkipPayloadThenReply(proto::NBD_EINVAL)
             } else if read_only {
                 Plan::SkipPayloadThenReply(proto::NBD_EPERM)
@@ -370,6 +371,9 @@ fn send_all(fd: RawFd, bytes: &[u8], more: bool) -> Result<(), SendError> {
 pub(crate) struct Resources<'a> {
     /// Worker threads for this connection (at least one is used).
     pub workers: usize,
+    /// Largest READ or WRITE payload accepted (bytes; at most
+    /// [`proto::BLOCK_SIZE_MAX`]).
+    pub max_payload: u32,
     /// Shared in-flight payload budget.
     pub budget: &'a Arc<Budget>,
     /// Counter of decoded requests.
@@ -698,7 +702,7 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         let plan = if stopping {
             shutdown_plan(&req)
         } else {
-            plan(&req, self.size, self.read_only)
+            plan(&req, self.size, self.read_only, self.res.max_payload)
         };
         match plan {
             Plan::Disconnect => Next::Stop,
@@ -868,6 +872,7 @@ mod tests {
             (AtomicU64::new(0), AtomicBool::new(false), AtomicU64::new(0));
         let res = Resources {
             workers: 4,
+            max_payload: proto::BLOCK_SIZE_MAX,
             budget: &budget,
             requests_total: &requests,
             stopping: &stopping,
@@ -914,7 +919,7 @@ mod tests {
     #[test]
     fn plans() {
         let size = 1 << 30;
-        let p = |r: Request| plan(&r, size, false);
+        let p = |r: Request| plan(&r, size, false, MAX);
         assert_eq!(p(req(Command::Read, 0, 0, 4096)), Plan::Dispatch);
         assert_eq!(p(req(Command::Read, CMD_FLAG_FUA, 0, 4096)), Plan::Dispatch);
         assert_eq!(
@@ -979,8 +984,35 @@ mod tests {
     }
 
     #[test]
+    fn a_smaller_maximum_payload_refuses_longer_reads_and_writes_cleanly() {
+        const SMALL: u32 = 1 << 20;
+        let p = |r: Request| plan(&r, 1 << 30, false, SMALL);
+        assert_eq!(p(req(Command::Read, 0, 0, SMALL)), Plan::Dispatch);
+        assert_eq!(p(req(Command::Write, 0, 0, SMALL)), Plan::Dispatch);
+        assert_eq!(
+            p(req(Command::Read, 0, 0, SMALL + 1)),
+            Plan::Reply(NBD_EINVAL)
+        );
+        // (the payload is read and dropped: the connection stays usable)
+        assert_eq!(
+            p(req(Command::Write, 0, 0, SMALL + 1)),
+            Plan::SkipPayloadThenReply(NBD_EINVAL)
+        );
+        assert_eq!(
+            p(req(Command::Write, 0, 0, MAX + 1)),
+            Plan::ReplyThenClose(NBD_EINVAL)
+        );
+        // (no payload: any length)
+        assert_eq!(p(req(Command::Trim, 0, 0, SMALL + 1)), Plan::Dispatch);
+        assert_eq!(
+            p(req(Command::WriteZeroes, 0, 0, SMALL + 1)),
+            Plan::Dispatch
+        );
+    }
+
+    #[test]
     fn read_only_plans() {
-        let p = |r: Request| plan(&r, 4096, true);
+        let p = |r: Request| plan(&r, 4096, true, proto::BLOCK_SIZE_MAX);
         assert_eq!(p(req(Command::Read, 0, 0, 10)), Plan::Dispatch);
         assert_eq!(
             p(req(Command::Write, 0, 0, 10)),

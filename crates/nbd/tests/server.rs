@@ -410,15 +410,26 @@ fn unix_socket_go_and_io() {
 }
 
 #[test]
-fn small_budget_still_serves_large_requests_concurrently() {
+fn a_small_budget_lowers_the_largest_request_and_bounds_memory_in_flight() {
     let h = Harness::start(ServerConfig {
         workers_per_connection: 2,
-        inflight_budget_bytes: 64 * 1024,
+        inflight_budget_bytes: 256 * 1024,
         ..ServerConfig::default()
     });
     let addr = h.addr;
-    // Sample the in-flight bytes while the clients run: requests larger than
-    // the whole budget must run one at a time.
+    // advertised: half the budget
+    const MAX: u32 = 128 * 1024;
+    let mut probe = h.tcp();
+    probe.greet(3);
+    let (infos, fin) = probe.info_or_go(OPT_INFO, "disk", &[INFO_BLOCK_SIZE]);
+    assert_eq!(fin.kind, REP_ACK);
+    let bs = infos
+        .iter()
+        .find(|i| u16::from_be_bytes([i[0], i[1]]) == INFO_BLOCK_SIZE)
+        .expect("block size sent");
+    assert_eq!(u32::from_be_bytes(bs[10..14].try_into().unwrap()), MAX);
+    drop(probe);
+    // Sample the in-flight bytes while the clients run: never past the budget.
     let server = h.server.clone();
     let done = Arc::new(AtomicBool::new(false));
     let done2 = done.clone();
@@ -436,15 +447,24 @@ fn small_budget_still_serves_large_requests_concurrently() {
                 let s = std::net::TcpStream::connect(addr).unwrap();
                 let mut c = Client { s };
                 c.connect_go("disk");
-                let big = vec![k + 1; 1 << 20];
-                let off = u64::from(k) * (1 << 20);
+                let big = vec![k + 1; MAX as usize];
+                let off = u64::from(k) * u64::from(MAX);
                 for i in 0..4 {
-                    c.send_request(0, CMD_WRITE, i, off, 1 << 20, &big);
+                    c.send_request(0, CMD_WRITE, i, off, MAX, &big);
                 }
                 for _ in 0..4 {
                     assert_eq!(c.reply().0, 0);
                 }
-                assert_eq!(c.read(off, 1 << 20).unwrap(), big);
+                assert_eq!(c.read(off, MAX).unwrap(), big);
+                // longer than advertised: refused, its payload dropped,
+                // and the connection goes on
+                let longer = vec![9u8; MAX as usize + 4096];
+                assert_eq!(
+                    c.simple(0, CMD_WRITE, off, longer.len() as u32, &longer),
+                    NBD_EINVAL
+                );
+                assert_eq!(c.simple(0, CMD_READ, off, MAX + 1, &[]), NBD_EINVAL);
+                assert_eq!(c.read(off, MAX).unwrap(), big);
             })
         })
         .collect();
@@ -453,8 +473,7 @@ fn small_budget_still_serves_large_requests_concurrently() {
     }
     done.store(true, Ordering::SeqCst);
     let max = sampler.join().unwrap();
-    // (a 1 MiB READ is charged its reply, header and all, in whole 4 KiB)
-    assert!(max > 0 && max <= (1 << 20) + 4096, "max in flight {max}");
+    assert!(max > 0 && max <= 256 * 1024, "max in flight {max}");
     // A request's budget is given back just after its reply is sent.
     wait_until("budget returned", || h.server.stats().inflight_bytes == 0);
     assert!(h.server.stats().connections_total >= 4);
@@ -656,7 +675,8 @@ fn stalled_write_payload_releases_the_budget() {
         .map(|_| {
             let mut c = h.tcp();
             c.connect_go("disk");
-            c.send_request(0, CMD_WRITE, 1, 0, 1 << 20, &[1u8; 100]);
+            // (the largest request: half the budget)
+            c.send_request(0, CMD_WRITE, 1, 0, 1 << 19, &[1u8; 100]);
             c
         })
         .collect();
