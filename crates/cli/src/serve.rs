@@ -356,10 +356,57 @@ fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// File descriptors an NBD connection holds (its socket, and the clones
+/// its reading, replying and shutdown halves use).
+const DESCRIPTORS_PER_CONNECTION: u64 = 4;
+
+/// File descriptors kept for everything else: the store's files (a map per
+/// volume), listeners, the control socket and its clients, scratch files.
+const DESCRIPTORS_RESERVED: u64 = 256;
+
+/// Raises the soft limit on open files to the hard one, and refuses a
+/// `--max-connections` whose connections could use up the descriptors the
+/// store needs (a full table would fail commits for every client).
+fn ensure_descriptors_for(max_connections: u64) -> anyhow::Result<()> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Ok(()); // (nothing known: nothing to check)
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    let limit = lim.rlim_cur as u64;
+    let needed = max_connections
+        .saturating_mul(DESCRIPTORS_PER_CONNECTION)
+        .saturating_add(DESCRIPTORS_RESERVED);
+    if lim.rlim_cur != libc::RLIM_INFINITY && needed > limit {
+        let fits = limit.saturating_sub(DESCRIPTORS_RESERVED) / DESCRIPTORS_PER_CONNECTION;
+        anyhow::bail!(
+            "--max-connections {max_connections} needs up to {needed} open files \
+             ({DESCRIPTORS_PER_CONNECTION} per connection and {DESCRIPTORS_RESERVED} for the \
+             store), but this process may open {limit} (`ulimit -n`): give \
+             --max-connections {fits} or less, or raise the limit"
+        );
+    }
+    Ok(())
+}
+
 /// Runs the server until SIGINT, SIGTERM or SIGHUP. `given` tells which
 /// creation options the user gave (warned of if the store exists).
 pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow::Result<()> {
     check_option_combinations(&args)?;
+    ensure_descriptors_for(args.max_connections)?;
     let mut config = EngineConfig {
         journal_size_bytes: args.journal_size,
         max_dirty_bytes: args.max_dirty,

@@ -281,6 +281,11 @@ fn serve_options_that_would_be_ignored_or_cannot_work_are_refused() {
             &["serve", "--inflight-budget", "1M"][..],
             "--inflight-budget 1.00 MiB is too small: at least 2M",
         ),
+        (
+            // (more connections than any open-file limit allows)
+            &["serve", "--max-connections", "1000000000000"][..],
+            "--max-connections 1000000000000 needs up to",
+        ),
     ] {
         let out = dedupd(&store, args);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
