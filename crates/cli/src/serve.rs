@@ -386,7 +386,7 @@ fn ensure_descriptors_for(max_connections: u64) -> anyhow::Result<()> {
             lim.rlim_cur = lim.rlim_max;
         }
     }
-    let limit = lim.rlim_cur as u64;
+    let limit: u64 = lim.rlim_cur;
     let needed = max_connections
         .saturating_mul(DESCRIPTORS_PER_CONNECTION)
         .saturating_add(DESCRIPTORS_RESERVED);
