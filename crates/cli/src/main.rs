@@ -90,6 +90,11 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Index prefix bits for a superblock rebuilt by --repair (the
+        /// store's were chosen at `init`; no other file records them).
+        /// Default 14, as a new store's.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(8..=24))]
+        index_prefix_bits: Option<u32>,
         #[command(flatten)]
         bounds: bounds::MemoryBounds,
     },
@@ -430,11 +435,22 @@ fn run(cli: Cli, given: serve::CreationOptionsGiven) -> anyhow::Result<()> {
             repair,
             rehash,
             json,
+            index_prefix_bits,
             bounds,
         } => {
             let mut config = EngineConfig::default();
             bounds.apply(&mut config);
-            fsck(&store, repair, rehash, json, config)
+            if let Some(bits) = index_prefix_bits {
+                config.index.prefix_bits = bits;
+            }
+            fsck(
+                &store,
+                repair,
+                rehash,
+                json,
+                config,
+                index_prefix_bits.is_some(),
+            )
         }
         Command::Dedup {
             offline,
@@ -777,6 +793,7 @@ fn fsck(
     rehash: bool,
     json: bool,
     config: EngineConfig,
+    prefix_bits_given: bool,
 ) -> anyhow::Result<()> {
     let opts = dedupd_engine::fsck::FsckOptions { repair, rehash };
     // an operational error (e2fsck's 8): on stderr, and with --json as a
@@ -879,6 +896,12 @@ fn fsck(
                 ),
             }
         ));
+    }
+    if prefix_bits_given && !report.problems.iter().any(|p| p.starts_with("superblock:")) {
+        eprintln!(
+            "dedupd: warning: --index-prefix-bits ignored: the superblock is intact (a store's \
+             prefix bits are fixed when it is created)"
+        );
     }
     if let Some(e) = &report.close_error {
         eprintln!(

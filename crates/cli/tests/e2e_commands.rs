@@ -532,6 +532,30 @@ fn a_store_without_its_superblock_gets_a_hint() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["exit_code"].as_i64(), Some(0), "{v}");
+    // given to fsck of an intact superblock, prefix bits change nothing
+    let out = dedupd(&store, &["fsck", "--index-prefix-bits", "12"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--index-prefix-bits ignored: the superblock is intact"),
+        "{}",
+        stderr(&out)
+    );
+    // prefix bits other than the default: the report says which it would
+    // write, and the repair takes them from fsck's option
+    let bits12 = tmp.path().join("bits12");
+    succeeds(&bits12, &["init", "--index-prefix-bits", "12"]);
+    std::fs::remove_file(bits12.join("superblock")).unwrap();
+    let out = dedupd(&bits12, &["fsck"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("index prefix bits 14"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = dedupd(&bits12, &["fsck", "--repair", "--index-prefix-bits", "12"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let sb = std::fs::read_to_string(bits12.join("superblock")).unwrap();
+    assert!(sb.contains("\"index_prefix_bits\": 12"), "{sb}");
     // an init cut short before its state was written: only removing helps
     let early = tmp.path().join("early");
     std::fs::create_dir(&early).unwrap();

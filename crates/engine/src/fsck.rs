@@ -369,9 +369,10 @@ pub fn fsck_with_progress(
         Err(why) => {
             // a superblock rebuilt from the rest of the store: the format
             // from the state's shape, the fingerprint algorithm from stored
-            // blocks and their fingerprints, the index's prefix bits as a
-            // new store's (its on-disk groups are rebuilt at every open)
-            let sb = provisional_superblock(&dir)?;
+            // blocks and their fingerprints, the index's prefix bits from
+            // the configuration (they leave no trace: the on-disk groups
+            // are rebuilt at every open)
+            let sb = provisional_superblock(&dir, config.index.prefix_bits)?;
             let mut engine = Engine::open_dir(path, dir, sb.clone(), config)?;
             let found = match engine.infer_hash() {
                 Ok(found) => found,
@@ -412,7 +413,9 @@ pub fn fsck_with_progress(
         report.problems.insert(
             0,
             format!(
-                "superblock: {why}; {} from the store: format {}, fingerprints {}{}",
+                "superblock: {why}; {} from the store: format {}, fingerprints {}{}, \
+                 index prefix bits {} (not recorded elsewhere: a store created with others \
+                 gets them back with --index-prefix-bits)",
                 if opts.repair {
                     "rebuilt"
                 } else {
@@ -424,7 +427,8 @@ pub fn fsck_with_progress(
                     ""
                 } else {
                     " (no fingerprinted block to tell the algorithm by: the default assumed)"
-                }
+                },
+                sb.index_prefix_bits
             ),
         );
         if opts.repair && !report.repair_refused {
@@ -457,10 +461,13 @@ pub fn fsck_with_progress(
 /// A superblock for a store whose own is lost: the format version from
 /// `state.json` and `counters.json` (format 1 keeps the counters in the
 /// state; format 2 in `counters.json`), SHA-256
-/// until [`Engine::infer_hash`] says otherwise, a new store's prefix bits.
+/// until [`Engine::infer_hash`] says otherwise, and `index_prefix_bits`.
 ///
 /// Errors: `state.json` cannot be read or fails its checksum.
-fn provisional_superblock(dir: &crate::store::StoreDir) -> Result<crate::store::Superblock> {
+fn provisional_superblock(
+    dir: &crate::store::StoreDir,
+    index_prefix_bits: u32,
+) -> Result<crate::store::Superblock> {
     let path = dir.path(crate::journal::MetaFile::State);
     let bytes = dir.blob_bytes(crate::journal::MetaFile::State, &[])?;
     let state: crate::store::State = crate::store::decode_checked(&bytes, &path)?;
@@ -493,7 +500,7 @@ fn provisional_superblock(dir: &crate::store::StoreDir) -> Result<crate::store::
         format_version,
         block_size: BLOCK_SIZE as u32,
         hash: crate::fingerprint::HashAlgorithm::default(),
-        index_prefix_bits: crate::index::IndexConfig::default().prefix_bits,
+        index_prefix_bits,
     })
 }
 
