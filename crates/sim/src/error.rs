@@ -46,6 +46,16 @@ pub enum TraceError {
         /// What is wrong with it.
         msg: String,
     },
+    /// A file whose format was to be detected but that is neither a native
+    /// trace nor text (binary data in its first record line).
+    #[error(
+        "{file}: not a trace dedupd reads: no native header (DDTRACE) and not text \
+         (FIU and mobile traces are text lines; --format names the format if it is one)"
+    )]
+    Unrecognized {
+        /// The file's path as given.
+        file: String,
+    },
     /// A malformed or truncated native trace.
     #[error("{file}: native trace at byte {offset}: {msg}")]
     BadNative {

@@ -92,6 +92,8 @@ impl OutputFile {
     ///
     /// Errors: the directory is missing or not writable.
     pub(crate) fn create(path: &Path) -> Result<OutputFile> {
+        // (a missing directory named as such, not by a temporary name)
+        check_destination(path, &[])?;
         let name = path.display().to_string();
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
@@ -266,6 +268,16 @@ mod tests {
             assert!(e.contains(why), "{bad:?}: {e}");
         }
         assert_eq!(std::fs::read(&input).unwrap(), b"x");
+        // an output file started in a missing directory says so
+        let e = match OutputFile::create(&dir.path().join("nodir/out.ddt")) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("an output file in a missing directory"),
+        };
+        assert!(
+            e.contains("directory") && e.contains("does not exist"),
+            "{e}"
+        );
+        assert!(!e.contains(TEMPORARY_PREFIX), "{e}");
     }
 
     #[cfg(unix)]

@@ -65,11 +65,12 @@ impl std::str::FromStr for Format {
 }
 
 /// Detects the format from the first (decompressed) bytes: the native
-/// magic, else a tab in the first record line (empty lines and `#`
+/// magic (or, for a file shorter than it, the start of the magic: a cut
+/// native trace), else a tab in the first record line (empty lines and `#`
 /// comments, which the readers skip, skipped here too) means
 /// MobileAppTraces, else FIU.
 pub fn detect_format(head: &[u8]) -> Format {
-    if head.starts_with(&MAGIC) {
+    if head.starts_with(&MAGIC) || (!head.is_empty() && MAGIC.starts_with(head)) {
         return Format::Native;
     }
     let first = head
@@ -85,6 +86,19 @@ pub fn detect_format(head: &[u8]) -> Format {
     } else {
         Format::Fiu
     }
+}
+
+/// True if the first record line of `head` (its first 4 KiB) holds no
+/// control characters other than tab and carriage return. (Not a UTF-8
+/// check: process names cut at 15 bytes may split a character.)
+fn looks_like_text(head: &[u8]) -> bool {
+    let first = head
+        .split(|&c| c == b'\n')
+        .find(|l| !l.trim_ascii().is_empty() && l.trim_ascii()[0] != b'#')
+        .unwrap_or(&[]);
+    first[..first.len().min(4096)]
+        .iter()
+        .all(|&c| c >= 0x20 || c == b'\t' || c == b'\r')
 }
 
 /// Most bytes read to find the first record line for [`detect_format`].
@@ -147,7 +161,11 @@ impl TraceReader {
             None => {
                 let (input, head) = input::peek(input, format_decidable, DETECT_CAP_BYTES)
                     .map_err(io_err(&name))?;
-                (input, detect_format(&head))
+                let format = detect_format(&head);
+                if format != Format::Native && !looks_like_text(&head) {
+                    return Err(TraceError::Unrecognized { file: name });
+                }
+                (input, format)
             }
         };
         let inner = match format {

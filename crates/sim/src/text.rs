@@ -246,7 +246,7 @@ fn blocks_from_sectors(req: &mut Request, hex: &[u8]) -> Result<(), String> {
             }
             let j = (sector - req.lba_sectors) as usize;
             let d = parse_hex16(&hex[32 * j..32 * j + 32])
-                .ok_or_else(|| format!("bad hex in digest {}", j + 1))?;
+                .ok_or_else(|| format!("bad hex in digest #{} of the request", j + 1))?;
             all_zero &= d == MD5_ZERO_512;
             *slot = d;
         }
@@ -361,7 +361,8 @@ pub fn parse_fiu(
     match layout {
         Layout::PerPage => {
             for (j, h) in hex.chunks_exact(32).enumerate() {
-                let d = parse_hex16(h).ok_or_else(|| format!("bad hex in digest {}", j + 1))?;
+                let d = parse_hex16(h)
+                    .ok_or_else(|| format!("bad hex in digest #{} of the request", j + 1))?;
                 req.blocks.push(page_digest(d));
             }
         }
@@ -414,7 +415,13 @@ pub fn parse_mobile(
     let hex = if n == 7 { f[6] } else { &[][..] };
     if !hex.is_empty() {
         for (j, h) in hex.split(|&c| c == b'-').enumerate() {
-            let d = parse_hex16(h).ok_or_else(|| format!("bad MD5 digest {}", j + 1))?;
+            let d = parse_hex16(h).ok_or_else(|| {
+                format!(
+                    "MD5 digest #{} of the request ({:?}) is not 32 hex digits",
+                    j + 1,
+                    String::from_utf8_lossy(&h[..h.len().min(40)])
+                )
+            })?;
             req.blocks.push(page_digest(d));
         }
     }

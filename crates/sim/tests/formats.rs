@@ -852,3 +852,35 @@ fn a_process_name_cut_inside_a_character_is_read_lossily() {
         assert_eq!(r.sources()[0].pid, 7, "{file}");
     }
 }
+
+#[test]
+fn binary_data_and_a_cut_native_header_are_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    // bytes that are no trace: refused as such, not as a bad FIU line
+    let garbage: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let p = dir.path().join("garbage.bin");
+    std::fs::write(&p, &garbage).unwrap();
+    let err = trace_stats(&p, None, false).unwrap_err();
+    assert!(matches!(err, TraceError::Unrecognized { .. }), "{err}");
+    assert!(
+        err.to_string().contains("not a trace dedupd reads"),
+        "{err}"
+    );
+    // a native trace cut inside its magic: read as native, and its header
+    // named as cut
+    let p = dir.path().join("cut.ddt");
+    std::fs::write(&p, &dedupd_sim::native::MAGIC[..3]).unwrap();
+    let err = trace_stats(&p, None, false).unwrap_err();
+    assert!(matches!(err, TraceError::BadNative { .. }), "{err}");
+    // a mobile line's bad digest is named by its place, with what it holds
+    let text = format!("1\tW\t0\t16\t7\tapp\t{}-xyz\n", h(1));
+    let p = write(dir.path(), "bad.txt", &text);
+    let err = trace_stats(&p, None, false).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("MD5 digest #2 of the request (\"xyz\") is not 32 hex digits"),
+        "{err}"
+    );
+}
