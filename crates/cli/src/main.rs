@@ -815,11 +815,7 @@ fn fsck(
     let report = match checked {
         Ok(r) => r,
         Err(EngineError::Locked(p)) => fail(
-            format!(
-                "store {} is in use by another dedupd process (a server, or a volume or \
-                 dedup command); stop it before fsck",
-                p.display()
-            ),
+            format!("{}; stop it before fsck", serve::in_use_message(&p)),
             None,
         ),
         Err(e) => {

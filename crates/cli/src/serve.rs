@@ -240,6 +240,21 @@ fn ignored_creation_options(
     out
 }
 
+/// "store S is in use by another dedupd process (pid N: its command line)",
+/// the holder found in the kernel's table of locks; without it, the kinds
+/// of process that hold a store.
+pub fn in_use_message(store: &Path) -> String {
+    let holder = match dedupd_engine::store::lock_holder(store) {
+        Some((pid, cmdline)) if !cmdline.is_empty() => format!("pid {pid}: {cmdline}"),
+        Some((pid, _)) => format!("pid {pid}"),
+        None => "a server, fsck, or a volume or dedup command".into(),
+    };
+    format!(
+        "store {} is in use by another dedupd process ({holder})",
+        store.display()
+    )
+}
+
 /// Opens the store, creating it (with a volume `default`) if it does not
 /// exist. For an existing store, warns of each creation option in `given`
 /// (which does not apply).
@@ -255,18 +270,18 @@ fn open_or_create(
             .unwrap_or(false);
     if store.exists() && !empty_dir {
         // opening reads every metadata page once (checksums) and rebuilds
-        // the fingerprint index: seconds to minutes on a large store
+        // the fingerprint index: seconds to minutes on a large store (said
+        // only of a directory not locked by another process: those are
+        // refused at once)
         let started = std::time::Instant::now();
-        err_line!(
-            "dedupd: opening store {}: checking metadata, rebuilding the fingerprint index",
-            store.display()
-        );
+        if store.is_dir() && dedupd_engine::store::lock_holder(store).is_none() {
+            err_line!(
+                "dedupd: opening store {}: checking metadata, rebuilding the fingerprint index",
+                store.display()
+            );
+        }
         let opened = match Engine::open(store, config) {
-            Err(EngineError::Locked(p)) => Err(anyhow::anyhow!(
-                "store {} is in use by another dedupd process (a server, fsck, or a \
-                 volume or dedup command)",
-                p.display()
-            )),
+            Err(EngineError::Locked(p)) => Err(anyhow::anyhow!(in_use_message(&p))),
             other => Ok(other?),
         };
         if let Ok(e) = &opened {

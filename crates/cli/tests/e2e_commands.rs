@@ -576,6 +576,7 @@ fn a_store_without_its_superblock_gets_a_hint() {
     for cmd in [&["init"][..], &["serve", "--listen", "127.0.0.1:0"]] {
         let out = dedupd(&file, cmd);
         fails_with(&out, "is not a dedupd store: not a directory");
+        assert!(!stderr(&out).contains("opening store"), "{}", stderr(&out));
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"mine");
 }

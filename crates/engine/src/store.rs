@@ -842,6 +842,41 @@ fn check_owner(root: &Path) -> Result<()> {
     }
 }
 
+/// The process holding the lock of the store at `root`, from the kernel's
+/// table of locks (`/proc/locks`): its PID and command line (arguments
+/// joined by spaces; empty if unreadable). `None` if the store is not
+/// locked, or where the table cannot be read.
+pub fn lock_holder(root: &Path) -> Option<(u32, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(root.join("lock")).ok()?;
+    let dev = meta.dev();
+    // (as the kernel prints it: major and minor in hex, inode in decimal)
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        meta.ino()
+    );
+    let table = std::fs::read_to_string("/proc/locks").ok()?;
+    // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+    let pid = table.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() >= 6 && f[1] == "FLOCK" && f[5] == id)
+            .then(|| f[4].parse::<u32>().ok())
+            .flatten()
+    })?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    Some((pid, cmdline))
+}
+
 fn lock(root: &Path) -> Result<File> {
     let p = root.join("lock");
     let f = OpenOptions::new()
@@ -1026,7 +1061,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let held = lock(d.path()).unwrap();
         assert!(matches!(lock(d.path()), Err(EngineError::Locked(_))));
+        // the holder is found in the kernel's table of locks
+        let (pid, cmdline) = lock_holder(d.path()).expect("a holder");
+        assert_eq!(pid, std::process::id());
+        assert!(!cmdline.is_empty());
         drop(held);
+        assert_eq!(lock_holder(d.path()), None);
         lock(d.path()).unwrap();
     }
 
