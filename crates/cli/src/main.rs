@@ -907,6 +907,15 @@ fn fsck(
     std::process::exit(report.exit_code());
 }
 
+/// A count that must be at least 1 (`--jobs`, `--max-connections`).
+fn parse_count(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
+}
+
 /// The figures of `dedupd stats` (its JSON), read by dotted path
 /// (`index.memory_bytes`). A figure that is missing (a server of another
 /// version) prints as `?` and is remembered, so a test can tell that the

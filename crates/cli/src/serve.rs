@@ -132,7 +132,7 @@ pub struct ServeArgs {
     pub inflight_budget: u64,
     /// NBD connections open at once, over all listeners (each holds a
     /// 128 KiB read buffer); more are closed at once.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 128, value_parser = crate::parse_count)]
     pub max_connections: u64,
     /// Journal length that triggers a checkpoint of metadata in place (as
     /// do as many bytes of metadata pages changed since the last one).
@@ -466,6 +466,12 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         anyhow::bail!("nothing to listen on: give --socket when using --no-tcp");
     }
     let bind_tcp = |listen: &str| -> anyhow::Result<TcpListener> {
+        if !listen.contains(':') {
+            anyhow::bail!(
+                "--listen {listen}: give HOST:PORT, such as 127.0.0.1:10809, \
+                 localhost:10809 or [::1]:10809"
+            );
+        }
         TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))
     };
     let bind_unix = |p: &Path| -> anyhow::Result<UnixListener> {

@@ -28,7 +28,7 @@ pub struct SweepArgs {
     index_prefix_bits: Option<u32>,
     /// Worker threads, at least 1 (default: the number of CPUs; never
     /// more than the grid's points).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_parser = crate::parse_count)]
     jobs: Option<u64>,
     /// Output directory (created if missing; results.csv, results.json
     /// and the figures in it are replaced).

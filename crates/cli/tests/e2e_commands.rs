@@ -282,6 +282,10 @@ fn serve_options_that_would_be_ignored_or_cannot_work_are_refused() {
             "--inflight-budget 1.00 MiB is too small: at least 2M",
         ),
         (
+            &["serve", "--listen", "localhost"][..],
+            "--listen localhost: give HOST:PORT",
+        ),
+        (
             // (more connections than any open-file limit allows)
             &["serve", "--max-connections", "1000000000000"][..],
             "--max-connections 1000000000000 needs up to",
@@ -292,6 +296,12 @@ fn serve_options_that_would_be_ignored_or_cannot_work_are_refused() {
         fails_with(&out, says);
         assert!(!store.exists(), "a refused serve created the store");
     }
+    let out = dedupd(&store, &["serve", "--max-connections", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    fails_with(
+        &out,
+        "--max-connections <MAX_CONNECTIONS>': must be at least 1",
+    );
 }
 
 #[test]
