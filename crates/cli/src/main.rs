@@ -482,7 +482,9 @@ fn with_store(
     let label = match &req {
         Request::VolumeDelete { name, .. } => format!("delete {name}"),
         Request::VolumeResize { name, .. } => format!("resize {name}"),
-        Request::DedupOffline { .. } => "dedup --offline".to_string(),
+        // (the bar counts the data file's PBAs, free ones too; the report
+        // then counts the stored blocks among them)
+        Request::DedupOffline { .. } => "dedup --offline: scanning the data file".to_string(),
         _ => String::new(),
     };
     with_bar(&label, |progress| {
@@ -756,7 +758,7 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
         |e, progress| offline_pass(e, volume.as_deref(), progress),
     )?;
     println!(
-        "examined {} stored blocks, remapped {} LBAs; physical blocks {} -> {}",
+        "examined {} stored blocks (the data file's PBAs in use), remapped {} LBAs; physical blocks {} -> {}",
         report["blocks_examined"],
         report["lbas_remapped"],
         report["physical_blocks_before"],

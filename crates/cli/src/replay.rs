@@ -251,9 +251,17 @@ fn print_report(r: &Report) {
             StreamBy::Pid => "pid",
         }
     );
+    // (names padded to the longest shown, so the columns line up)
+    let width = r
+        .streams
+        .iter()
+        .take(20)
+        .map(|s| s.name.chars().count())
+        .max()
+        .unwrap_or(0);
     for s in r.streams.iter().take(20) {
         println!(
-            "  {:<40} {:>9} req {:>10} blocks written {:>8} extents",
+            "  {:<width$} {:>9} req {:>10} blocks written {:>8} extents",
             s.name, s.requests, s.blocks_written, s.extents
         );
     }

@@ -110,9 +110,9 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
                 dedupd_sim::convert_counting(&input, format, skip_bad, &output, consumed)
             })?;
             println!(
-                "wrote {} requests from {} sources to {}{}",
-                s.requests,
-                s.sources,
+                "wrote {} from {} to {}{}",
+                counted(s.requests, "request"),
+                counted(s.sources, "source"),
                 output.display(),
                 if s.bad_records_skipped > 0 {
                     format!(" ({} bad lines skipped)", s.bad_records_skipped)
@@ -159,8 +159,11 @@ pub fn run(cmd: TraceCommand) -> anyhow::Result<()> {
                 s.mean_reuse_distance_blocks
             );
             println!(
-                "streams                 {} sources ({} pids, {} processes, {} devices)",
-                s.sources, s.pids, s.processes, s.devices
+                "streams                 {} ({}, {}, {})",
+                counted(s.sources, "source"),
+                counted(s.pids, "pid"),
+                counted(s.processes, "process"),
+                counted(s.devices, "device")
             );
             match (s.lba_min_sectors, s.lba_end_sectors) {
                 (Some(a), Some(b)) => println!("LBA range (sectors)     {a}..{b}"),
@@ -311,4 +314,13 @@ fn with_bytes_bar<T>(
         bar.finish_and_clear();
         out
     })
+}
+
+/// "1 source", "2 sources", "3 processes".
+fn counted(n: u64, noun: &str) -> String {
+    match (n, noun.ends_with('s')) {
+        (1, _) => format!("1 {noun}"),
+        (_, true) => format!("{n} {noun}es"),
+        _ => format!("{n} {noun}s"),
+    }
 }

@@ -140,7 +140,21 @@ impl std::str::FromStr for PolicySpec {
             })?),
         };
         let mut filters = Filters::default();
+        let mut seen: Vec<&str> = Vec::new();
         for f in parts {
+            // (each filter once: `+t4+t8` would leave which applies unclear)
+            let kind = if f.starts_with(['t', 'T']) { "t" } else { f };
+            if seen.contains(&kind) {
+                return Err(TraceError::Config(format!(
+                    "policy {s:?} gives {} twice",
+                    if kind == "t" {
+                        "a threshold (tN)"
+                    } else {
+                        kind
+                    }
+                )));
+            }
+            seen.push(kind);
             match f {
                 "sampling" => filters.sampling = true,
                 "prehash" => filters.prehash = true,

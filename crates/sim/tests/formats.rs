@@ -488,6 +488,8 @@ fn unknown_policy_or_filter_is_a_clear_error() {
         ("mru", "unknown policy \"mru\""),
         ("lru+dedup", "unknown filter \"dedup\""),
         ("lru+t0", "bad threshold"),
+        ("lru+t4+t8", "gives a threshold (tN) twice"),
+        ("lru+prehash+prehash", "gives prehash twice"),
     ] {
         let cfg = ReplayConfig {
             policy: policy.into(),
