@@ -310,6 +310,37 @@ impl Read for SocketReader {
     }
 }
 
+/// The sending side while negotiating: every send must end by the
+/// negotiation's deadline too (a client that reads an option's replies
+/// slowly cannot hold its connection past it).
+struct NegotiationWriter<'a> {
+    socket: &'a mut Box<dyn Socket>,
+    deadline: Instant,
+}
+
+impl Write for NegotiationWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "negotiation not finished in time",
+            ));
+        }
+        self.socket
+            .set_send_timeout(Some(left.min(STALLED_CLIENT_SEND_TIMEOUT)))?;
+        let written = self.socket.write(buf);
+        // (transmission's own bound from then on)
+        self.socket
+            .set_send_timeout(Some(STALLED_CLIENT_SEND_TIMEOUT))?;
+        written
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.socket.flush()
+    }
+}
+
 impl RequestSource for SocketReader {
     fn input_pending(&mut self) -> bool {
         !self.buffered.buffer().is_empty()
@@ -777,15 +808,19 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         stop_socket(socket.as_ref());
     }
 
+    let deadline = Instant::now() + shared.config.handshake_timeout;
     let mut reader = SocketReader {
         buffered: BufReader::with_capacity(READ_BUFFER_BYTES, read_half),
         payload_timeout: shared.config.payload_timeout,
-        deadline: Some(Instant::now() + shared.config.handshake_timeout),
+        deadline: Some(deadline),
         wake: shared.wake.as_ref().map(|(r, _)| r.as_raw_fd()),
     };
     let mut writer: Box<dyn Socket> = socket;
     // Replies of one option leave together (negotiate flushes per option).
-    let mut buffered = BufWriter::new(&mut writer);
+    let mut buffered = BufWriter::new(NegotiationWriter {
+        socket: &mut writer,
+        deadline,
+    });
     // A client that does not finish negotiating in time is dropped; an
     // idle client in transmission is not (it may send its next request in
     // hours).

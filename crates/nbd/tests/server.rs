@@ -789,6 +789,40 @@ fn connections_are_capped_and_silent_negotiations_dropped() {
 }
 
 #[test]
+fn a_client_that_does_not_read_its_option_replies_is_dropped_at_the_negotiation_deadline() {
+    let h = Harness::start(ServerConfig {
+        handshake_timeout: Duration::from_millis(800),
+        ..ServerConfig::default()
+    });
+    let mut c = h.tcp();
+    c.greet(proto::FLAG_C_FIXED_NEWSTYLE);
+    // LIST after LIST, replies never read: the server's sends block once
+    // the socket buffers fill (megabytes of replies)
+    let mut list = proto::IHAVEOPT.to_be_bytes().to_vec();
+    list.extend_from_slice(&proto::OPT_LIST.to_be_bytes());
+    list.extend_from_slice(&0u32.to_be_bytes());
+    let options: Vec<u8> = list.repeat(200_000);
+    let mut s = c.s.try_clone().unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+    let sender = std::thread::spawn(move || {
+        // (fails once the server closes the connection)
+        let _ = s.write_all(&options);
+    });
+    wait_until("negotiating", || h.server.stats().connections_open == 1);
+    let started = Instant::now();
+    wait_until("dropped", || h.server.stats().connections_open == 0);
+    // the deadline, not the 60 s a stalled send is otherwise given
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(c);
+    sender.join().unwrap();
+    h.stop();
+}
+
+#[test]
 fn requests_sent_before_shutdown_get_eshutdown_but_flush_flushes() {
     let h = Harness::start(ServerConfig {
         workers_per_connection: 1,
