@@ -128,7 +128,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
             w.flush()?;
             continue;
         }
-        // At most MAX_OPTION_DATA_LEN (64 KiB) bytes.
+        // At most MAX_OPTION_DATA_LEN (8 KiB) bytes.
         let mut data = vec![0u8; hdr.length as usize];
         r.read_exact(&mut data)?;
 

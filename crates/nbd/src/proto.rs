@@ -170,9 +170,11 @@ pub const REQUEST_HEADER_LEN: usize = 28;
 pub const SIMPLE_REPLY_HEADER_LEN: usize = 16;
 /// Longest string (export name, description) the spec allows, in bytes.
 pub const MAX_STRING_LEN: usize = 4096;
-/// Largest option data this server reads into memory, in bytes; longer
-/// option data is discarded unread and answered `NBD_REP_ERR_TOO_BIG`.
-pub const MAX_OPTION_DATA_LEN: u32 = 64 * 1024;
+/// Largest option data this server reads into memory, in bytes (8 KiB:
+/// room for the longest export name the spec allows, 4096 bytes, and
+/// a thousand information requests); longer option data is discarded
+/// unread and answered `NBD_REP_ERR_TOO_BIG`.
+pub const MAX_OPTION_DATA_LEN: u32 = 8 * 1024;
 /// Advertised minimum block size, in bytes.
 pub const BLOCK_SIZE_MIN: u32 = 1;
 /// Advertised preferred block size, in bytes.

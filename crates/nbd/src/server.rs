@@ -391,8 +391,9 @@ impl RequestSource for SocketReader {
     }
 }
 
-/// Bytes a refused WRITE's payload is read in (a buffer of the call).
-const SKIP_CHUNK_BYTES: usize = 64 << 10;
+/// Bytes a refused WRITE's payload is read in (a buffer of the call; the
+/// connection's read buffer is in front of it).
+const SKIP_CHUNK_BYTES: usize = 16 << 10;
 
 impl SocketReader {
     /// Fills `buf`, failing with `TimedOut` once `deadline` passes while
