@@ -10,9 +10,11 @@
 //!
 //! The reverse index can be rebuilt from the data (`dedupd fsck --repair
 //! --rehash`), so a page that cannot be read back or fails its checksum
-//! reads as zeros — "not fingerprinted yet" — and is counted: lookups then
-//! miss (never share wrong data) and out-of-line dedup re-hashes those
-//! blocks.
+//! reads as zeros — "not fingerprinted yet" — and is counted (`load
+//! errors` in `dedupd stats`): lookups then miss (never share wrong data),
+//! the next commit of the page keeps it so, and a full out-of-line pass
+//! (`dedupd dedup --offline`) or `fsck --repair` re-hashes those blocks
+//! (the background worker only those its skipped buffer holds).
 
 use crate::fingerprint::{Fingerprint, FINGERPRINT_SIZE};
 use crate::pagecache::{CachedArray, PageCacheStats};
