@@ -46,8 +46,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve every volume as an NBD export (the default command). Creates
-    /// the store and a 16 GiB volume `default` on first use.
+    /// Serve every volume as an NBD export (`dedupd` alone runs it with
+    /// its defaults; options go after `serve`). Creates the store and a
+    /// 16 GiB volume `default` on first use.
     Serve(serve::ServeArgs),
     /// Create an empty store.
     Init {
