@@ -147,7 +147,6 @@ impl FsckReport {
             self.problems.push(line);
         } else {
             self.problems_not_listed += 1;
-            self.problem_lines_dropped += 1;
         }
     }
 
@@ -157,33 +156,31 @@ impl FsckReport {
             self.data_lost.push(line);
         } else {
             self.data_lost_not_listed += 1;
-            self.lost_lines_dropped += 1;
         }
     }
 
-    /// Lists a line that sums up `count` LBAs not listed one by one (as a
+    /// Lists a line that sums up `count` LBAs no listed run names (as a
     /// problem, and as lost data if `lost` is given).
     fn note_summary(&mut self, problem: String, lost: Option<String>, count: u64) {
         self.problems.push(problem);
-        self.problems_not_listed += count;
+        self.lbas_not_listed += count;
         if let Some(lost) = lost {
             self.data_lost.push(lost);
-            self.data_lost_not_listed += count;
         }
     }
 
     /// Closes the lists with how many lines were only counted.
     fn close_lists(&mut self) {
-        if self.problem_lines_dropped > 0 {
+        if self.problems_not_listed > 0 {
             self.problems.push(format!(
                 "... and {} more problems not listed",
-                self.problem_lines_dropped
+                self.problems_not_listed
             ));
         }
-        if self.lost_lines_dropped > 0 {
+        if self.data_lost_not_listed > 0 {
             self.data_lost.push(format!(
                 "... and {} more not listed",
-                self.lost_lines_dropped
+                self.data_lost_not_listed
             ));
         }
     }
@@ -242,18 +239,14 @@ pub struct FsckReport {
     /// Problems that a repair could fix only by discarding data (listed
     /// also in `problems`).
     pub data_lost: Vec<String>,
-    /// Problems found but not listed one by one: lines past the first
-    /// [`NAMED_PROBLEMS_MAX`], plus the LBAs that a per-volume line sums up
-    /// ("N more LBAs ...") when their runs would exceed that many lines.
+    /// Problem lines past the first [`NAMED_PROBLEMS_MAX`], only counted.
     pub problems_not_listed: u64,
-    /// Lost data not listed one by one, counted as `problems_not_listed`.
+    /// Lost-data lines past the first [`NAMED_PROBLEMS_MAX`], only counted.
     pub data_lost_not_listed: u64,
-    /// Problem lines past [`NAMED_PROBLEMS_MAX`] (the closing line's count).
-    #[serde(skip)]
-    problem_lines_dropped: u64,
-    /// Lost-data lines past [`NAMED_PROBLEMS_MAX`].
-    #[serde(skip)]
-    lost_lines_dropped: u64,
+    /// LBAs mapped past the data file's end or past their volume's end
+    /// that no listed run names (more runs than [`NAMED_PROBLEMS_MAX`]):
+    /// summed up in one line per volume ("N more LBAs ...").
+    pub lbas_not_listed: u64,
     /// Set when a repair was committed (its journal transaction is
     /// durable, and replays at the next start) but closing the store, which
     /// puts it in place, failed: why. The report stands.
@@ -264,8 +257,8 @@ impl FsckReport {
     /// Problem lines, listed or not (the closing "more not listed" line
     /// not counted; a line that sums up LBAs of a volume counts once).
     pub fn problem_count(&self) -> u64 {
-        self.problems.len() as u64 - u64::from(self.problem_lines_dropped > 0)
-            + self.problem_lines_dropped
+        self.problems.len() as u64 - u64::from(self.problems_not_listed > 0)
+            + self.problems_not_listed
     }
 
     /// e2fsck-style exit code: 0 clean, 1 corrected, 4 uncorrected (also

@@ -1590,3 +1590,54 @@ fn a_map_page_zeroed_in_place_is_reported_as_held_blocks() {
         e.notes()
     );
 }
+
+/// More scattered LBAs past the data file's end than runs are listed: the
+/// first runs are named, the rest summed up in one line for the volume,
+/// and the counts say which are which.
+#[test]
+fn lbas_past_the_listed_runs_are_summed_up_per_volume() {
+    use dedupd_engine::fsck::NAMED_PROBLEMS_MAX;
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let n = NAMED_PROBLEMS_MAX as u64 + 7;
+    let a = e.create_volume("a", 2 * n * 4096).unwrap();
+    // every other LBA: one run each
+    for i in 0..n {
+        e.write(a, 2 * i * 4096, &pattern(i), false).unwrap();
+    }
+    e.close().unwrap();
+    drop(e);
+    let data = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path.join("data"))
+        .unwrap();
+    data.set_len(0).unwrap();
+    drop(data);
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4);
+    assert_eq!(check.lbas_outside_data_file, n);
+    assert_eq!(check.lbas_not_listed, 7);
+    assert!(
+        check
+            .data_lost
+            .contains(&"volume a: 7 more LBAs unmapped (their blocks are missing)".to_string()),
+        "{:?}",
+        &check.data_lost[check.data_lost.len() - 3..]
+    );
+    assert!(check
+        .problems
+        .contains(&"volume a: 7 more LBAs map past the end of the data file".to_string()));
+    // (the PBAs' one run line came after the list was full: counted)
+    assert_eq!(check.problems_not_listed, 1);
+    assert_eq!(
+        check.problems.last().unwrap(),
+        "... and 1 more problems not listed"
+    );
+    assert_eq!(check.data_lost_not_listed, 0);
+    // lines: the listed runs, the summary, the counted one
+    assert_eq!(check.problem_count(), NAMED_PROBLEMS_MAX as u64 + 2);
+    let fixed = fsck_repair(&path);
+    assert_eq!(fixed.exit_code(), 1, "{:?}", fixed.problems.last());
+    assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
+}
