@@ -842,29 +842,33 @@ fn check_owner(root: &Path) -> Result<()> {
     }
 }
 
-/// The process holding the lock of the store at `root`, from the kernel's
-/// table of locks (`/proc/locks`): its PID and command line (arguments
-/// joined by spaces; empty if unreadable). `None` if the store is not
-/// locked, or where the table cannot be read.
+/// The process holding the lock of the store at `root`: its PID (which
+/// the holder writes into the lock file) and command line (arguments
+/// joined by spaces; empty if unreadable). The PID counts only if the
+/// kernel's table of locks (`/proc/locks`) shows that process holding a
+/// `flock` on the lock file's inode (by inode number alone: on btrfs the
+/// table's device is not the one `stat` gives). `None` if the store is not
+/// locked, or where either cannot be read.
 pub fn lock_holder(root: &Path) -> Option<(u32, String)> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(root.join("lock")).ok()?;
-    let dev = meta.dev();
-    // (as the kernel prints it: major and minor in hex, inode in decimal)
-    let id = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(dev),
-        libc::minor(dev),
-        meta.ino()
-    );
+    let path = root.join("lock");
+    let ino = std::fs::metadata(&path).ok()?.ino();
+    let pid: u32 = std::fs::read_to_string(&path)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|&p| p > 0)?;
     let table = std::fs::read_to_string("/proc/locks").ok()?;
     // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
-    let pid = table.lines().find_map(|l| {
+    let (pid_text, ino_suffix) = (pid.to_string(), format!(":{ino}"));
+    let held = table.lines().any(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        (f.len() >= 6 && f[1] == "FLOCK" && f[5] == id)
-            .then(|| f[4].parse::<u32>().ok())
-            .flatten()
-    })?;
+        f.len() >= 6 && f[1] == "FLOCK" && f[4] == pid_text && f[5].ends_with(&ino_suffix)
+    });
+    if !held {
+        return None;
+    }
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|b| {
             b.split(|&c| c == 0)
@@ -912,6 +916,11 @@ fn lock(root: &Path) -> Result<File> {
             e,
         ));
     }
+    // the holder's PID, for the message of a process refused the store
+    // ([`lock_holder`]); best effort
+    let _ = f
+        .set_len(0)
+        .and_then(|()| f.write_all_at(format!("{}\n", std::process::id()).as_bytes(), 0));
     Ok(f)
 }
 

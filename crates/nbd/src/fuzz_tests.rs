@@ -274,3 +274,49 @@ fn oversized_option_is_discarded_not_allocated() {
     let second = &first[20 + len..];
     assert_eq!(&second[12..16], &proto::REP_ACK.to_be_bytes());
 }
+
+#[test]
+fn option_data_is_read_up_to_8_kib() {
+    // GO for the longest name the spec allows (4096 bytes, unknown here):
+    // read and answered UNKNOWN; then option data one byte over 8 KiB:
+    // TOO_BIG without being read into memory
+    let mut input = 3u32.to_be_bytes().to_vec();
+    let name = vec![b'n'; proto::MAX_STRING_LEN];
+    let mut go = (name.len() as u32).to_be_bytes().to_vec();
+    go.extend_from_slice(&name);
+    go.extend_from_slice(&0u16.to_be_bytes());
+    input.extend_from_slice(&option(proto::OPT_GO, &go));
+    let over = proto::MAX_OPTION_DATA_LEN as usize + 1;
+    let mut long = ((over - 6) as u32).to_be_bytes().to_vec();
+    long.extend_from_slice(&vec![b'm'; over - 6]);
+    long.extend_from_slice(&0u16.to_be_bytes());
+    input.extend_from_slice(&option(proto::OPT_GO, &long));
+    input.extend_from_slice(&option(proto::OPT_ABORT, &[]));
+    let provider = One(mem(4096));
+    let mut out = Vec::new();
+    let r = negotiate(
+        &mut Cursor::new(&input[..]),
+        &mut out,
+        proto::BLOCK_SIZE_MAX,
+        &provider,
+        &AtomicBool::new(false),
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    assert!(matches!(r, Outcome::Closed));
+    let mut replies = Vec::new();
+    let mut rest = &out[18..];
+    while rest.len() >= 20 {
+        replies.push(u32::from_be_bytes(rest[12..16].try_into().unwrap()));
+        let len = u32::from_be_bytes(rest[16..20].try_into().unwrap()) as usize;
+        rest = &rest[20 + len..];
+    }
+    assert_eq!(
+        replies,
+        [
+            proto::REP_ERR_UNKNOWN,
+            proto::REP_ERR_TOO_BIG,
+            proto::REP_ACK
+        ]
+    );
+}

@@ -17,6 +17,12 @@ pub(crate) enum Outcome {
     Transmission {
         /// The opened export.
         export: Arc<dyn Export>,
+        /// Largest READ or WRITE payload the client is held to (bytes):
+        /// the advertised maximum if its `NBD_OPT_GO` asked for
+        /// `NBD_INFO_BLOCK_SIZE` (proto.md: only then may the server
+        /// assume the client honours it), else the protocol's default,
+        /// [`proto::BLOCK_SIZE_MAX`].
+        max_payload: u32,
     },
     /// The session is over (abort, unknown export on EXPORT_NAME, ...).
     Closed,
@@ -160,7 +166,10 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 ))?;
                 transmitting.store(true, Ordering::SeqCst);
                 w.flush()?;
-                return Ok(Outcome::Transmission { export });
+                return Ok(Outcome::Transmission {
+                    export,
+                    max_payload: proto::BLOCK_SIZE_MAX,
+                });
             }
             proto::OPT_LIST => {
                 if data.is_empty() {
@@ -183,11 +192,20 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 }
             }
             proto::OPT_INFO | proto::OPT_GO => {
-                if let Some(export) = answer_info(w, option, &data, max_payload, provider)? {
+                if let Some((export, agreed)) =
+                    answer_info(w, option, &data, max_payload, provider)?
+                {
                     if option == proto::OPT_GO {
                         transmitting.store(true, Ordering::SeqCst);
                         w.flush()?;
-                        return Ok(Outcome::Transmission { export });
+                        return Ok(Outcome::Transmission {
+                            export,
+                            max_payload: if agreed {
+                                max_payload
+                            } else {
+                                proto::BLOCK_SIZE_MAX
+                            },
+                        });
                     }
                 }
             }
@@ -200,15 +218,16 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
 }
 
 /// Answers `NBD_OPT_INFO` / `NBD_OPT_GO`: the requested information, always
-/// `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE`, then `NBD_REP_ACK`. Returns
-/// the export if the answer was positive.
+/// `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` (maximum payload
+/// `max_payload`), then `NBD_REP_ACK`. Returns the export if the answer
+/// was positive, and whether the client asked for `NBD_INFO_BLOCK_SIZE`.
 fn answer_info<W: Write + ?Sized>(
     w: &mut W,
     option: u32,
     data: &[u8],
     max_payload: u32,
     provider: &dyn ExportProvider,
-) -> io::Result<Option<Arc<dyn Export>>> {
+) -> io::Result<Option<(Arc<dyn Export>, bool)>> {
     let req = match proto::decode_info_request(data) {
         Ok(req) => req,
         Err(e) => {
@@ -269,5 +288,6 @@ fn answer_info<W: Write + ?Sized>(
         ),
     )?;
     reply(w, option, proto::REP_ACK, &[])?;
-    Ok(Some(export))
+    let asked_block_size = req.info_types.contains(&proto::INFO_BLOCK_SIZE);
+    Ok(Some((export, asked_block_size)))
 }

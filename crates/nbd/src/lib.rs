@@ -33,9 +33,10 @@
 //! answered `NBD_REP_ERR_UNSUP`; no TLS, no structured replies, no metadata
 //! contexts). Transmission with simple replies: `READ`, `WRITE`, `FLUSH`,
 //! `TRIM`, `WRITE_ZEROES` (`NO_HOLE` accepted), `DISC`, and `FUA` on every
-//! command. READs and WRITEs of more than 32 MiB (the advertised maximum
-//! block size) are refused with `NBD_EINVAL`; a WRITE that long also closes
-//! the connection, since its payload is not read. Past the export's end,
+//! command. READs and WRITEs longer than the advertised maximum payload
+//! ([`ServerConfig::max_payload_bytes`], for a client that asked for it;
+//! 32 MiB for others) are refused with `NBD_EINVAL`; a WRITE over 32 MiB
+//! also closes the connection, since its payload is not read. Past the export's end,
 //! READ and TRIM get `NBD_EINVAL`, WRITE and WRITE_ZEROES `NBD_ENOSPC`.
 //! During shutdown, requests already sent get `NBD_ESHUTDOWN`.
 //!

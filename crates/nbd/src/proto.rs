@@ -179,8 +179,10 @@ pub const MAX_OPTION_DATA_LEN: u32 = 8 * 1024;
 pub const BLOCK_SIZE_MIN: u32 = 1;
 /// Advertised preferred block size, in bytes.
 pub const BLOCK_SIZE_PREFERRED: u32 = 4096;
-/// Advertised maximum block size, in bytes (32 MiB): the longest READ,
-/// WRITE, TRIM or WRITE_ZEROES this server accepts.
+/// The protocol's default maximum payload, in bytes (32 MiB): the longest
+/// READ or WRITE this server accepts from any client, and the largest
+/// maximum payload it advertises (TRIM and WRITE_ZEROES carry no payload
+/// and may be longer).
 pub const BLOCK_SIZE_MAX: u32 = 32 * 1024 * 1024;
 
 /// Why some bytes are not a valid protocol message.

@@ -67,9 +67,10 @@ pub struct ServerConfig {
     /// Bytes of request payload (WRITE data, READ reply buffers) that may be
     /// in flight at once, summed over all connections of the server. A
     /// request waits for room before its buffer is allocated. It also sets
-    /// the largest request accepted ([`ServerConfig::max_payload_bytes`]:
-    /// half of it, at most 32 MiB), so no request is larger than a
-    /// connection's part. One connection may
+    /// the largest request of a client that agreed to the server's size
+    /// constraints ([`ServerConfig::max_payload_bytes`]: half of it, at
+    /// most 32 MiB); a client that did not may send up to 32 MiB, and a
+    /// request larger than the budget runs alone. One connection may
     /// hold at most half of it, so a client that
     /// stops reading its replies leaves room for the others' requests of
     /// up to half the budget; requests wait in arrival order, so one
@@ -96,14 +97,16 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Largest READ or WRITE payload accepted, in bytes, advertised as the
-    /// maximum payload size of `NBD_INFO_BLOCK_SIZE` (proto.md "Block size
-    /// constraints"): half of [`ServerConfig::inflight_budget_bytes`]
-    /// rounded down to 4 KiB, at most 2^25 (32 MiB, the protocol's default
-    /// and the default here) and at least 4 KiB (the preferred block
-    /// size). A longer READ gets `NBD_EINVAL`; a longer WRITE of up to
-    /// 32 MiB has its payload read and dropped and gets `NBD_EINVAL`, a
-    /// longer one gets `NBD_EINVAL` and the connection is closed.
+    /// Maximum payload size advertised in `NBD_INFO_BLOCK_SIZE`, in bytes
+    /// (proto.md "Block size constraints"): half of
+    /// [`ServerConfig::inflight_budget_bytes`] rounded down to 4 KiB, at
+    /// most 2^25 (32 MiB, the protocol's default and the default here) and
+    /// at least 4 KiB (the preferred block size). A client whose
+    /// `NBD_OPT_GO` asked for `NBD_INFO_BLOCK_SIZE` is held to it (only
+    /// then may a server assume the client honours it): a longer READ gets
+    /// `NBD_EINVAL`; a longer WRITE of up to 32 MiB has its payload read
+    /// and dropped and gets `NBD_EINVAL`. Any client's WRITE over 32 MiB
+    /// gets `NBD_EINVAL` and the connection is closed.
     pub fn max_payload_bytes(&self) -> u32 {
         let half = (self.inflight_budget_bytes / 2) as u64 / 4096 * 4096;
         half.clamp(
@@ -316,6 +319,9 @@ impl Read for SocketReader {
 struct NegotiationWriter<'a> {
     socket: &'a mut Box<dyn Socket>,
     deadline: Instant,
+    /// The server's shutdown flag (a shutdown's shorter send timeout is
+    /// kept).
+    stopping: &'a AtomicBool,
 }
 
 impl Write for NegotiationWriter<'_> {
@@ -327,13 +333,13 @@ impl Write for NegotiationWriter<'_> {
                 "negotiation not finished in time",
             ));
         }
-        self.socket
-            .set_send_timeout(Some(left.min(STALLED_CLIENT_SEND_TIMEOUT)))?;
-        let written = self.socket.write(buf);
-        // (transmission's own bound from then on)
-        self.socket
-            .set_send_timeout(Some(STALLED_CLIENT_SEND_TIMEOUT))?;
-        written
+        let bound = if self.stopping.load(Ordering::SeqCst) {
+            SHUTDOWN_SEND_TIMEOUT
+        } else {
+            STALLED_CLIENT_SEND_TIMEOUT
+        };
+        self.socket.set_send_timeout(Some(left.min(bound)))?;
+        self.socket.write(buf)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -821,6 +827,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     let mut buffered = BufWriter::new(NegotiationWriter {
         socket: &mut writer,
         deadline,
+        stopping: &shared.stopping,
     });
     // A client that does not finish negotiating in time is dropped; an
     // idle client in transmission is not (it may send its next request in
@@ -844,8 +851,19 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     // negotiate marks the connection before its final reply goes out.)
     transmitting.store(true, Ordering::SeqCst);
     drop(buffered);
+    // transmission's bound on a stalled send; a shutdown's shorter one if
+    // it began (set after ours, or seen here: the flag is set before the
+    // shutdown sets its timeout)
+    let _ = writer.set_send_timeout(Some(STALLED_CLIENT_SEND_TIMEOUT));
+    if shared.stopping.load(Ordering::SeqCst) {
+        let _ = writer.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
+    }
     let hangup_half = Arc::new(hangup_half);
-    if let Ok(Outcome::Transmission { export }) = outcome {
+    if let Ok(Outcome::Transmission {
+        export,
+        max_payload,
+    }) = outcome
+    {
         let hangup_socket = Arc::clone(&hangup_half);
         let replies = Arc::new(ReplyWriter::new(
             Box::new(writer),
