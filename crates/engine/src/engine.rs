@@ -1115,8 +1115,11 @@ impl Engine {
             if references > mapped && damage.is_empty() {
                 damage_notes.push(format!(
                     "the reference counts add up to {references} but the volume maps map \
-                     {mapped} LBAs: blocks are held that no LBA maps (`dedupd --store {} \
-                     fsck --repair` reclaims them)",
+                     {mapped} LBAs: blocks are held that no LBA maps, leaked by a crash or \
+                     held by map entries lost (a map page zeroed in place: then LBAs that \
+                     held data read as zeros). `dedupd --store {} fsck` lists them; \
+                     `fsck --repair` frees them for good (copy the store first if data may \
+                     be missing)",
                     crate::error::store_word(path)
                 ));
             }
@@ -2010,6 +2013,13 @@ impl Engine {
                 .volumes
                 .get(&vol)
                 .ok_or_else(|| EngineError::NoSuchVolume(format!("#{}", vol.0)))?;
+            // (not zeros for an LBA whose mapping was lost to damage)
+            if let Some(lba) = v.lost_mapping_in(first, n as u64) {
+                return Err(EngineError::MappingLost {
+                    volume: v.record.name.clone(),
+                    lba,
+                });
+            }
             let pbas = (0..n as u64).map(|i| v.get(Lba(first + i))).collect();
             if m.paging_faults() != faults {
                 // a map page of this request could not be read back

@@ -85,6 +85,21 @@ pub enum EngineError {
     /// until `dedupd fsck --repair`.
     #[error("volume {0:?} is read-only: its metadata is damaged (run `dedupd fsck --repair`)")]
     ReadOnly(String),
+    /// A read of an LBA whose mapping was lost when the store opened (on a
+    /// map page that failed its checksum, past the end of a truncated map,
+    /// or in a missing map): its data cannot be told, so it is not read as
+    /// zeros. `dedupd fsck --repair` lists such LBAs as lost and unmaps
+    /// them.
+    #[error(
+        "volume {volume:?}: LBA {lba}'s mapping is on damaged metadata, so its data cannot be \
+         read (run `dedupd fsck`, which lists the LBAs lost)"
+    )]
+    MappingLost {
+        /// The volume's name.
+        volume: String,
+        /// The first LBA of the request whose mapping was lost.
+        lba: u64,
+    },
     /// A volume-map or reference-count page could not be read back from its
     /// file while serving (I/O error or checksum mismatch). The store stops
     /// writing and committing until restarted (reads of other pages keep

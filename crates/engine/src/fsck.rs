@@ -775,6 +775,8 @@ impl Engine {
                         " (past the end of the data file)"
                     } else if rc < want {
                         " (would be freed while in use)"
+                    } else if want == 0 {
+                        " (leaked by a crash, or its LBAs' map entries were lost)"
                     } else {
                         ""
                     }

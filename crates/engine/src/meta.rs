@@ -122,6 +122,32 @@ impl Volume {
             || self.map_truncated_at.is_some()
             || self.deleting
     }
+    /// The first LBA of `first..first + count` whose mapping was lost at
+    /// open (on a damaged map page, past a truncated map's end, anywhere
+    /// in a missing map), if any: such LBAs read as unmapped in `map`.
+    pub fn lost_mapping_in(&self, first: u64, count: u64) -> Option<u64> {
+        let end = first.saturating_add(count);
+        if count == 0 {
+            return None;
+        }
+        if self.map_missing {
+            return Some(first);
+        }
+        let per = crate::paged::U64_PER_PAGE;
+        let truncated = self
+            .map_truncated_at
+            .map(|page| page * per)
+            .filter(|&from| end > from)
+            .map(|from| first.max(from));
+        let damaged = self
+            .damaged_pages
+            .iter()
+            .map(|&p| (p * per, (p + 1) * per))
+            .filter(|&(a, b)| a < end && b > first)
+            .map(|(a, _)| first.max(a))
+            .min();
+        truncated.into_iter().chain(damaged).min()
+    }
     /// The PBA an LBA maps to, if any.
     pub fn get(&self, lba: Lba) -> Option<Pba> {
         match self.map.get_u64(lba.0) {

@@ -211,6 +211,11 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
         e.write(a, 0, &pattern(1), false),
         Err(EngineError::ReadOnly(_))
     ));
+    let mut buf = vec![0u8; 4096];
+    assert!(matches!(
+        e.read(a, 0, &mut buf),
+        Err(EngineError::MappingLost { lba: 0, .. })
+    ));
     drop(e);
     let check = fsck(&path, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4, "{check:?}");
@@ -416,6 +421,17 @@ fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
             buf == pattern(0),
             "undamaged page of a read-only volume reads wrong"
         );
+        // the LBAs of the damaged page fail to read, not read as zeros
+        // (a request reaching into it names its first LBA there)
+        let mut two = vec![0u8; 8192];
+        assert!(
+            matches!(
+                e.read(a, 507 * 4096, &mut two),
+                Err(EngineError::MappingLost { lba: 508, .. })
+            ),
+            "a lost mapping read as a hole"
+        );
+        e.read(a, 1016 * 4096, &mut buf).unwrap();
         let (b, _) = e.volume("b").unwrap();
         e.write(b, 200 * 4096, &pattern(5), false).unwrap();
         e.close().unwrap();
@@ -429,6 +445,10 @@ fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     let (a, _) = e.volume("a").unwrap();
     assert!(!e.volume_read_only(a));
+    // (unmapped by the repair, which listed them as lost)
+    let mut buf = vec![1u8; 4096];
+    e.read(a, 508 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
     e.write(a, 0, &[1u8; 4096], false).unwrap();
     assert!(e.check().is_empty());
 }
@@ -1273,6 +1293,10 @@ fn truncated_map_is_damage_not_a_hole() {
         let mut buf = vec![0u8; 4096];
         e.read(a, 10 * 4096, &mut buf).unwrap();
         assert!(buf == pattern(10));
+        assert!(matches!(
+            e.read(a, 508 * 4096, &mut buf),
+            Err(EngineError::MappingLost { lba: 508, .. })
+        ));
         e.close().unwrap();
     }
     let check = fsck(&path, FsckOptions::default()).unwrap();
