@@ -737,12 +737,29 @@ impl Engine {
                 });
             }
         }
+        let journal_intact = journal_damage.is_none();
         let mut damage: Vec<Damage> = state_damage
             .into_iter()
             .chain(counters_damage)
             .chain(journal_damage)
             .collect();
         let mut damage_notes: Vec<String> = Vec::new();
+        if journal_intact {
+            // the next transaction begun but not intact: taken as cut by a
+            // crash while committing (so never acknowledged), which is what
+            // it almost always is; said, as bit rot there loses a commit
+            if let Some(len) = journal::cut_transaction_at(&jfile, chain_bytes, next_seq)
+                .map_err(|e| EngineError::io("reading the journal", e))?
+            {
+                damage_notes.push(format!(
+                    "the journal's last transaction (number {next_seq}, {len} bytes at byte \
+                     {chain_bytes}) is cut short or fails its checksum: taken as a commit a \
+                     crash interrupted, whose writes were never acknowledged, and not \
+                     replayed. If the store did not stop while committing, this is damage, \
+                     and the writes of that commit are lost"
+                ));
+            }
+        }
         let mut ops_by_file: HashMap<MetaFile, Vec<&Op>> = HashMap::new();
         for op in &chain_ops {
             ops_by_file.entry(op.file()).or_default().push(op);

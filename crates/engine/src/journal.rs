@@ -424,6 +424,24 @@ pub fn read_chain_bytes(file: &File) -> io::Result<(Vec<Txn>, Vec<u8>)> {
     Ok((out, bytes))
 }
 
+/// The length (bytes, as its header gives it) of the transaction at byte
+/// `off` of `file` if its header is intact and numbered `seq` — the one
+/// [`read_chain`] would have replayed next — but the transaction is cut
+/// short or fails its checksum: what a crash while committing leaves, or
+/// damage of the last commit. `None` if no such header is there.
+pub fn cut_transaction_at(file: &File, off: u64, seq: u64) -> io::Result<Option<u64>> {
+    let len = file.metadata()?.len();
+    if off.saturating_add(HEADER_BYTES as u64) > len {
+        return Ok(None);
+    }
+    let mut header = [0u8; HEADER_BYTES];
+    file.read_exact_at(&mut header, off)?;
+    Ok(match header_len(&header) {
+        Ok((s, total)) if s == seq => Some(total),
+        _ => None,
+    })
+}
+
 /// Bytes read at a time when a long transaction is checked before it is
 /// read whole, or the journal is searched for a later transaction.
 const SCAN_BYTES: usize = 1 << 20;

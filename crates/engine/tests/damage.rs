@@ -685,6 +685,14 @@ fn torn_last_journal_record_loses_only_that_commit() {
             "torn commit half-applied (cut {cut})"
         );
         assert!(e.check().is_empty(), "{:?}", e.check());
+        // (said: bit rot of a last commit looks the same)
+        assert!(
+            e.notes()
+                .iter()
+                .any(|n| n.contains("last transaction") && n.contains("not replayed")),
+            "cut {cut}: {:?}",
+            e.notes()
+        );
         drop(e);
         assert_eq!(
             fsck(
