@@ -417,7 +417,7 @@ fn run(cli: Cli, given: serve::CreationOptionsGiven) -> anyhow::Result<()> {
             hash,
             index_prefix_bits,
         } => {
-            let mut config = EngineConfig::default();
+            let mut config = offline_config(&store);
             config.index.prefix_bits = index_prefix_bits;
             let e = Engine::create(&store, hash, config)?;
             e.close()?;
@@ -439,7 +439,7 @@ fn run(cli: Cli, given: serve::CreationOptionsGiven) -> anyhow::Result<()> {
             index_prefix_bits,
             bounds,
         } => {
-            let mut config = EngineConfig::default();
+            let mut config = offline_config(&store);
             bounds.apply(&mut config);
             if let Some(bits) = index_prefix_bits {
                 config.index.prefix_bits = bits;
@@ -492,7 +492,7 @@ fn with_store(
         // (run as the server last ran: its sequence threshold)
         let config = EngineConfig {
             sequence_threshold_from_store: true,
-            ..EngineConfig::default()
+            ..offline_config(store)
         };
         match Engine::open(store, config) {
             Ok(e) if matches!(req, Request::Stats | Request::VolumeList) => {
@@ -908,6 +908,24 @@ fn fsck(
         );
     }
     std::process::exit(report.exit_code());
+}
+
+/// The engine configuration of a command other than `serve` on the store
+/// at `store`: its journal takes no disk space beyond what it holds (the
+/// server's `--journal-reserve` chose that, and a short command keeps no
+/// reserve of its own): changed metadata is committed whenever it reaches
+/// half the journal's allocated space (1 MiB to the default 16 MiB), and
+/// the reserve is twice that.
+fn offline_config(store: &Path) -> EngineConfig {
+    use std::os::unix::fs::MetadataExt;
+    let default = EngineConfig::default();
+    let allocated = std::fs::metadata(store.join("journal")).map_or(0, |m| m.blocks() * 512);
+    let max_dirty_bytes = (allocated / 2).clamp(1 << 20, default.max_dirty_bytes);
+    EngineConfig {
+        max_dirty_bytes,
+        journal_reserve_bytes: 2 * max_dirty_bytes,
+        ..default
+    }
 }
 
 /// A count that must be at least 1 (`--jobs`, `--max-connections`).

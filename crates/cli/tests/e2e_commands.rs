@@ -704,3 +704,29 @@ fn an_idle_server_sleeps_and_stops_at_once() {
         started.elapsed()
     );
 }
+
+#[test]
+fn commands_other_than_serve_take_no_journal_reserve_of_their_own() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let allocated = || {
+        std::fs::metadata(store.join("journal"))
+            .map(|m| m.blocks() * 512)
+            .unwrap()
+    };
+    succeeds(&store, &["init"]);
+    let after_init = allocated();
+    // (the server's default reserve is 40 MiB; a small device's server
+    // may keep less, and commands run between must not take it back)
+    assert!(after_init <= 4 << 20, "init allocated {after_init} bytes");
+    succeeds(&store, &["volume", "create", "v", "64M"]);
+    succeeds(&store, &["stats"]);
+    succeeds(&store, &["dedup", "--offline"]);
+    succeeds(&store, &["fsck"]);
+    assert!(
+        allocated() <= after_init.max(4 << 20),
+        "{} bytes after the commands",
+        allocated()
+    );
+}
