@@ -1900,7 +1900,9 @@ impl Engine {
         }
         .and_then(|()| std::fs::File::open(dir.root())?.sync_all());
         if result.is_err() {
-            lock(&self.meta).counters.skipped_save_errors += 1;
+            let mut m = lock(&self.meta);
+            m.counters.skipped_save_errors += 1;
+            m.change_count += 1;
         }
         result.is_ok()
     }
@@ -2273,6 +2275,9 @@ impl Engine {
                     m.remap(vol, Lba(l), None);
                 }
                 m.counters.blocks_trimmed += piece_end - lba;
+                // (a change even if nothing was mapped: the counters go
+                // with the next commit)
+                m.change_count += 1;
                 self.note_change(&m);
             }
             if piece_end < end_full {
@@ -2661,6 +2666,9 @@ impl Engine {
         let mut only_block_is_new = false;
         let mut cands: SmallVec<[Candidate; 4]> = SmallVec::with_capacity(n);
         m.counters.blocks_written += n as u64;
+        // (a change even if no mapping changes, zeros over holes or the
+        // same bytes again: the counters go with the next commit)
+        m.change_count += 1;
         if n > 1 {
             // (the cache misses of a large request's lookups overlap)
             let looked_up: Vec<Fingerprint> = fps

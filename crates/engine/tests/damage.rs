@@ -1673,3 +1673,42 @@ fn lbas_past_the_listed_runs_are_summed_up_per_volume() {
     assert_eq!(fixed.exit_code(), 1, "{:?}", fixed.problems.last());
     assert_eq!(fsck(&path, FsckOptions::default()).unwrap().exit_code(), 0);
 }
+
+/// Counters of writes that change no mapping (zeros over holes, the same
+/// bytes again, a TRIM of nothing) are committed by a FLUSH like any
+/// other change, so a crash after it keeps them.
+#[test]
+fn counters_of_writes_that_change_no_mapping_survive_a_crash_after_flush() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    let before = e.stats();
+    e.write(b, 400 * 4096, &vec![0u8; 4 * 4096], false).unwrap();
+    e.write(b, 0, &pattern(0), false).unwrap(); // what LBA 0 holds already
+    e.trim(b, 500 * 4096, 8 * 4096, false).unwrap();
+    e.flush().unwrap();
+    let flushed = e.stats();
+    assert_eq!(flushed.blocks_written, before.blocks_written + 5);
+    assert_eq!(flushed.zero_blocks_written, before.zero_blocks_written + 4);
+    assert_eq!(flushed.blocks_trimmed, before.blocks_trimmed + 8);
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    let after = e.stats();
+    assert_eq!(
+        (
+            after.blocks_written,
+            after.zero_blocks_written,
+            after.duplicate_writes_eliminated,
+            after.blocks_trimmed
+        ),
+        (
+            flushed.blocks_written,
+            flushed.zero_blocks_written,
+            flushed.duplicate_writes_eliminated,
+            flushed.blocks_trimmed
+        )
+    );
+}
