@@ -684,9 +684,10 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                         "read-only (damaged metadata: fsck --repair)".to_string()
                     } else if let Some(to) = vol["shrinking_to_bytes"].as_u64() {
                         format!(
-                            "shrink to {} not finished (written only below it; resize to {to} \
+                            "shrink to {} not finished (written only below it; resize to {} \
                              --shrink to finish)",
-                            human(to)
+                            human(to),
+                            exact_size(to)
                         )
                     } else {
                         "ok".to_string()
@@ -926,6 +927,17 @@ fn offline_config(store: &Path) -> EngineConfig {
         journal_reserve_bytes: 2 * max_dirty_bytes,
         ..default
     }
+}
+
+/// `bytes` as a size argument, in the largest unit that keeps it whole
+/// (`200M`, `4100K`, `12345`).
+fn exact_size(bytes: u64) -> String {
+    [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")]
+        .iter()
+        .find(|(shift, _)| bytes != 0 && bytes % (1u64 << shift) == 0)
+        .map_or(bytes.to_string(), |(shift, unit)| {
+            format!("{}{unit}", bytes >> shift)
+        })
 }
 
 /// A count that must be at least 1 (`--jobs`, `--max-connections`).
@@ -1185,6 +1197,16 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn exact_sizes_keep_the_bytes() {
+        use super::exact_size;
+        assert_eq!(exact_size(200 << 20), "200M");
+        assert_eq!(exact_size(4100 << 10), "4100K");
+        assert_eq!(exact_size(16 << 30), "16G");
+        assert_eq!(exact_size(12345), "12345");
+        assert_eq!(exact_size(0), "0");
+    }
+
     use super::*;
 
     #[test]

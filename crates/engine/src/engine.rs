@@ -655,7 +655,15 @@ impl Engine {
                         pages: Vec::new(),
                         missing: bytes.is_empty(),
                         truncated: None,
-                        detail: None,
+                        detail: Some(format!(
+                            "{}; a repair writes it anew, and the statistics it holds \
+                             restart at zero",
+                            if bytes.is_empty() {
+                                "missing or empty"
+                            } else {
+                                "fails its checksum or is malformed"
+                            }
+                        )),
                     });
                     CounterState {
                         counters: Default::default(),

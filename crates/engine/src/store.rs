@@ -368,17 +368,27 @@ impl StoreDir {
         let early = Self::lock_if_any(root)?;
         let sb = match read_superblock(root) {
             Ok(sb) => sb,
+            // (a store's superblock, damaged: not "not a store")
+            Err(SuperblockError::Unreadable(detail))
+                if detail != NO_SUPERBLOCK
+                    && root.join(MetaFile::State.relative_path()).is_file() =>
+            {
+                return Err(EngineError::Corrupt {
+                    file: root.join("superblock"),
+                    detail: format!(
+                        "{detail}; `dedupd --store {} fsck --repair` rebuilds it from the rest \
+                         of the store",
+                        crate::error::store_word(root)
+                    ),
+                })
+            }
             Err(SuperblockError::Unreadable(detail)) => {
                 return Err(EngineError::NotAStore {
                     path: root.to_path_buf(),
                     detail: if detail == NO_SUPERBLOCK {
                         detail
                     } else {
-                        format!(
-                            "superblock unreadable ({detail}); `dedupd --store {} fsck --repair` \
-                             rebuilds it from the rest of the store",
-                            crate::error::store_word(root)
-                        )
+                        format!("superblock unreadable ({detail})")
                     },
                 })
             }
