@@ -934,7 +934,7 @@ fn offline_config(store: &Path) -> EngineConfig {
 fn exact_size(bytes: u64) -> String {
     [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")]
         .iter()
-        .find(|(shift, _)| bytes != 0 && bytes % (1u64 << shift) == 0)
+        .find(|(shift, _)| bytes != 0 && bytes.is_multiple_of(1u64 << shift))
         .map_or(bytes.to_string(), |(shift, unit)| {
             format!("{}{unit}", bytes >> shift)
         })
