@@ -554,8 +554,9 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     }
     for d in engine.damage() {
         err_line!(
-            "dedupd: warning: {}; its volume is served read-only \
-             until `dedupd --store {} fsck --repair`",
+            "dedupd: warning: {}; its volume is served read-only, and reads of the \
+             LBAs whose mapping was lost fail (EIO), until `dedupd --store {} fsck --repair` \
+             (which lists them as lost)",
             d.describe(),
             shell_quote(&store.display().to_string())
         );
