@@ -205,6 +205,9 @@ fn to_export_error(e: EngineError) -> ExportError {
         EngineError::OutOfRange { .. }
         | EngineError::InvalidArgument(_)
         | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),
+        // (said once at start, with the damage: not a line per read, which
+        // a client's probes and retries would repeat without end)
+        EngineError::MappingLost { .. } => ExportError::Io(e.to_string()),
         other => {
             {
                 // (a terminal that hung up: the line is dropped, the

@@ -494,7 +494,16 @@ fn with_store(
             sequence_threshold_from_store: true,
             ..offline_config(store)
         };
-        match Engine::open(store, config) {
+        let opened = Engine::open(store, config);
+        if let Ok(e) = &opened {
+            // (as a server says them at start: a command may be the first
+            // to open the store after a crash, and its commit settles what
+            // they are about)
+            for n in e.notes() {
+                eprintln!("dedupd: warning: {n}");
+            }
+        }
+        match opened {
             Ok(e) if matches!(req, Request::Stats | Request::VolumeList) => {
                 // a listing changes nothing: nothing to commit, and no
                 // checkpoint (which a full file system would refuse)
@@ -912,16 +921,17 @@ fn fsck(
 }
 
 /// The engine configuration of a command other than `serve` on the store
-/// at `store`: its journal takes no disk space beyond what it holds (the
-/// server's `--journal-reserve` chose that, and a short command keeps no
-/// reserve of its own): changed metadata is committed whenever it reaches
-/// half the journal's allocated space (1 MiB to the default 16 MiB), and
-/// the reserve is twice that.
+/// at `store`: its journal keeps the reserve the server left (the space
+/// allocated past the journal's end, which the server's
+/// `--journal-reserve` chose; a short command takes none of its own):
+/// changed metadata is committed whenever it reaches half of that (1 MiB
+/// to the default 16 MiB), and the reserve is twice that.
 fn offline_config(store: &Path) -> EngineConfig {
     use std::os::unix::fs::MetadataExt;
     let default = EngineConfig::default();
-    let allocated = std::fs::metadata(store.join("journal")).map_or(0, |m| m.blocks() * 512);
-    let max_dirty_bytes = (allocated / 2).clamp(1 << 20, default.max_dirty_bytes);
+    let reserved = std::fs::metadata(store.join("journal"))
+        .map_or(0, |m| (m.blocks() * 512).saturating_sub(m.len()));
+    let max_dirty_bytes = (reserved / 2).clamp(1 << 20, default.max_dirty_bytes);
     EngineConfig {
         max_dirty_bytes,
         journal_reserve_bytes: 2 * max_dirty_bytes,

@@ -1982,6 +1982,11 @@ impl Engine {
     /// as a client sending them together must expect); partial blocks at
     /// the edges of an unaligned read go through 4 KiB of scratch, so
     /// memory stays `buf` whatever the read's size.
+    ///
+    /// Errors: [`EngineError::OutOfRange`], [`EngineError::NoSuchVolume`];
+    /// [`EngineError::MappingLost`] if an LBA's mapping was lost to
+    /// damaged metadata (not read as zeros); I/O errors of the data file;
+    /// [`EngineError::MetadataUnreadable`].
     pub fn read(&self, vol: VolumeId, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         self.check_range(vol, offset, buf.len() as u64)?;

@@ -613,19 +613,19 @@ impl Engine {
             let v = &m.volumes[id];
             if v.map_missing {
                 r.data_lost.push(format!(
-                    "volume {}: its map file is missing; every LBA reads as unmapped",
+                    "volume {}: its map file is missing; every LBA fails to read until a repair unmaps them all",
                     v.record.name
                 ));
             } else if let Some(page) = v.map_truncated_at {
                 r.data_lost.push(format!(
-                    "volume {}: its map file ends at page {page} (truncated); the LBAs from {} on read as unmapped",
+                    "volume {}: its map file ends at page {page} (truncated); the LBAs from {} on fail to read until a repair unmaps them",
                     v.record.name,
                     page * crate::paged::U64_PER_PAGE
                 ));
             }
             if !v.map_missing && !v.damaged_pages.is_empty() {
                 let lost = format!(
-                    "volume {}: map pages {:?} damaged; the LBAs they hold (508 per page) read as unmapped",
+                    "volume {}: map pages {:?} damaged; the LBAs they hold (508 per page) fail to read until a repair unmaps them",
                     v.record.name,
                     &v.damaged_pages[..v.damaged_pages.len().min(16)]
                 );

@@ -982,6 +982,31 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_cut_transaction_is_the_next_number_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = journal_file(dir.path());
+        let mut j = Journal::new(f.try_clone().unwrap(), 0, 1).unwrap();
+        for _ in 0..3 {
+            j.commit(&sample_ops()).unwrap();
+        }
+        let one = encode_txn(1, &sample_ops()).len() as u64;
+        // after a reset, a transaction as long as the old first one: the
+        // old second one (number 2) starts where the new chain ends
+        j.reset().unwrap();
+        j.commit(&sample_ops()).unwrap();
+        let chain = read_chain(&f).unwrap();
+        assert_eq!((chain.len(), chain[0].seq), (1, 4));
+        assert_eq!(cut_transaction_at(&f, one, 5).unwrap(), None);
+        // the next one, begun and cut: named with its length
+        j.commit(&sample_ops()).unwrap();
+        f.set_len(2 * one - 1).unwrap();
+        assert_eq!(read_chain(&f).unwrap().len(), 1);
+        assert_eq!(cut_transaction_at(&f, one, 5).unwrap(), Some(one));
+        // nothing there at all
+        assert_eq!(cut_transaction_at(&f, 10 * one, 5).unwrap(), None);
+    }
+
     fn journal_file(dir: &std::path::Path) -> File {
         std::fs::OpenOptions::new()
             .read(true)

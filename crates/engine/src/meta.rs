@@ -30,8 +30,9 @@ pub struct Volume {
     /// u64 per LBA: 0 unmapped, else PBA + 1; paged from the volume's map
     /// file under [`Meta::map_cache`].
     pub map: CachedArray,
-    /// Map pages that failed their checksum at open (their LBAs read as
-    /// unmapped); a volume with any is served read-only until repaired.
+    /// Map pages that failed their checksum at open, in ascending order
+    /// (their LBAs fail to read, [`Volume::lost_mapping_in`]); a volume
+    /// with any is served read-only until repaired.
     pub damaged_pages: Vec<u64>,
     /// The map file was missing at open (every LBA reads as unmapped); the
     /// volume is served read-only until repaired.
@@ -139,13 +140,14 @@ impl Volume {
             .map(|page| page * per)
             .filter(|&from| end > from)
             .map(|from| first.max(from));
+        // (sorted: the first damaged page at or after the request's first)
+        let at = self.damaged_pages.partition_point(|&p| p < first / per);
         let damaged = self
             .damaged_pages
-            .iter()
-            .map(|&p| (p * per, (p + 1) * per))
-            .filter(|&(a, b)| a < end && b > first)
-            .map(|(a, _)| first.max(a))
-            .min();
+            .get(at)
+            .map(|&p| p * per)
+            .filter(|&from| from < end)
+            .map(|from| first.max(from));
         truncated.into_iter().chain(damaged).min()
     }
     /// The PBA an LBA maps to, if any.

@@ -1720,3 +1720,29 @@ fn counters_of_writes_that_change_no_mapping_survive_a_crash_after_flush() {
         )
     );
 }
+
+/// The transactions of the chain before a checkpoint's reset stay in the
+/// journal past the new chain, with lower numbers: no note of a cut
+/// transaction for them (only the next number counts).
+#[test]
+fn stale_transactions_past_a_reset_chain_are_no_cut_commit() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (b, _) = e.volume("b").unwrap();
+    for i in 0..4u64 {
+        e.write(b, (300 + i) * 4096, &pattern(40 + i), true)
+            .unwrap();
+    }
+    e.checkpoint().unwrap();
+    e.write(b, 310 * 4096, &pattern(50), true).unwrap();
+    let crash = d.path().join("crash");
+    crash_copy(&path, &crash);
+    drop(e);
+    let e = Engine::open(&crash, EngineConfig::default()).unwrap();
+    assert!(e.notes().is_empty(), "{:?}", e.notes());
+    let (b, _) = e.volume("b").unwrap();
+    let mut buf = vec![0u8; 4096];
+    e.read(b, 310 * 4096, &mut buf).unwrap();
+    assert!(buf == pattern(50));
+}
