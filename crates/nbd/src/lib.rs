@@ -43,7 +43,8 @@
 //! # Bounds against misbehaving clients
 //!
 //! At most [`ServerConfig::max_connections`] connections are open; a
-//! negotiation read that waits 30 s, or a WRITE payload (to be written,
+//! negotiation not finished within 30 s (its reads and its sends alike;
+//! option data over 8 KiB is dropped unread), or a WRITE payload (to be written,
 //! or skipped after a refusal) that does not arrive within 60 s of its
 //! header, ends the connection; so does a reply
 //! the client does not read for 60 s, or does not take whole within 60 s
