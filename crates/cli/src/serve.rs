@@ -241,8 +241,8 @@ fn ignored_creation_options(
 }
 
 /// "store S is in use by another dedupd process (pid N: its command line)",
-/// the holder found in the kernel's table of locks; without it, the kinds
-/// of process that hold a store.
+/// the holder as [`dedupd_engine::store::lock_holder`] finds it; without
+/// it, the kinds of process that hold a store.
 pub fn in_use_message(store: &Path) -> String {
     let holder = match dedupd_engine::store::lock_holder(store) {
         Some((pid, cmdline)) if !cmdline.is_empty() => format!("pid {pid}: {cmdline}"),
@@ -376,7 +376,9 @@ fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
 const DESCRIPTORS_PER_CONNECTION: u64 = 4;
 
 /// File descriptors kept for everything else: the store's files (a map per
-/// volume), listeners, the control socket and its clients, scratch files.
+/// volume: a store of more than about 200 volumes needs more, which the
+/// open-file limit raised to its hard value usually leaves), listeners,
+/// the control socket and its clients, scratch files.
 const DESCRIPTORS_RESERVED: u64 = 256;
 
 /// Raises the soft limit on open files to the hard one, and refuses a
