@@ -801,3 +801,44 @@ fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work
         .arg(common::dedupd_bin())
         .arg(&store));
 }
+
+#[test]
+fn lbas_whose_mapping_was_lost_fail_to_read_over_nbd() {
+    require("qemu-io");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &["--default-volume-size", "64M"]);
+    let uri = server.uri("default");
+    // 4 MiB: LBAs 0..1024, over map pages 0, 1 (LBAs 508..1016) and 2
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x3c 0 4M", &uri]));
+    server.stop();
+    // one flipped bit in map page 1
+    let map = std::fs::read_dir(store.join("maps"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut bytes = std::fs::read(&map).unwrap();
+    bytes[4096 + 100] ^= 0x10;
+    std::fs::write(&map, &bytes).unwrap();
+    let server = Server::start(&store, &[]);
+    let uri = server.uri("default");
+    // served read-only: the LBAs of other pages read back, those of the
+    // damaged page fail instead of reading as zeros
+    run(Command::new("qemu-io").args(["-r", "-f", "raw", "-c", "read -P 0x3c 0 1M", &uri]));
+    // (LBAs 1016..1024 on page 2)
+    run(Command::new("qemu-io").args(["-r", "-f", "raw", "-c", "read -P 0x3c 4064k 32k", &uri]));
+    let out = Command::new("qemu-io")
+        .args(["-r", "-f", "raw", "-c", "read 2M 4k", &uri])
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("Input/output error"), "{said}");
+    server.stop();
+}
