@@ -239,6 +239,9 @@ fn main() {
         Err(e) => {
             let usage = e.use_stderr();
             let _ = e.print();
+            if let Some(hint) = serve_option_hint(&e) {
+                eprintln!("{hint}");
+            }
             // help and version go to stdout and succeed; a usage error
             // exits 2, or 16 (e2fsck's usage error) for `dedupd fsck`
             std::process::exit(match (usage, invoked_fsck()) {
@@ -387,6 +390,49 @@ fn empty_store_env() -> Option<&'static str> {
 }
 
 /// True if the command line names the `fsck` subcommand.
+/// For a command line that gives an option of `dedupd serve` without the
+/// `serve` command (`dedupd --listen 0.0.0.0:10809`), a hint naming the
+/// command line that works; `None` for any other error.
+fn serve_option_hint(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::UnknownArgument {
+        return None;
+    }
+    let ContextValue::String(given) = e.get(ContextKind::InvalidArg)? else {
+        return None;
+    };
+    let long = given.strip_prefix("--")?;
+    let long = long.split_once('=').map_or(long, |(name, _)| name);
+    let cmd = cli_command();
+    let serve = cmd.find_subcommand("serve")?;
+    serve.get_arguments().find(|a| a.get_long() == Some(long))?;
+    let mut fixed = vec!["dedupd".to_string()];
+    let mut args = std::env::args().skip(1).peekable();
+    while args
+        .peek()
+        .is_some_and(|a| a == "--store" || a.starts_with("--store="))
+    {
+        let a = args.next()?;
+        let has_value = a == "--store";
+        fixed.push(a);
+        if has_value {
+            fixed.push(args.next()?);
+        }
+    }
+    // only an option before any command: `dedupd volume list --listen`
+    // is another mistake
+    let first = args.peek()?;
+    if first != given && !first.starts_with(&format!("{given}=")) {
+        return None;
+    }
+    fixed.push("serve".to_string());
+    fixed.extend(args);
+    Some(format!(
+        "hint: `{given}` is an option of `dedupd serve`; options of the server go after `serve`: {}",
+        fixed.join(" ")
+    ))
+}
+
 fn invoked_fsck() -> bool {
     invoked_command().is_some_and(|c| c == "fsck")
 }

@@ -664,6 +664,46 @@ fn an_empty_dedupd_store_variable_is_named_in_the_error() {
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
 }
 
+#[test]
+fn a_server_option_before_serve_gets_the_command_line_that_works() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    let store = store.to_str().unwrap();
+    let out = Command::new(dedupd_bin())
+        .current_dir(tmp.path())
+        .args([
+            "--store",
+            store,
+            "--listen",
+            "127.0.0.1:1",
+            "--read-cache=1M",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    fails_with(
+        &out,
+        &format!("dedupd --store {store} serve --listen 127.0.0.1:1 --read-cache=1M"),
+    );
+    // nothing was created: the command line was refused before any store
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    // an option that belongs to no command, and a server option given to
+    // another command, get no such hint
+    for args in [&["--bogus"][..], &["volume", "list", "--listen", "x"]] {
+        let out = Command::new(dedupd_bin())
+            .current_dir(tmp.path())
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("hint:"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+}
+
 /// Voluntary context switches of all of process `pid`'s threads: each is
 /// a thread going to sleep, so one that wakes to look at something counts.
 fn sleeps_of(pid: u32) -> u64 {
