@@ -1239,11 +1239,13 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
     // (present only while a server answers)
     if v.get("connections_open").is_some() {
         line!(
-            "NBD connections open         {} ({} total, {} refused at the limit; read buffers {}; kept request buffers {}; payload in flight {})",
+            "NBD connections open         {} ({} negotiating, {} total, {} refused at the limit; read buffers {}; negotiation buffers {}; kept request buffers {}; payload in flight {})",
             s.n("connections_open"),
+            s.n("connections_negotiating"),
             s.n("connections_total"),
             s.n("connections_refused"),
             s.bytes("connection_read_buffer_bytes"),
+            s.bytes("negotiation_buffer_bytes"),
             s.bytes("connection_kept_buffer_bytes"),
             s.bytes("inflight_bytes")
         );

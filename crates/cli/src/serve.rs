@@ -772,6 +772,8 @@ pub(crate) fn stats_with_server(
     v["connections_refused"] = s.connections_refused.into();
     v["connection_read_buffer_bytes"] = s.read_buffer_bytes.into();
     v["connection_kept_buffer_bytes"] = s.kept_buffer_bytes.into();
+    v["connections_negotiating"] = s.connections_negotiating.into();
+    v["negotiation_buffer_bytes"] = s.negotiation_buffer_bytes.into();
     Ok(v)
 }
 

@@ -64,6 +64,6 @@ mod fuzz_tests;
 
 pub use export::{Export, ExportError, ExportInfo, ExportProvider};
 pub use server::{
-    Server, ServerConfig, ServerStats, ShutdownHandle, READ_BUFFER_BYTES, TCP_KEEPALIVE_IDLE,
-    TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_PROBES,
+    Server, ServerConfig, ServerStats, ShutdownHandle, NEGOTIATION_BUFFER_BYTES, READ_BUFFER_BYTES,
+    TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_INTERVAL, TCP_KEEPALIVE_PROBES,
 };

@@ -50,6 +50,15 @@ const STALLED_CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 const SHUTDOWN_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// Read buffer of a connection, in bytes.
 pub const READ_BUFFER_BYTES: usize = 128 * 1024;
+
+/// Bytes a connection holds while it negotiates, besides its read buffer:
+/// one option's data (at most [`crate::proto::MAX_OPTION_DATA_LEN`], 8 KiB) and
+/// the buffer of the replies being sent (8 KiB).
+pub const NEGOTIATION_BUFFER_BYTES: usize =
+    crate::proto::MAX_OPTION_DATA_LEN as usize + NEGOTIATION_SEND_BUFFER_BYTES;
+
+/// Capacity of a negotiating connection's buffer of replies being sent.
+const NEGOTIATION_SEND_BUFFER_BYTES: usize = 8 * 1024;
 /// At the end of a connection, bytes the client still sends are read and
 /// dropped for up to this long, so that closing the socket does not reset
 /// it and destroy replies not yet delivered...
@@ -214,6 +223,11 @@ pub struct ServerStats {
     /// of a busy connection, and at most the in-flight budget's bytes in
     /// all; none once a client has sent nothing for a second.
     pub kept_buffer_bytes: u64,
+    /// Connections still negotiating (handshake phase).
+    pub connections_negotiating: u64,
+    /// Bytes the negotiating connections may hold besides their read
+    /// buffers (`connections_negotiating` × [`NEGOTIATION_BUFFER_BYTES`]).
+    pub negotiation_buffer_bytes: u64,
 }
 
 /// A connected socket of either kind, as the connection code needs it.
@@ -310,6 +324,23 @@ impl Read for SocketReader {
             }
         }
         self.buffered.read(buf)
+    }
+}
+
+/// One connection counted in [`ServerStats::connections_negotiating`]
+/// while it lives.
+struct Negotiating<'a>(&'a AtomicU64);
+
+impl<'a> Negotiating<'a> {
+    fn count(counter: &'a AtomicU64) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Negotiating(counter)
+    }
+}
+
+impl Drop for Negotiating<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -449,6 +480,7 @@ struct Shared {
     connections_refused: AtomicU64,
     requests_total: AtomicU64,
     kept_buffer_bytes: AtomicU64,
+    connections_negotiating: AtomicU64,
     /// A connected pair: the accept loops poll the first, the shutdown
     /// writes a byte to the second, so an idle server sleeps in `poll`
     /// instead of waking to look at `stopping` (None if the pair could not
@@ -543,6 +575,7 @@ impl Server {
                 connections_refused: AtomicU64::new(0),
                 requests_total: AtomicU64::new(0),
                 kept_buffer_bytes: AtomicU64::new(0),
+                connections_negotiating: AtomicU64::new(0),
                 wake: UnixStream::pair()
                     .and_then(|(r, w)| {
                         w.set_nonblocking(true)?;
@@ -563,6 +596,7 @@ impl Server {
     /// Current counters.
     pub fn stats(&self) -> ServerStats {
         let s = &self.shared;
+        let negotiating = s.connections_negotiating.load(Ordering::Relaxed);
         ServerStats {
             connections_open: s.connections_open.load(Ordering::Relaxed),
             connections_total: s.connections_total.load(Ordering::Relaxed),
@@ -572,6 +606,8 @@ impl Server {
             read_buffer_bytes: s.connections_open.load(Ordering::Relaxed)
                 * READ_BUFFER_BYTES as u64,
             kept_buffer_bytes: s.kept_buffer_bytes.load(Ordering::Relaxed),
+            connections_negotiating: negotiating,
+            negotiation_buffer_bytes: negotiating * NEGOTIATION_BUFFER_BYTES as u64,
         }
     }
 
@@ -824,15 +860,19 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     };
     let mut writer: Box<dyn Socket> = socket;
     // Replies of one option leave together (negotiate flushes per option).
-    let mut buffered = BufWriter::new(NegotiationWriter {
-        socket: &mut writer,
-        deadline,
-        stopping: &shared.stopping,
-    });
+    let mut buffered = BufWriter::with_capacity(
+        NEGOTIATION_SEND_BUFFER_BYTES,
+        NegotiationWriter {
+            socket: &mut writer,
+            deadline,
+            stopping: &shared.stopping,
+        },
+    );
     // A client that does not finish negotiating in time is dropped; an
     // idle client in transmission is not (it may send its next request in
     // hours).
     let max_payload = shared.config.max_payload_bytes();
+    let negotiating = Negotiating::count(&shared.connections_negotiating);
     let outcome = handshake::negotiate(
         &mut reader,
         &mut buffered,
@@ -851,6 +891,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
     // negotiate marks the connection before its final reply goes out.)
     transmitting.store(true, Ordering::SeqCst);
     drop(buffered);
+    drop(negotiating);
     // transmission's bound on a stalled send; a shutdown's shorter one if
     // it began (set after ours, or seen here: the flag is set before the
     // shutdown sets its timeout)

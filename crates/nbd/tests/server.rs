@@ -782,6 +782,9 @@ fn connections_are_capped_and_silent_negotiations_dropped() {
         h.server.stats().read_buffer_bytes,
         2 * dedupd_nbd::READ_BUFFER_BYTES as u64
     );
+    // both finished negotiating
+    assert_eq!(h.server.stats().connections_negotiating, 0);
+    assert_eq!(h.server.stats().negotiation_buffer_bytes, 0);
     // The open ones still work; closing one makes room.
     assert_eq!(a.simple(0, CMD_WRITE, 0, 2, b"ok"), 0);
     drop(b);
@@ -791,7 +794,16 @@ fn connections_are_capped_and_silent_negotiations_dropped() {
     let mut silent = h.tcp();
     silent.greet(proto::FLAG_C_FIXED_NEWSTYLE);
     let started = Instant::now();
+    let stats = h.server.stats();
+    assert_eq!(stats.connections_negotiating, 1);
+    assert_eq!(
+        stats.negotiation_buffer_bytes,
+        dedupd_nbd::NEGOTIATION_BUFFER_BYTES as u64
+    );
     assert!(silent.at_eof());
+    wait_until("negotiation ended", || {
+        h.server.stats().connections_negotiating == 0
+    });
     assert!(started.elapsed() < Duration::from_secs(5));
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(a.read(0, 2).unwrap(), b"ok");
