@@ -685,6 +685,78 @@ fn full_backing_file_system_gives_enospc_and_keeps_data() {
     server.stop();
 }
 
+/// Bytes available on the file system holding `path` (`df -B1`).
+fn available_bytes(path: &Path) -> u64 {
+    let out = run(Command::new("df").args(["-B1", "--output=avail"]).arg(path));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .expect("df output")
+}
+
+/// On ext4, a preallocation the file system cannot satisfy in full keeps
+/// what it allocated past the data file's end: the store must not take
+/// space that way and then find the file system full with most of it
+/// unused.
+#[test]
+fn a_small_ext4_fills_with_data_before_enospc() {
+    require("qemu-img");
+    require("mkfs.ext4");
+    require("losetup");
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("small.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    run(Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-b", "4096"])
+        .arg(&image));
+    let lo = common::Loop::attach(&image);
+    let _mount = common::Mount::new(&lo.0, &tmp.path().join("mnt"), "rw");
+    let store = tmp.path().join("mnt").join("store");
+    let server = Server::start(
+        &store,
+        &[
+            "--default-volume-size",
+            "128M",
+            "--journal-reserve",
+            "8M",
+            "--max-dirty",
+            "4M",
+        ],
+    );
+    // what is left for data once the store's metadata files exist
+    let free_at_start = available_bytes(&store);
+    let noise = tmp.path().join("noise.raw");
+    let mut x: u64 = 0x2545F4914F6CDD1D;
+    let mut buf = vec![0u8; 96 << 20];
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(&noise, &buf).unwrap();
+    let out = Command::new("qemu-img")
+        .args(["convert", "-n", "-W", "-m", "8", "-f", "raw", "-O", "raw"])
+        .arg(&noise)
+        .arg(server.uri("default"))
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "96 MiB fitted in a 64 MiB file system"
+    );
+    let stored = stats(&store)["physical_blocks_stored"].as_u64().unwrap() * 4096;
+    assert!(
+        stored * 10 >= free_at_start * 7,
+        "ENOSPC with {stored} bytes of data stored; {free_at_start} were free at the start"
+    );
+    server.stop();
+}
+
 /// `chattr +i` on a file while alive (even root cannot write it then),
 /// `chattr -i` when dropped so the directory can be removed.
 struct Immutable(std::path::PathBuf);

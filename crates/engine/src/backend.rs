@@ -49,6 +49,26 @@ pub struct FileBackend {
 /// Bytes preallocated ahead of the data file's end.
 const PREALLOCATE_BYTES: u64 = 64 << 20;
 
+/// Smallest preallocation made: when a quarter of the file system's free
+/// space is less, the data file grows by its writes alone.
+const MIN_PREALLOCATE_BYTES: u64 = 4 << 20;
+
+/// Bytes of the file system holding `file` available to this process
+/// (`fstatvfs`: `f_bavail` × `f_frsize`), or `None` if the call fails.
+fn available_bytes(file: &File) -> Option<u64> {
+    use std::os::unix::io::AsRawFd;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: fstatvfs fills the struct for a file descriptor we own; it
+    // is read only when the call succeeded.
+    let rc = unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: initialised by the successful call above.
+    let st = unsafe { st.assume_init() };
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 /// Writes at least this long take [`FileBackend::large_writes`] (measured
 /// on ext4 with four concurrent 1 MiB writers: 5–25 % more throughput, the
 /// spinning on the inode lock gone from the profile). Small writes hold the
@@ -82,9 +102,30 @@ impl FileBackend {
             return;
         }
         let start = end.max(have);
-        let new_end = ((end + PREALLOCATE_BYTES / 2) / PREALLOCATE_BYTES + 1) * PREALLOCATE_BYTES;
+        let mut new_end =
+            ((end + PREALLOCATE_BYTES / 2) / PREALLOCATE_BYTES + 1) * PREALLOCATE_BYTES;
+        // A fallocate that fails for want of space keeps (on ext4) what it
+        // allocated past the file's end until the file is truncated, and a
+        // write into a hole below the end then finds the file system full
+        // while that space sits unused: take at most a quarter of the space
+        // left, and nothing once less than 4 MiB would be taken.
+        match available_bytes(&self.file) {
+            Some(free) => {
+                let step = (free / 4) & !(BLOCK_SIZE_U64 - 1);
+                if step < MIN_PREALLOCATE_BYTES {
+                    self.preallocating.store(false, Ordering::Release);
+                    return;
+                }
+                new_end = new_end.min(start + step);
+            }
+            None => {
+                // (no figure: preallocate nothing rather than risk it)
+                self.preallocating.store(false, Ordering::Release);
+                return;
+            }
+        }
         // SAFETY: fallocate on a file descriptor we own; failure (no space,
-        // unsupported) is harmless: the write itself reports ENOSPC.
+        // unsupported) leaves the writes to report ENOSPC.
         let rc = unsafe {
             libc::fallocate(
                 self.file.as_raw_fd(),
