@@ -66,7 +66,7 @@ fn available_bytes(file: &File) -> Option<u64> {
     }
     // SAFETY: initialised by the successful call above.
     let st = unsafe { st.assume_init() };
-    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// Writes at least this long take [`FileBackend::large_writes`] (measured
