@@ -3281,7 +3281,7 @@ impl Engine {
 
     /// A snapshot of the engine's figures (see [`Stats`] for definitions).
     pub fn stats(&self) -> Stats {
-        let (mut s, free_blocks, pending_free_blocks) = {
+        let (mut s, free_blocks, pending_free_blocks, high_water_blocks) = {
             let m = lock(&self.meta);
             let c = &m.counters;
             let s = Stats {
@@ -3319,9 +3319,19 @@ impl Engine {
                     + self.merge_scan_bytes.load(Ordering::Relaxed),
                 ..Stats::default()
             };
-            (s, m.free.len(), m.pending_free.len() as u64)
+            (
+                s,
+                m.free.len(),
+                m.pending_free.len() as u64,
+                m.high_water_blocks,
+            )
         };
-        s.free_blocks = free_blocks;
+        s.data_file_bytes = self.backend.len_bytes().unwrap_or(0);
+        // free: the free set's PBAs, and those between the highest
+        // allocated PBA and the data file's end (after a restart, the
+        // blocks freed at the top of the file before it)
+        s.free_blocks =
+            free_blocks + (s.data_file_bytes / BLOCK_SIZE_U64).saturating_sub(high_water_blocks);
         s.pending_free_blocks = pending_free_blocks;
         s.no_space_commits = self.no_space_commits.load(Ordering::Relaxed);
         s.dedup_ratio = if s.physical_bytes_stored == 0 {
@@ -3334,7 +3344,6 @@ impl Engine {
         } else {
             100.0 * (1.0 - s.physical_bytes_stored as f64 / s.logical_bytes_mapped as f64)
         };
-        s.data_file_bytes = self.backend.len_bytes().unwrap_or(0);
         {
             let c = lock(&self.commit);
             s.journal_bytes = c.journal.as_ref().map_or(0, |j| j.used_bytes());

@@ -813,3 +813,33 @@ fn a_renamed_volume_keeps_its_data_and_the_new_name_is_durable() {
     assert_eq!(e.volumes().len(), 3);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+#[test]
+fn blocks_freed_at_the_top_of_the_data_file_stay_counted_free_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let e = Engine::create(&path, HashAlgorithm::Sha256, EngineConfig::default()).unwrap();
+    let v = e.create_volume("v", 1 << 20).unwrap();
+    let data: Vec<u8> = (0..8u8).flat_map(|b| vec![b + 1; 4096]).collect();
+    e.write(v, 0, &data, false).unwrap();
+    e.trim(v, 4 * 4096, 4 * 4096, false).unwrap();
+    e.flush().unwrap();
+    // the freed blocks are the file's last four
+    let before = e.stats();
+    assert_eq!(before.data_file_bytes, 8 * 4096);
+    assert_eq!(before.free_blocks, 4, "{before:?}");
+    e.close().unwrap();
+    drop(e);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let after = e.stats();
+    assert_eq!(after.data_file_bytes, 8 * 4096);
+    assert_eq!(after.free_blocks, 4, "{after:?}");
+    // and they are what new data takes: the file does not grow
+    let (v, _) = e.volume("v").unwrap();
+    let fresh: Vec<u8> = [9u8, 10].iter().flat_map(|&b| vec![b; 4096]).collect();
+    e.write(v, 4 * 4096, &fresh, false).unwrap();
+    let s = e.stats();
+    assert_eq!(s.data_file_bytes, 8 * 4096);
+    assert_eq!(s.free_blocks, 2, "{s:?}");
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
