@@ -372,6 +372,12 @@ impl Meta {
     /// Looks a fingerprint up in the index; a candidate counts only if its
     /// PBA is referenced and stores exactly this fingerprint (reverse index).
     pub fn lookup(&mut self, fp: &Fingerprint) -> std::io::Result<Option<Pba>> {
+        // after a paging fault a dropped reverse-index write can leave a
+        // reused PBA's old fingerprint in place: no hit is trusted (a miss
+        // stores the block as a copy of its own)
+        if self.paging_faults() > 0 {
+            return Ok(None);
+        }
         let found = self.with_index(|index, live, rc| index.lookup_with_refcount(fp, live, rc))?;
         Ok(found.filter(|&p| self.fingerprint_of(p) == *fp))
     }
@@ -461,6 +467,10 @@ impl Meta {
     /// Every live PBA holding exactly `fp` that the index knows, in
     /// memory and on disk (out-of-line dedup).
     pub fn lookup_all(&mut self, fp: &Fingerprint) -> std::io::Result<Vec<Pba>> {
+        // (no hit trusted after a paging fault: see `lookup`)
+        if self.paging_faults() > 0 {
+            return Ok(Vec::new());
+        }
         let mut found = self.with_index(|index, live, _| index.lookup_all(fp, live))?;
         found.retain(|&p| self.fingerprint_of(p) == *fp);
         Ok(found)

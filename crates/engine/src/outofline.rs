@@ -157,6 +157,10 @@ enum ExamineError {
     /// Reading or writing the fingerprint store: the record is kept
     /// (unless it was the first of its pass).
     Index(EngineError),
+    /// The in-memory metadata cannot be trusted any more (a page could
+    /// not be read back or written: [`crate::engine::fault_check`]): the
+    /// record and those after it are kept, nothing more is examined.
+    Fault(EngineError),
 }
 
 impl Engine {
@@ -263,6 +267,7 @@ impl Engine {
                     // waiting for it to empty, for ever
                     let failed = k * PASS_CHUNK + i;
                     let (rest, e) = match e {
+                        ExamineError::Fault(e) => (failed, e),
                         ExamineError::Index(e) if failed > 0 => (failed, e),
                         ExamineError::Block(e) | ExamineError::Index(e) => (failed + 1, e),
                     };
@@ -322,6 +327,13 @@ impl Engine {
         let mut result = Ok(None);
         let mut examined = chunk.len();
         for (i, &(vol, lba)) in chunk.iter().enumerate() {
+            // (a fault met by an earlier record, or by a request, leaves
+            // stale fingerprints a lookup could trust)
+            if let Err(e) = crate::engine::fault_check(&m) {
+                result = Err((i, ExamineError::Fault(e)));
+                examined = i;
+                break;
+            }
             if m.pending_merges.len() + MERGE_HEADROOM > crate::meta::MAX_PENDING_MERGES {
                 result = Ok(Some(i));
                 examined = i;
@@ -682,6 +694,9 @@ impl Engine {
                     return Ok((applied, false)); // the merges stay pending
                 }
                 let mut m = lock(&self.meta);
+                // (merges are planned and checked by fingerprints, which a
+                // fault can leave stale)
+                crate::engine::fault_check(&m)?;
                 let default_t = self.config.sequence_threshold_blocks;
                 let Some(pages) = m
                     .volumes
@@ -1149,6 +1164,45 @@ mod tests {
         e.read(v, 4096, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 2), "LBA 1 reads another block");
         assert!(e.check().is_empty());
+    }
+
+    #[test]
+    fn after_a_dropped_reverse_index_write_no_fingerprint_is_trusted() {
+        // two copies of X stored apart, a merge of the second onto the
+        // first planned; then a reverse-index write is dropped (its page
+        // could not be read back): the fingerprints may be stale, so no
+        // lookup hits, no merge is applied and the pass stops
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let x = [5u8; BLOCK_SIZE];
+        let fp = HashAlgorithm::Sha256.fingerprint(&x);
+        e.write(v, 0, &x, false).unwrap();
+        let pba = |e: &Engine, lba: u64| lock(&e.meta).volumes[&v].get(Lba(lba)).unwrap();
+        let a = pba(&e, 0);
+        lock(&e.meta).index.remove(&fp, a);
+        e.write(v, 4096, &x, false).unwrap();
+        let b = pba(&e, 1);
+        assert_ne!(a, b);
+        {
+            let mut m = lock(&e.meta);
+            assert_eq!(m.lookup(&fp).unwrap(), Some(b));
+            m.pending_merges.insert(b.0, a.0);
+            m.reverse_cache
+                .writes_dropped
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(m.lookup(&fp).unwrap(), None);
+            assert!(m.lookup_all(&fp).unwrap().is_empty());
+        }
+        assert!(matches!(
+            e.apply_pending_merges(&|| false),
+            Err(crate::EngineError::MetadataUnreadable(_))
+        ));
+        assert_eq!(pba(&e, 1), b, "a merge was applied after the fault");
+        // a pass over skipped records stops at once, keeping them
+        let before = lock(&e.meta).skipped.stats().records;
+        assert!(before > 0);
+        assert!(e.dedup_pass(64).is_err());
+        assert_eq!(lock(&e.meta).skipped.stats().records, before);
     }
 
     #[test]
