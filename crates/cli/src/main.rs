@@ -298,8 +298,9 @@ const STORE_FILES: [&str; 9] = [
 /// superblock, what to do about it: `fsck --repair`, which rebuilds the
 /// superblock when the store's `state.json` is there; removing the
 /// directory only when it holds nothing but what an interrupted `dedupd
-/// init` leaves (store files, all empty). `None` for any other error, and
-/// for a directory without store files (not a store at all).
+/// init` leaves (store files, all empty); for an empty directory, the
+/// commands that make it a store. `None` for any other error, and for a
+/// directory with other files but no store files (not a store at all).
 fn no_superblock_hint(e: &EngineError) -> Option<String> {
     let EngineError::NotAStore { path, .. } = e else {
         return None;
@@ -307,10 +308,18 @@ fn no_superblock_hint(e: &EngineError) -> Option<String> {
     if !path.is_dir() || path.join("superblock").exists() {
         return None;
     }
-    if !STORE_FILES.iter().any(|f| path.join(f).exists()) {
-        return None;
-    }
     let quoted = serve::shell_quote(&path.display().to_string());
+    if !STORE_FILES.iter().any(|f| path.join(f).exists()) {
+        // an empty directory is no store yet
+        let empty = std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_none());
+        return empty.then(|| {
+            format!(
+                "{quoted} is an empty directory: `dedupd --store {quoted} init` makes it a \
+                 store (or `dedupd --store {quoted} serve` makes it one with a 16 GiB volume \
+                 default)"
+            )
+        });
+    }
     if path.join("state.json").is_file() {
         return Some(format!(
             "{quoted} holds a store's files but no superblock: \
@@ -389,7 +398,6 @@ fn empty_store_env() -> Option<&'static str> {
     None
 }
 
-/// True if the command line names the `fsck` subcommand.
 /// For a command line that gives an option of `dedupd serve` without the
 /// `serve` command (`dedupd --listen 0.0.0.0:10809`), a hint naming the
 /// command line that works; `None` for any other error.
@@ -433,6 +441,7 @@ fn serve_option_hint(e: &clap::Error) -> Option<String> {
     ))
 }
 
+/// True if the command line names the `fsck` subcommand.
 fn invoked_fsck() -> bool {
     invoked_command().is_some_and(|c| c == "fsck")
 }

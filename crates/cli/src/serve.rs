@@ -347,6 +347,9 @@ fn open_or_create(
 /// half of it, and the NBD protocol expects servers to take 1 MiB ones.
 const INFLIGHT_BUDGET_MIN_BYTES: u64 = 2 << 20;
 
+/// Smallest `--journal-size`.
+const JOURNAL_SIZE_MIN_BYTES: u64 = 64 << 10;
+
 /// Refuses options that would be ignored or cannot work together.
 fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
     if args.selectivity != "adaptive" {
@@ -360,6 +363,20 @@ fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
                 "--power-source applies to adaptive selectivity only: add --selectivity adaptive"
             );
         }
+    }
+    if args.journal_size < JOURNAL_SIZE_MIN_BYTES {
+        anyhow::bail!(
+            "--journal-size {} is too small: at least 64K (below it every commit would \
+             checkpoint the metadata in place)",
+            human(args.journal_size)
+        );
+    }
+    if args.max_dirty < 4096 {
+        anyhow::bail!(
+            "--max-dirty {} is too small: at least 4K, one metadata page (a client that needs \
+             each write durable at once sends it with FUA, or a FLUSH)",
+            human(args.max_dirty)
+        );
     }
     if args.inflight_budget < INFLIGHT_BUDGET_MIN_BYTES {
         anyhow::bail!(

@@ -282,6 +282,14 @@ fn serve_options_that_would_be_ignored_or_cannot_work_are_refused() {
             "--inflight-budget 1.00 MiB is too small: at least 2M",
         ),
         (
+            &["serve", "--journal-size", "0"][..],
+            "--journal-size 0 B is too small: at least 64K",
+        ),
+        (
+            &["serve", "--max-dirty", "0"][..],
+            "--max-dirty 0 B is too small: at least 4K",
+        ),
+        (
             &["serve", "--listen", "localhost"][..],
             "--listen localhost: give HOST:PORT",
         ),
@@ -580,6 +588,13 @@ fn a_store_without_its_superblock_gets_a_hint() {
     let out = dedupd(&other, &["volume", "list"]);
     fails_with(&out, "not a dedupd store");
     assert!(!stderr(&out).contains("remove"), "{}", stderr(&out));
+    // an empty directory: the commands that make it a store
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = dedupd(&empty, &["stats"]);
+    fails_with(&out, "is an empty directory: `dedupd --store");
+    fails_with(&out, "init` makes it a store");
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
     // a file is not made a store, and stays as it was
     let file = tmp.path().join("a-file");
     std::fs::write(&file, "mine").unwrap();
