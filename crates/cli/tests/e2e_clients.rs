@@ -914,3 +914,40 @@ fn lbas_whose_mapping_was_lost_fail_to_read_over_nbd() {
     assert!(said.contains("Input/output error"), "{said}");
     server.stop();
 }
+
+#[test]
+fn fast_zeroes_of_whole_blocks_unmap_and_partial_ones_fail_at_once() {
+    require("qemu-io");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let server = Server::start(&store, &[]);
+    let uri = server.uri("default");
+    // `write -z -n`: zeroes with NBD_CMD_FLAG_FAST_ZERO (no slow fallback)
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x33 0 64k",
+        "-c",
+        "write -z -n 0 16k",
+        "-c",
+        "read -P 0 0 16k",
+        "-c",
+        "read -P 0x33 16k 48k",
+        &uri,
+    ]));
+    assert_eq!(
+        stats(&store)["logical_bytes_mapped"].as_u64(),
+        Some(48 << 10)
+    );
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -z -n 16k 1000", &uri])
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("Operation not supported"), "{said}");
+    // nothing changed
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x33 16k 48k", &uri]));
+    server.stop();
+}

@@ -109,6 +109,9 @@ pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
 pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 /// `NBD_FLAG_CAN_MULTI_CONN`: a flush on one connection covers all of them.
 pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+/// `NBD_FLAG_SEND_FAST_ZERO`: `NBD_CMD_FLAG_FAST_ZERO` supported on
+/// WRITE_ZEROES.
+pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 
 // ---------------------------------------------------------------------------
 // Commands and command flags ("Request types", "Command flags")
@@ -134,6 +137,11 @@ pub const CMD_FLAG_FUA: u16 = 1 << 0;
 /// space for later writes: the range is unmapped as without it (README,
 /// "NBD").
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+/// `NBD_CMD_FLAG_FAST_ZERO`: (WRITE_ZEROES) fail with `NBD_ENOTSUP` at once
+/// unless the zeroing is faster than a write. Zeroing whole 4 KiB blocks
+/// only unmaps them; a request with a partial block (which would be read,
+/// changed and written back) gets `NBD_ENOTSUP`, the export unchanged.
+pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
 // ---------------------------------------------------------------------------
 // Error values ("Error values")
@@ -149,6 +157,9 @@ pub const NBD_ENOMEM: u32 = 12;
 pub const NBD_EINVAL: u32 = 22;
 /// `NBD_ENOSPC`: no space left.
 pub const NBD_ENOSPC: u32 = 28;
+/// `NBD_ENOTSUP`: operation not supported (a FAST_ZERO that would not be
+/// fast).
+pub const NBD_ENOTSUP: u32 = 95;
 /// `NBD_ESHUTDOWN`: server shutting down.
 pub const NBD_ESHUTDOWN: u32 = 108;
 
@@ -421,14 +432,15 @@ pub fn encode_export_name_reply(size: u64, transmission_flags: u16, no_zeroes: b
 }
 
 /// Transmission flags for an export ("Transmission flags"): always
-/// `HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES`, plus
-/// `READ_ONLY` and `CAN_MULTI_CONN` when asked for.
+/// `HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES |
+/// SEND_FAST_ZERO`, plus `READ_ONLY` and `CAN_MULTI_CONN` when asked for.
 pub fn transmission_flags(read_only: bool, multi_conn: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
         | TFLAG_SEND_FUA
         | TFLAG_SEND_TRIM
-        | TFLAG_SEND_WRITE_ZEROES;
+        | TFLAG_SEND_WRITE_ZEROES
+        | TFLAG_SEND_FAST_ZERO;
     if read_only {
         f |= TFLAG_READ_ONLY;
     }
@@ -473,10 +485,10 @@ impl Command {
 
     /// Command flags valid for this command: `FUA` on every command (the
     /// spec requires accepting it everywhere once `SEND_FUA` is
-    /// advertised), plus `NO_HOLE` on WRITE_ZEROES.
+    /// advertised), plus `NO_HOLE` and `FAST_ZERO` on WRITE_ZEROES.
     pub fn allowed_flags(self) -> u16 {
         match self {
-            Command::WriteZeroes => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+            Command::WriteZeroes => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             _ => CMD_FLAG_FUA,
         }
     }
@@ -753,8 +765,8 @@ mod tests {
 
     #[test]
     fn flags_and_errors() {
-        assert_eq!(transmission_flags(false, false), 0b0110_1101);
-        assert_eq!(transmission_flags(true, true), 0b1_0110_1111);
+        assert_eq!(transmission_flags(false, false), 0b1000_0110_1101);
+        assert_eq!(transmission_flags(true, true), 0b1001_0110_1111);
         assert_eq!(error_code(&ExportError::Io("x".into())), NBD_EIO);
         assert_eq!(error_code(&ExportError::NoSpace), NBD_ENOSPC);
         assert_eq!(error_code(&ExportError::Invalid("x".into())), NBD_EINVAL);

@@ -85,6 +85,13 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool, max_payload: u32) 
                 Plan::Reply(proto::NBD_ENOSPC)
             } else if !in_range {
                 Plan::Reply(proto::NBD_EINVAL)
+            } else if req.flags & proto::CMD_FLAG_FAST_ZERO != 0
+                && !(req.offset | u64::from(req.length))
+                    .is_multiple_of(u64::from(proto::BLOCK_SIZE_PREFERRED))
+            {
+                // (a partial block is read, changed and written back: no
+                // faster than a write)
+                Plan::Reply(proto::NBD_ENOTSUP)
             } else {
                 Plan::Dispatch
             }
@@ -956,6 +963,35 @@ mod tests {
         assert_eq!(
             p(req(Command::WriteZeroes, 1 << 9, 0, 10)),
             Plan::Reply(NBD_EINVAL)
+        );
+        // FAST_ZERO: whole blocks are only unmapped; a partial block would
+        // be read and written back, so it fails at once
+        let fast = proto::CMD_FLAG_FAST_ZERO;
+        assert_eq!(
+            p(req(
+                Command::WriteZeroes,
+                fast | CMD_FLAG_NO_HOLE,
+                8192,
+                1 << 20
+            )),
+            Plan::Dispatch
+        );
+        assert_eq!(
+            p(req(Command::WriteZeroes, fast, 8192, 4095)),
+            Plan::Reply(proto::NBD_ENOTSUP)
+        );
+        assert_eq!(
+            p(req(Command::WriteZeroes, fast, 512, 4096)),
+            Plan::Reply(proto::NBD_ENOTSUP)
+        );
+        assert_eq!(
+            p(req(Command::Trim, fast, 0, 4096)),
+            Plan::Reply(NBD_EINVAL)
+        );
+        // (past the end: the range error comes first)
+        assert_eq!(
+            p(req(Command::WriteZeroes, fast, size, 4096)),
+            Plan::Reply(NBD_ENOSPC)
         );
         assert_eq!(
             p(req(Command::Write, 0, size, 1)),
