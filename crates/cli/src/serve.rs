@@ -131,7 +131,10 @@ pub struct ServeArgs {
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     pub inflight_budget: u64,
     /// NBD connections open at once, over all listeners (each holds a
-    /// 128 KiB read buffer); more are closed at once.
+    /// 128 KiB read buffer and 4 open files); more are closed at once.
+    /// Refused if the connections could exhaust the open-file limit with
+    /// the store's files (one per volume and 256); the default is lowered
+    /// to what fits instead.
     #[arg(long, default_value_t = 128, value_parser = crate::parse_count)]
     pub max_connections: u64,
     /// Journal length that triggers a checkpoint of metadata in place (as
@@ -179,6 +182,9 @@ pub struct CreationOptionsGiven {
     pub index_prefix_bits: bool,
     /// `--default-volume-size`.
     pub default_volume_size: bool,
+    /// `--max-connections` (not a creation option: when not given, the
+    /// server lowers its default to what the open-file limit allows).
+    pub max_connections: bool,
 }
 
 impl CreationOptionsGiven {
@@ -196,6 +202,7 @@ impl CreationOptionsGiven {
             hash: given("hash"),
             index_prefix_bits: given("index_prefix_bits"),
             default_volume_size: given("default_volume_size"),
+            max_connections: given("max_connections"),
         }
     }
 }
@@ -392,23 +399,33 @@ fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
 /// its reading, replying and shutdown halves use).
 const DESCRIPTORS_PER_CONNECTION: u64 = 4;
 
-/// File descriptors kept for everything else: the store's files (a map per
-/// volume: a store of more than about 200 volumes needs more, which the
-/// open-file limit raised to its hard value usually leaves), listeners,
-/// the control socket and its clients, scratch files.
+/// File descriptors kept for everything but the store's volume maps (one
+/// open file each, counted apart): the store's other files, listeners, the
+/// control socket and its clients, scratch files, volumes created while
+/// serving.
 const DESCRIPTORS_RESERVED: u64 = 256;
+
+/// Volume-map files of the store at `store` (one descriptor each while
+/// serving); 0 for a store not made yet.
+fn map_files_of(store: &Path) -> u64 {
+    std::fs::read_dir(store.join("maps")).map_or(0, |d| d.count() as u64)
+}
 
 /// Raises the soft limit on open files to the hard one, and refuses a
 /// `--max-connections` whose connections could use up the descriptors the
 /// store needs (a full table would fail commits for every client).
-fn ensure_descriptors_for(max_connections: u64) -> anyhow::Result<()> {
+///
+/// Returns the connections to allow: `max_connections`, or, when it was
+/// not given (`given` false: the default) and does not fit, as many as
+/// fit, with a warning.
+fn ensure_descriptors_for(max_connections: u64, given: bool, store: &Path) -> anyhow::Result<u64> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit/setrlimit only read and write the struct given.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Ok(()); // (nothing known: nothing to check)
+        return Ok(max_connections); // (nothing known: nothing to check)
     }
     if lim.rlim_cur < lim.rlim_max {
         let raised = libc::rlimit {
@@ -421,26 +438,46 @@ fn ensure_descriptors_for(max_connections: u64) -> anyhow::Result<()> {
         }
     }
     let limit: u64 = lim.rlim_cur;
+    let maps = map_files_of(store);
+    let reserved = DESCRIPTORS_RESERVED + maps;
     let needed = max_connections
         .saturating_mul(DESCRIPTORS_PER_CONNECTION)
-        .saturating_add(DESCRIPTORS_RESERVED);
+        .saturating_add(reserved);
     if lim.rlim_cur != libc::RLIM_INFINITY && needed > limit {
-        let fits = limit.saturating_sub(DESCRIPTORS_RESERVED) / DESCRIPTORS_PER_CONNECTION;
+        let fits = limit.saturating_sub(reserved) / DESCRIPTORS_PER_CONNECTION;
+        if !given && fits > 0 {
+            err_line!(
+                "dedupd: warning: at most {fits} NBD connections at once (not {max_connections}): \
+                 this process may open {limit} files (`ulimit -n`), and the store's {maps} \
+                 volumes and the rest of the store take {reserved}"
+            );
+            return Ok(fits);
+        }
+        let advice = if fits == 0 {
+            "raise the limit".to_string()
+        } else {
+            format!("give --max-connections {fits} or less, or raise the limit")
+        };
         anyhow::bail!(
             "--max-connections {max_connections} needs up to {needed} open files \
-             ({DESCRIPTORS_PER_CONNECTION} per connection and {DESCRIPTORS_RESERVED} for the \
-             store), but this process may open {limit} (`ulimit -n`): give \
-             --max-connections {fits} or less, or raise the limit"
+             ({DESCRIPTORS_PER_CONNECTION} per connection, one per volume ({maps}) and \
+             {DESCRIPTORS_RESERVED} for the rest of the store), but this process may open \
+             {limit} (`ulimit -n`): {advice}"
         );
     }
-    Ok(())
+    Ok(max_connections)
 }
+
+/// Volumes named in the line `serve` prints at start (the rest are
+/// counted).
+const VOLUMES_NAMED: usize = 8;
 
 /// Runs the server until SIGINT, SIGTERM or SIGHUP. `given` tells which
 /// creation options the user gave (warned of if the store exists).
 pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow::Result<()> {
     check_option_combinations(&args)?;
-    ensure_descriptors_for(args.max_connections)?;
+    let max_connections =
+        ensure_descriptors_for(args.max_connections, given.max_connections, store)?;
     let mut config = EngineConfig {
         journal_size_bytes: args.journal_size,
         max_dirty_bytes: args.max_dirty,
@@ -474,7 +511,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     let server_config = ServerConfig {
         workers_per_connection: usize::from(args.workers),
         inflight_budget_bytes: args.inflight_budget as usize,
-        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
         ..ServerConfig::default()
     };
     // the listeners are tried first: a bad --listen or --socket, or one in
@@ -562,10 +599,17 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     match names.len() {
         0 => out_line!("dedupd: store {} (no volumes)", store.display()),
         1 => out_line!("dedupd: store {} (1 volume: {})", store.display(), names[0]),
-        n => out_line!(
+        n if n <= VOLUMES_NAMED => out_line!(
             "dedupd: store {} ({n} volumes: {})",
             store.display(),
             names.join(", ")
+        ),
+        n => out_line!(
+            "dedupd: store {} ({n} volumes: {}, … and {} more: `dedupd --store {} volume list`)",
+            store.display(),
+            names[..VOLUMES_NAMED].join(", "),
+            n - VOLUMES_NAMED,
+            shell_quote(&store.display().to_string())
         ),
     }
     for n in engine.notes() {

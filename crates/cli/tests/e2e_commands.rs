@@ -785,3 +785,66 @@ fn commands_other_than_serve_take_no_journal_reserve_of_their_own() {
         allocated()
     );
 }
+
+#[test]
+fn a_low_open_file_limit_lowers_the_default_connection_cap_and_many_volumes_are_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    succeeds(&store, &["init"]);
+    for i in 0..10 {
+        succeeds(&store, &["volume", "create", &format!("v{i}"), "1M"]);
+    }
+    // 300 files: 256 for the store, one per volume's map (10), 4 per
+    // connection: 8 connections fit
+    let mut child = Command::new("sh")
+        .args(["-c", "ulimit -n 300 && exec \"$0\" \"$@\""])
+        .arg(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let errors = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let mut said = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        let done = line.starts_with("dedupd: stats:");
+        said.push(line);
+        if done {
+            break;
+        }
+    }
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let errors = errors.join().unwrap();
+    assert!(status.success(), "dedupd serve: {status}\n{errors}");
+    assert!(
+        errors.contains("at most 8 NBD connections at once (not 128)"),
+        "{errors}"
+    );
+    let said = said.join("\n");
+    assert!(
+        said.contains("(10 volumes: v0, v1, v2, v3, v4, v5, v6, v7, … and 2 more: `dedupd --store"),
+        "{said}"
+    );
+    // given explicitly, a cap that does not fit is refused
+    let out = Command::new("sh")
+        .args(["-c", "ulimit -n 300 && exec \"$0\" \"$@\""])
+        .arg(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["serve", "--listen", "127.0.0.1:0", "--max-connections", "9"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    fails_with(&out, "give --max-connections 8 or less");
+}
