@@ -89,6 +89,34 @@ const READ_REPLY_DEADLINE: Duration = Duration::from_millis(700);
 /// Least time between two progress lines.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
+/// Writes all of `buf` to `s` without raising SIGPIPE (`stats` restores
+/// its default action, so a plain write to a closed socket would kill the
+/// process): a closed peer is an error `BrokenPipe`.
+fn send_all(s: &UnixStream, mut buf: &[u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    while !buf.is_empty() {
+        // SAFETY: send on a socket descriptor `s` owns, reading from a
+        // live buffer of `buf.len()` bytes.
+        let n = unsafe {
+            libc::send(
+                s.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
 /// Sends `req` to the server of `store`, passing each progress line
 /// (blocks done, of all) to `progress` while the server works; the
 /// reply's result or its error.
@@ -102,7 +130,7 @@ pub fn call(
     progress: &mut dyn FnMut(u64, u64),
 ) -> anyhow::Result<Value> {
     let path = socket_path(store);
-    let mut s = match crate::sockpath::SocketPath::new(&path)
+    let s = match crate::sockpath::SocketPath::new(&path)
         .and_then(|at| UnixStream::connect(at.addr()))
     {
         Ok(s) => s,
@@ -131,7 +159,19 @@ pub fn call(
         .then(|| std::time::Instant::now() + READ_REPLY_DEADLINE);
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
-    s.write_all(line.as_bytes())?;
+    match send_all(&s, line.as_bytes()) {
+        Ok(()) => {}
+        // a server at its limit answers busy and closes at once, maybe
+        // before the request went out: its reply is still there to read
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            ) => {}
+        Err(e) => {
+            return Err(e).with_context(|| format!("sending to the server at {}", path.display()))
+        }
+    }
     let mut lines = BufReader::new(s);
     loop {
         let mut reply = String::new();
