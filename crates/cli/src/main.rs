@@ -1057,11 +1057,32 @@ impl<'a> Figures<'a> {
             .map_or("?".into(), human)
     }
 
+    /// A percentage with one decimal, or `?`; one that is not exactly 0
+    /// or 100 never reads as either (`<0.1`, `>99.9`).
+    fn pct(&self, path: &str) -> String {
+        self.get(path)
+            .and_then(Value::as_f64)
+            .map_or("?".into(), percent_text)
+    }
+
     /// A fraction or ratio times `scale`, with `decimals` decimals, or `?`.
     fn f(&self, path: &str, scale: f64, decimals: usize) -> String {
         self.get(path)
             .and_then(Value::as_f64)
             .map_or("?".into(), |x| format!("{:.*}", decimals, x * scale))
+    }
+}
+
+/// `x` % with one decimal, except that a value strictly between 0 and
+/// 0.05 reads `<0.1` and one strictly between 99.95 and 100 reads `>99.9`
+/// (rounding would show them as 0.0 and 100.0).
+fn percent_text(x: f64) -> String {
+    if x > 0.0 && x < 0.05 {
+        "<0.1".into()
+    } else if (99.95..100.0).contains(&x) {
+        ">99.9".into()
+    } else {
+        format!("{x:.1}")
     }
 }
 
@@ -1101,7 +1122,7 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
     );
     line!(
         "space savings                {} %",
-        s.f("space_savings_percent", 1.0, 1)
+        s.pct("space_savings_percent")
     );
     line!("blocks written               {}", s.n("blocks_written"));
     line!(
@@ -1111,7 +1132,7 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
     line!(
         "duplicate writes eliminated  {} ({} % of blocks written)",
         s.n("duplicate_writes_eliminated"),
-        s.f("duplicate_writes_eliminated_percent", 1.0, 1)
+        s.pct("duplicate_writes_eliminated_percent")
     );
     line!("blocks trimmed               {}", s.n("blocks_trimmed"));
     line!(
@@ -1297,6 +1318,18 @@ mod tests {
         let (text, missing) = format_stats(&v);
         assert!(missing.is_empty(), "figures the stats lack: {missing:?}");
         assert!(!text.contains("NBD connections"), "{text}");
+    }
+
+    #[test]
+    fn percentages_near_0_and_100_do_not_round_to_them() {
+        assert_eq!(super::percent_text(0.0), "0.0");
+        assert_eq!(super::percent_text(0.02), "<0.1");
+        assert_eq!(super::percent_text(0.05), "0.1");
+        assert_eq!(super::percent_text(50.04), "50.0");
+        // 4095 of 4096 blocks
+        assert_eq!(super::percent_text(100.0 * 4095.0 / 4096.0), ">99.9");
+        assert_eq!(super::percent_text(99.94), "99.9");
+        assert_eq!(super::percent_text(100.0), "100.0");
     }
 
     #[test]
