@@ -171,6 +171,48 @@ fn trace_gen_convert_stats() {
 }
 
 #[test]
+fn trace_convert_refuses_to_write_over_its_input() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let (p, _, _) = trace(tmp.path());
+    let input = tmp.path().join("in.txt");
+    std::fs::copy(&p, &input).unwrap();
+    std::fs::set_permissions(&input, std::fs::Permissions::from_mode(0o444)).unwrap();
+    std::fs::hard_link(&input, tmp.path().join("hard.txt")).unwrap();
+    std::os::unix::fs::symlink("in.txt", tmp.path().join("soft.txt")).unwrap();
+    let before = std::fs::read(&input).unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = ["in.txt", "./in.txt", "hard.txt", "soft.txt"]
+        .into_iter()
+        .map(|out| {
+            (
+                vec!["trace", "convert", "in.txt", out],
+                "is an input (in.txt)",
+            )
+        })
+        .collect();
+    assert_refused(tmp.path(), &cases);
+    assert_eq!(std::fs::read(&input).unwrap(), before, "the input changed");
+    assert_eq!(
+        std::fs::metadata(&input).unwrap().permissions().mode() & 0o777,
+        0o444
+    );
+    assert!(std::fs::symlink_metadata(tmp.path().join("soft.txt"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // another name is converted as before
+    let out = dedupd()
+        .current_dir(tmp.path())
+        .args(["trace", "convert", "in.txt", "out.ddt"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::fs::read(tmp.path().join("out.ddt"))
+        .unwrap()
+        .starts_with(b"DDTRACE"));
+}
+
+#[test]
 fn sweep_writes_results_and_figures() {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("loc.ddt");

@@ -759,10 +759,15 @@ fn convert_and_gen_replace_their_output_only_when_complete() {
         .map(|i| format!("{} 7 p {} 8 W 8 0 {}\n", 100 + i, i * 8, h(i % 9)))
         .collect();
     let p = write(dir.path(), "t.blkparse", &text);
-    let before = read_all(&p, None);
-    // onto itself: read whole, then replaced by its native form
-    convert(&p, None, false, &p).unwrap();
-    assert_eq!(read_all(&p, Some(Format::Native)), before);
+    let before = std::fs::read(&p).unwrap();
+    // onto itself (or a link to it) it is refused, the input left as it was
+    let hard = dir.path().join("hard.blkparse");
+    std::fs::hard_link(&p, &hard).unwrap();
+    for onto in [p.clone(), dir.path().join("./t.blkparse"), hard] {
+        let e = convert(&p, None, false, &onto).unwrap_err().to_string();
+        assert!(e.contains("is an input"), "{onto:?}: {e}");
+        assert_eq!(std::fs::read(&p).unwrap(), before);
+    }
     // a conversion that fails leaves an existing output as it was
     let bad = write(dir.path(), "bad.blkparse", &format!("{text}garbage\n"));
     let out = write(dir.path(), "out.ddt", "precious");
