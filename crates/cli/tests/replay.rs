@@ -380,6 +380,8 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
     std::fs::copy(&trace, tmp.path().join("results.csv")).unwrap();
     let c = copy.to_str().unwrap();
     let twice = format!("{c},{c}");
+    let dot_c = format!("./{}", copy.file_name().unwrap().to_str().unwrap());
+    std::fs::hard_link(&copy, tmp.path().join("link.blkparse")).unwrap();
     let not_a_dir = keep.to_str().unwrap();
     assert_refused(
         tmp.path(),
@@ -405,6 +407,62 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
             (
                 vec!["sweep", "--traces", &twice, "--out", "o"],
                 "given more than once",
+            ),
+            // so would the same policy or budget twice (equal in bytes)
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--policies",
+                    "lru,lru,g-lru",
+                    "--out",
+                    "o",
+                ],
+                "--policies: policy \"lru\" is given more than once",
+            ),
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--policies",
+                    "lru+sampling+prehash,lru+prehash+sampling",
+                    "--out",
+                    "o",
+                ],
+                "(as \"lru+sampling+prehash\")",
+            ),
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--index-memory",
+                    "1M,1M",
+                    "--out",
+                    "o",
+                ],
+                "--index-memory: budget 1M is given more than once",
+            ),
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--index-memory",
+                    "2M,1M,1024K",
+                    "--out",
+                    "o",
+                ],
+                "budget 1024K is given more than once (as 1M; both are 1048576 bytes)",
+            ),
+            // a replay of the same file twice, however it is named
+            (vec!["replay", "-q", c, c], "is given more than once"),
+            (vec!["replay", "-q", c, &dot_c], "is given more than once"),
+            (
+                vec!["replay", "-q", c, "link.blkparse"],
+                "trace link.blkparse is given more than once",
             ),
             // a trace where the sweep would write its results
             (

@@ -752,7 +752,9 @@ struct Stream {
 /// Replays `paths` (interleaved by time stamp) under `cfg`, calling
 /// `progress` now and then (and once at the end).
 ///
-/// Errors: a policy that is not available ([`build_engine`]), I/O, a
+/// Errors: a file given twice (the same device and inode, or the same
+/// path: [`TraceError::Config`]), a policy that is not available
+/// ([`build_engine`]), I/O, a
 /// malformed line (unless `skip_bad`), a file without any request
 /// ([`TraceError::NoRequests`]), or a request the engine refuses (beyond
 /// 1 PiB; skipped and counted with `skip_bad`).
@@ -761,6 +763,17 @@ pub fn replay(
     cfg: &ReplayConfig,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Report> {
+    // (the same file twice would replay its requests as two streams with
+    // one label)
+    if let Some((first, again)) =
+        crate::sweep::first_repeat(paths, |a, b| crate::input::same_file(a, b))
+    {
+        return Err(TraceError::Config(format!(
+            "trace {} is given more than once{} (each trace is replayed once)",
+            paths[again].display(),
+            crate::sweep::spelled_as(&paths[first].display(), &paths[again].display()),
+        )));
+    }
     let engine = build_engine(cfg)?;
     let spec = cfg.policy.parse::<PolicySpec>()?;
     let bounded = spec.eviction.is_some();
