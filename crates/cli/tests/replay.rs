@@ -213,6 +213,41 @@ fn trace_convert_refuses_to_write_over_its_input() {
 }
 
 #[test]
+fn the_text_report_splits_index_entries_between_memory_and_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("g.ddt");
+    let out = dedupd()
+        .args(["trace", "gen", "--size", "4M", "--seed", "3", "-o"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let run = |json: bool| {
+        let mut c = dedupd();
+        c.args(["replay", "-q", "--policy", "lru", "--index-memory", "4K"])
+            .arg(&t);
+        if json {
+            c.arg("--json");
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    let (all, mem, disk) = (
+        v["index_entries"].as_u64().unwrap(),
+        v["engine"]["index"]["entries_in_memory"].as_u64().unwrap(),
+        v["engine"]["index"]["entries_on_disk"].as_u64().unwrap(),
+    );
+    assert_eq!(all, mem + disk);
+    // a 4 KiB budget holds few of them: most are on disk
+    assert!(disk > mem, "{mem} in memory, {disk} on disk");
+    let text = run(false);
+    let want = format!("({all} entries at end: {mem} in memory, {disk} on disk)");
+    assert!(text.contains(&want), "{want} not in\n{text}");
+}
+
+#[test]
 fn sweep_writes_results_and_figures() {
     let dir = tempfile::tempdir().unwrap();
     let t = dir.path().join("loc.ddt");
