@@ -372,7 +372,9 @@ pub struct StreamReport {
     /// `file`, `file:process` or `file:pid`, followed by
     /// `@major,minor` for a device other than the first of its file.
     pub name: String,
-    /// Name of its volume in the engine.
+    /// Name of its volume in the engine: `s` and the stream's index
+    /// (`s0`, `s1`, … by order of first request), whatever the file is
+    /// called.
     pub volume: String,
     /// Requests of the stream.
     pub requests: u64,
@@ -532,23 +534,13 @@ fn pct(part: u64, whole: u64) -> f64 {
     }
 }
 
-/// A volume name from a label: `[A-Za-z0-9._-]`, others become `_`, at most
-/// 64 characters, prefixed with the stream index for uniqueness.
-fn volume_name(index: usize, label: &str) -> String {
-    let mut s = format!("s{index}-");
-    for c in label.chars() {
-        if s.len() >= 64 {
-            break;
-        }
-        s.push(
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '_'
-            },
-        );
-    }
-    s
+/// The engine volume name of stream `index` (0-based, by order of first
+/// request): `s0`, `s1`, …. Independent of the trace's file name, so that
+/// the figures that depend on the volume table (journal and checkpoint
+/// bytes) are the same for every copy and form of one trace; the stream's
+/// label ([`StreamReport::name`]) names the file.
+fn volume_name(index: usize) -> String {
+    format!("s{index}")
 }
 
 /// What identifies a stream: the input file's index, the device (each
@@ -859,12 +851,7 @@ pub fn replay(
                     Some(&s) => s,
                     None => {
                         let s = streams.len();
-                        // (the file's base name and what follows it: a
-                        // process name may hold a '/' itself, kworker/0:1)
-                        let file = inp.reader.name();
-                        let dir_len = file.rfind('/').map_or(0, |at| at + 1);
-                        let base = label[dir_len.min(label.len())..].to_string();
-                        let volume = volume_name(s, &base);
+                        let volume = volume_name(s);
                         let id = engine.create_volume(&volume, VOLUME_BYTES)?;
                         streams.push(Stream {
                             report: StreamReport {

@@ -326,7 +326,7 @@ fn an_fiu_trace_separated_by_tabs_is_read_as_fiu() {
 }
 
 #[test]
-fn a_process_name_with_a_slash_keeps_the_file_in_its_volume_name() {
+fn volumes_are_named_by_stream_index_and_labels_keep_the_file_and_process() {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
         "0.5\tW\t0\t8\t1200\tkworker/0:1\t{a}\n\
@@ -340,10 +340,74 @@ fn a_process_name_with_a_slash_keeps_the_file_in_its_volume_name() {
     };
     let r = run(&[p], &cfg);
     let volumes: Vec<&str> = r.streams.iter().map(|s| s.volume.as_str()).collect();
+    assert_eq!(volumes, ["s0", "s1"]);
+    let labels: Vec<&str> = r.streams.iter().map(|s| s.name.as_str()).collect();
+    let file = dir.path().join("phone.txt").display().to_string();
     assert_eq!(
-        volumes,
-        ["s0-phone.txt_kworker_0_1", "s1-phone.txt_com.example"]
+        labels,
+        [format!("{file}:kworker/0:1"), format!("{file}:com.example")]
     );
+}
+
+/// A report as JSON without what names the trace's file (its path and
+/// the stream labels) or depends on the clock.
+fn report_without_names(r: &dedupd_sim::Report) -> serde_json::Value {
+    let mut v = serde_json::to_value(r).unwrap();
+    let o = v.as_object_mut().unwrap();
+    for k in ["traces", "elapsed_seconds", "requests_per_second"] {
+        assert!(o.remove(k).is_some(), "{k}");
+    }
+    for s in o["streams"].as_array_mut().unwrap() {
+        s.as_object_mut().unwrap().remove("name").unwrap();
+    }
+    v
+}
+
+#[test]
+fn every_form_of_a_trace_gives_the_same_report() {
+    use std::io::Write as _;
+    // the real FIU sample if it is there, else lines in its format
+    let real = std::env::var_os("DEDUPD_FIU_SAMPLES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/fiu"))
+        .join("mail-01-sample.blkparse");
+    let text = std::fs::read_to_string(&real).unwrap_or_else(|_| {
+        (0..3000u32)
+            .map(|i| {
+                format!(
+                    "{} 4253 nfsd {} 8 W 6 0 {}\n",
+                    1000 + i,
+                    (i % 500) * 8,
+                    h(i % 700)
+                )
+            })
+            .collect()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let plain = write(dir.path(), "mail.blkparse", &text);
+    let gz = dir.path().join("another-name-entirely.blkparse.gz");
+    let mut enc = flate2::write::GzEncoder::new(
+        std::fs::File::create(&gz).unwrap(),
+        flate2::Compression::default(),
+    );
+    enc.write_all(text.as_bytes()).unwrap();
+    enc.finish().unwrap();
+    let native = dir.path().join("m.ddt");
+    convert(&plain, None, false, &native).unwrap();
+    for policy in ["exact", "lru"] {
+        let cfg = ReplayConfig {
+            policy: policy.into(),
+            index_memory_bytes: (policy != "exact").then_some(8192),
+            ..ReplayConfig::default()
+        };
+        let want = run(std::slice::from_ref(&plain), &cfg);
+        assert!(want.journal_bytes > 0 && want.checkpoint_bytes > 0);
+        let want = report_without_names(&want);
+        for other in [&gz, &native] {
+            let got = report_without_names(&run(std::slice::from_ref(other), &cfg));
+            assert_eq!(got, want, "{policy}: {other:?}");
+        }
+    }
 }
 
 #[test]
