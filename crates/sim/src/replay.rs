@@ -165,7 +165,10 @@ impl std::str::FromStr for PolicySpec {
                             .ok()
                             .filter(|&n: &u32| n >= 1)
                             .ok_or_else(|| {
-                                TraceError::Config(format!("bad threshold {t:?} (t1, t2, …)"))
+                                TraceError::Config(format!(
+                                    "bad threshold {t:?} (tN with N from 1 to {} blocks)",
+                                    u32::MAX
+                                ))
                             })?;
                 }
                 f => {

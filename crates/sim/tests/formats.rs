@@ -365,7 +365,6 @@ fn report_without_names(r: &dedupd_sim::Report) -> serde_json::Value {
 
 #[test]
 fn every_form_of_a_trace_gives_the_same_report() {
-    use std::io::Write as _;
     // the real FIU sample if it is there, else lines in its format
     let real = std::env::var_os("DEDUPD_FIU_SAMPLES")
         .map(std::path::PathBuf::from)
@@ -552,6 +551,10 @@ fn unknown_policy_or_filter_is_a_clear_error() {
         ("mru", "unknown policy \"mru\""),
         ("lru+dedup", "unknown filter \"dedup\""),
         ("lru+t0", "bad threshold"),
+        (
+            "lru+t99999999999",
+            "bad threshold \"t99999999999\" (tN with N from 1 to 4294967295 blocks)",
+        ),
         ("lru+t4+t8", "gives a threshold (tN) twice"),
         ("lru+prehash+prehash", "gives prehash twice"),
     ] {
@@ -775,7 +778,22 @@ fn hostile_lines_are_refused_with_file_and_line() {
             format!("0 10 proc 18446744073709551615 1 R 8 0 {}\n", h(3)),
             "address space",
         ),
-        (&mobile, format!(".\tW\t0\t8\t1\tp\t{}\n", h(4)), "bad time"),
+        (
+            &mobile,
+            format!(".\tW\t0\t8\t1\tp\t{}\n", h(4)),
+            "bad time \".\" (field 1 of 7)",
+        ),
+        // a field too many at the end: the value and the count are named
+        (
+            &good,
+            format!("2 7 p 8 8 W 8 0 {} extra\n", h(2)),
+            "bad size \"W\" (field 6 of 10); the line has 10 fields where 9 are expected",
+        ),
+        (
+            &good,
+            format!("2 7 p 8 8 Q 8 0 {}\n", h(2)),
+            "bad operation (not R or W) \"Q\" (field 6 of 9)",
+        ),
         (
             &mobile,
             format!("1.6\tR\t0\t8\t1\tp\t{0}-{0}-{0}\n", h(4)),
@@ -953,5 +971,38 @@ fn binary_data_and_a_cut_native_header_are_named_as_such() {
         err.to_string()
             .contains("MD5 digest #2 of the request (\"xyz\") is not 32 hex digits"),
         "{err}"
+    );
+}
+
+#[test]
+fn a_native_trace_read_as_text_is_named_as_native() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("1 7 p 0 8 W 8 0 {}\n", h(1));
+    let src = write(dir.path(), "t.blkparse", &text);
+    let native = dir.path().join("t.ddt");
+    convert(&src, None, false, &native).unwrap();
+    for format in [Format::Fiu, Format::Mobile] {
+        let cfg = ReplayConfig {
+            format: Some(format),
+            ..ReplayConfig::default()
+        };
+        let err = replay(std::slice::from_ref(&native), &cfg, &mut |_| {}).unwrap_err();
+        assert!(matches!(err, TraceError::NativeAsText { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("a native trace") && msg.contains("--format native"),
+            "{msg}"
+        );
+        assert!(trace_stats(&native, Some(format), true).is_err());
+    }
+    // named as native, or detected, it reads
+    for format in [Some(Format::Native), None] {
+        let s = trace_stats(&native, format, false).unwrap();
+        assert_eq!(s.writes, 1);
+    }
+    // a text trace named as such still reads
+    assert_eq!(
+        trace_stats(&src, Some(Format::Fiu), false).unwrap().writes,
+        1
     );
 }
