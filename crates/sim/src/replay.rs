@@ -84,12 +84,15 @@ pub const CRC32_BYTES_PER_SECOND: f64 = 20e9;
 pub struct Filters {
     /// CAFTL sampling hashing (FAST '11, as SmartDedup §4.1 describes it):
     /// of a write request with several non-zero blocks only the sample —
-    /// the block with the largest CRC-32C of its trace digest — is
+    /// the block with the largest CRC-32C of its engine fingerprint
+    /// ([`fingerprint_of`] its trace digest, 32 bytes; not of the digest)
+    /// — is
     /// fingerprinted and looked up first; the others only if it is a
     /// duplicate ([`dedupd_engine::EngineConfig::sampling`]).
     pub sampling: bool,
-    /// CAFTL pre-hashing: a CRC-32C of every block (of its trace digest
-    /// here: 32 bits, so collisions pass as with real CRCs); only a block
+    /// CAFTL pre-hashing: a CRC-32C of every block (of its engine
+    /// fingerprint here, as for `sampling`: 32 bits, so collisions pass as
+    /// with real CRCs); only a block
     /// whose CRC was seen before is fingerprinted inline. The engine's CRC
     /// table has [`PREHASH_TABLE_BYTES`]
     /// ([`dedupd_engine::EngineConfig::prehash_bytes`]).
