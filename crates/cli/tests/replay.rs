@@ -159,6 +159,18 @@ fn trace_gen_convert_stats() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["format"], "native");
     assert_eq!(v["blocks_written"], writes);
+    // a native trace read as text is named as native, not as bad lines
+    let out = dedupd()
+        .args(["replay", "-q", "--format", "fiu"])
+        .arg(&native)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("a native trace") && err.contains("--format native"),
+        "{err}"
+    );
     let out = dedupd()
         .args(["replay", "--stream-by", "process", "--json"])
         .arg(&a)
