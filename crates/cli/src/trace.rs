@@ -269,7 +269,7 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
     let n = with_bytes_bar(spec.size_bytes, "generating", |generated| {
         dedupd_sim::generate_with_progress(&spec, &g.output, &generated)
     })?;
-    println!("wrote {n} requests to {}", g.output.display());
+    println!("wrote {} to {}", counted(n, "request"), g.output.display());
     Ok(())
 }
 
