@@ -233,10 +233,14 @@ fn print_report(r: &Report) {
         "fingerprint store I/O         {} eviction reads, {} eviction writes, {} lookup reads ({} groups evicted)",
         ix.eviction_reads, ix.eviction_writes, ix.lookup_reads, ix.groups_evicted
     );
+    // (entries on disk are outside the budget: only those in memory are in
+    // the peak)
     println!(
-        "index memory                  peak {} with the prefix tree ({} entries at end)",
+        "index memory                  peak {} with the prefix tree ({} entries at end: {} in memory, {} on disk)",
         human(r.peak_index_bytes_in_memory),
-        r.index_entries
+        r.index_entries,
+        ix.entries_in_memory,
+        ix.entries_on_disk
     );
     println!(
         "fragmentation                 {} extents over {} mapped blocks ({:.2} blocks/extent)",

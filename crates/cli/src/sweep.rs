@@ -60,9 +60,23 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             anyhow::bail!("--traces {}: {e}", t.display());
         }
     }
-    // (the same trace twice would mix its rows)
+    // (the same trace twice would mix its rows; the same policy or budget
+    // twice would run duplicate rows)
     dedupd_sim::sweep::check_distinct_traces(&args.traces)
         .map_err(|e| anyhow::anyhow!("--traces: {e}"))?;
+    dedupd_sim::sweep::check_distinct_policies(&args.policies)
+        .map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
+    if let Some((first, again)) = dedupd_sim::sweep::first_repeat(&budgets, |a, b| a == b) {
+        let (a, b) = (&args.index_memory[first], &args.index_memory[again]);
+        anyhow::bail!(
+            "--index-memory: budget {b} is given more than once{} (each budget is swept once)",
+            if a == b {
+                String::new()
+            } else {
+                format!(" (as {a}; both are {} bytes)", budgets[again])
+            }
+        );
+    }
     // no result or figure may land on a trace
     for out in dedupd_sim::sweep::output_paths(&args.out, &args.traces) {
         if args.out.is_dir() {

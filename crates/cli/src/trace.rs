@@ -54,7 +54,9 @@ pub struct GenArgs {
     /// stream) or mix (several streams interleaved by time stamp).
     #[arg(long, default_value = "fio", value_parser = ["fio", "locality", "mix"])]
     kind: String,
-    /// Bytes written in total (suffixes K, M, G).
+    /// Bytes written in total (suffixes K, M, G), rounded up to whole
+    /// requests of --bs: 10K of 4K requests is 3 requests, 4K of 8K
+    /// requests is 1.
     #[arg(long, default_value = "64M")]
     size: String,
     /// Bytes per request (a multiple of 4K, at most 32M).
@@ -267,7 +269,7 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
     let n = with_bytes_bar(spec.size_bytes, "generating", |generated| {
         dedupd_sim::generate_with_progress(&spec, &g.output, &generated)
     })?;
-    println!("wrote {n} requests to {}", g.output.display());
+    println!("wrote {} to {}", counted(n, "request"), g.output.display());
     Ok(())
 }
 

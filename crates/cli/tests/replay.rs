@@ -159,6 +159,18 @@ fn trace_gen_convert_stats() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["format"], "native");
     assert_eq!(v["blocks_written"], writes);
+    // a native trace read as text is named as native, not as bad lines
+    let out = dedupd()
+        .args(["replay", "-q", "--format", "fiu"])
+        .arg(&native)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("a native trace") && err.contains("--format native"),
+        "{err}"
+    );
     let out = dedupd()
         .args(["replay", "--stream-by", "process", "--json"])
         .arg(&a)
@@ -168,6 +180,83 @@ fn trace_gen_convert_stats() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["streams"].as_array().unwrap().len(), 2);
     assert_eq!(v["blocks_written"], 1024);
+}
+
+#[test]
+fn trace_convert_refuses_to_write_over_its_input() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let (p, _, _) = trace(tmp.path());
+    let input = tmp.path().join("in.txt");
+    std::fs::copy(&p, &input).unwrap();
+    std::fs::set_permissions(&input, std::fs::Permissions::from_mode(0o444)).unwrap();
+    std::fs::hard_link(&input, tmp.path().join("hard.txt")).unwrap();
+    std::os::unix::fs::symlink("in.txt", tmp.path().join("soft.txt")).unwrap();
+    let before = std::fs::read(&input).unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = ["in.txt", "./in.txt", "hard.txt", "soft.txt"]
+        .into_iter()
+        .map(|out| {
+            (
+                vec!["trace", "convert", "in.txt", out],
+                "is an input (in.txt)",
+            )
+        })
+        .collect();
+    assert_refused(tmp.path(), &cases);
+    assert_eq!(std::fs::read(&input).unwrap(), before, "the input changed");
+    assert_eq!(
+        std::fs::metadata(&input).unwrap().permissions().mode() & 0o777,
+        0o444
+    );
+    assert!(std::fs::symlink_metadata(tmp.path().join("soft.txt"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // another name is converted as before
+    let out = dedupd()
+        .current_dir(tmp.path())
+        .args(["trace", "convert", "in.txt", "out.ddt"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::fs::read(tmp.path().join("out.ddt"))
+        .unwrap()
+        .starts_with(b"DDTRACE"));
+}
+
+#[test]
+fn the_text_report_splits_index_entries_between_memory_and_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("g.ddt");
+    let out = dedupd()
+        .args(["trace", "gen", "--size", "4M", "--seed", "3", "-o"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let run = |json: bool| {
+        let mut c = dedupd();
+        c.args(["replay", "-q", "--policy", "lru", "--index-memory", "4K"])
+            .arg(&t);
+        if json {
+            c.arg("--json");
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    let (all, mem, disk) = (
+        v["index_entries"].as_u64().unwrap(),
+        v["engine"]["index"]["entries_in_memory"].as_u64().unwrap(),
+        v["engine"]["index"]["entries_on_disk"].as_u64().unwrap(),
+    );
+    assert_eq!(all, mem + disk);
+    // a 4 KiB budget holds few of them: most are on disk
+    assert!(disk > mem, "{mem} in memory, {disk} on disk");
+    let text = run(false);
+    let want = format!("({all} entries at end: {mem} in memory, {disk} on disk)");
+    assert!(text.contains(&want), "{want} not in\n{text}");
 }
 
 #[test]
@@ -338,6 +427,8 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
     std::fs::copy(&trace, tmp.path().join("results.csv")).unwrap();
     let c = copy.to_str().unwrap();
     let twice = format!("{c},{c}");
+    let dot_c = format!("./{}", copy.file_name().unwrap().to_str().unwrap());
+    std::fs::hard_link(&copy, tmp.path().join("link.blkparse")).unwrap();
     let not_a_dir = keep.to_str().unwrap();
     assert_refused(
         tmp.path(),
@@ -363,6 +454,62 @@ fn bad_flags_are_named_and_outputs_survive_failures() {
             (
                 vec!["sweep", "--traces", &twice, "--out", "o"],
                 "given more than once",
+            ),
+            // so would the same policy or budget twice (equal in bytes)
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--policies",
+                    "lru,lru,g-lru",
+                    "--out",
+                    "o",
+                ],
+                "--policies: policy \"lru\" is given more than once",
+            ),
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--policies",
+                    "lru+sampling+prehash,lru+prehash+sampling",
+                    "--out",
+                    "o",
+                ],
+                "(as \"lru+sampling+prehash\")",
+            ),
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--index-memory",
+                    "1M,1M",
+                    "--out",
+                    "o",
+                ],
+                "--index-memory: budget 1M is given more than once",
+            ),
+            (
+                vec![
+                    "sweep",
+                    "--traces",
+                    c,
+                    "--index-memory",
+                    "2M,1M,1024K",
+                    "--out",
+                    "o",
+                ],
+                "budget 1024K is given more than once (as 1M; both are 1048576 bytes)",
+            ),
+            // a replay of the same file twice, however it is named
+            (vec!["replay", "-q", c, c], "is given more than once"),
+            (vec!["replay", "-q", c, &dot_c], "is given more than once"),
+            (
+                vec!["replay", "-q", c, "link.blkparse"],
+                "trace link.blkparse is given more than once",
             ),
             // a trace where the sweep would write its results
             (

@@ -28,11 +28,14 @@ pub struct ConvertSummary {
 ///
 /// The output replaces `output` only once complete (a temporary file
 /// beside it is renamed over it), so a failed conversion leaves an
-/// existing file as it was, and `output` may be the input itself.
+/// existing file as it was.
 ///
-/// Errors: reading the input (as [`TraceReader::next_into`]) or writing
-/// the output fails, or the input holds no request
-/// ([`TraceError::NoRequests`]; `output` is then left as it was).
+/// Errors: `output` is the input (the same file, by device and inode, or
+/// the same path: [`crate::output::check_destination`];
+/// [`TraceError::Config`], before anything is read or written); reading
+/// the input (as [`TraceReader::next_into`]) or writing the output fails,
+/// or the input holds no request ([`TraceError::NoRequests`]; `output` is
+/// then left as it was).
 pub fn convert(
     input: &Path,
     format: Option<Format>,
@@ -53,6 +56,9 @@ pub fn convert_counting(
     output: &Path,
     consumed: Arc<AtomicU64>,
 ) -> Result<ConvertSummary> {
+    // (a trace converted onto itself would be lost if the conversion
+    // were wrong; and a read-only input must stay as it is)
+    crate::output::check_destination(output, &[input.to_path_buf()])?;
     let mut reader = TraceReader::open(input, format, skip_bad, consumed)?;
     let dest = OutputFile::create(output)?;
     let out_name = dest.name().to_string();

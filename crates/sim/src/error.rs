@@ -56,6 +56,18 @@ pub enum TraceError {
         /// The file's path as given.
         file: String,
     },
+    /// A native trace (it starts with the native header) opened with a
+    /// text format named (`--format fiu` or `--format mobile`).
+    #[error(
+        "{file}: a native trace (it starts with the DDTRACE header), not {format} text: \
+         read it with --format native, or without --format to detect it"
+    )]
+    NativeAsText {
+        /// The file's path as given.
+        file: String,
+        /// The text format named: `fiu` or `mobile`.
+        format: &'static str,
+    },
     /// A malformed or truncated native trace.
     #[error("{file}: native trace at byte {offset}: {msg}")]
     BadNative {

@@ -69,7 +69,9 @@ pub struct StreamSpec {
 pub struct GenSpec {
     /// Streams (at least one).
     pub streams: Vec<StreamSpec>,
-    /// Bytes written in total (rounded up to whole requests).
+    /// Bytes written in total, positive: rounded up to whole requests
+    /// (`size_bytes.div_ceil(block_bytes)` requests, so at least one: 10 KiB
+    /// of 4 KiB requests is 3, 4 KiB of 8 KiB requests is 1).
     pub size_bytes: u64,
     /// Bytes per request: a positive multiple of 4096.
     pub block_bytes: u64,
@@ -206,8 +208,9 @@ fn check(spec: &GenSpec) -> Result<()> {
     if spec.volume_bytes > 1 << 50 {
         return bad("volume size must be at most 1P (a replayed volume's limit)");
     }
-    if spec.size_bytes < spec.block_bytes {
-        return bad("size must be at least one request (--bs)");
+    // (any other size is rounded up to whole requests)
+    if spec.size_bytes == 0 {
+        return bad("size must be positive");
     }
     if !(0.0..=100.0).contains(&spec.dup_percent) {
         return bad("duplicate percentage must be within 0–100");
@@ -432,6 +435,31 @@ mod tests {
             copy_runs: false,
             seed: 3,
         }
+    }
+
+    #[test]
+    fn size_is_rounded_up_to_whole_requests() {
+        for (size, bs, requests) in [
+            (10 << 10, 4 << 10, 3),
+            (100 << 10, 64 << 10, 2),
+            (4 << 10, 8 << 10, 1),
+            (1, 32 << 20, 1),
+            (8 << 10, 8 << 10, 1),
+        ] {
+            let s = GenSpec {
+                size_bytes: size,
+                block_bytes: bs,
+                ..spec(64.0)
+            };
+            let n = generate_to(&s, Vec::new(), "t").unwrap();
+            assert_eq!(n, requests, "{size} bytes of {bs}-byte requests");
+        }
+        let s = GenSpec {
+            size_bytes: 0,
+            ..spec(64.0)
+        };
+        let e = generate_to(&s, Vec::new(), "t").unwrap_err();
+        assert!(e.to_string().contains("size must be positive"), "{e}");
     }
 
     #[test]

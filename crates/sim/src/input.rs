@@ -50,6 +50,33 @@ impl<R: Read> Read for Counting<R> {
     }
 }
 
+/// Whether `a` and `b` name the same file: the same device and inode when
+/// both exist (so `t`, `./t`, a hard link to `t` and a symbolic link to it
+/// are all `t`), else the same path once the directory part is made
+/// canonical (a file that does not exist yet), else the same path as
+/// given.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        (Ok(_), Err(_)) | (Err(_), Ok(_)) => false,
+        (Err(_), Err(_)) => canonical_spelling(a) == canonical_spelling(b),
+    }
+}
+
+/// `path` with its directory made canonical (the file itself may be
+/// missing), or `path` as given when the directory cannot be resolved.
+fn canonical_spelling(path: &Path) -> std::path::PathBuf {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match (std::fs::canonicalize(dir), path.file_name()) {
+        (Ok(d), Some(name)) => d.join(name),
+        _ => path.to_path_buf(),
+    }
+}
+
 /// Buffer size of trace readers in bytes.
 const BUF_BYTES: usize = 256 * 1024;
 

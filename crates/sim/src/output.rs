@@ -1,8 +1,8 @@
 //! Output files written whole or not at all: data goes to a temporary
 //! file beside the destination, which replaces the destination only once
 //! complete and synced. A failed or interrupted conversion or generation
-//! leaves an existing file as it was, and converting a trace onto its own
-//! path reads it whole before replacing it.
+//! leaves an existing file as it was. An output that is one of the
+//! inputs is refused before any work ([`check_destination`]).
 //!
 //! The temporary file is anonymous (`O_TMPFILE`) until it is complete, so
 //! a process killed or interrupted by a signal meanwhile leaves nothing
@@ -184,7 +184,9 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Checks before any work that `path` can take an output file: its
 /// directory exists, it is not a directory itself, and it is none of
 /// `inputs` (an output written over the trace it was made from would
-/// destroy it).
+/// destroy it): not the same file by device and inode (a hard or symbolic
+/// link to an input is the input), nor, where either does not exist, the
+/// same path ([`crate::input::same_file`]).
 ///
 /// Errors: [`crate::error::TraceError::Config`] naming `path` and the reason.
 pub fn check_destination(path: &Path, inputs: &[PathBuf]) -> Result<()> {
@@ -204,14 +206,12 @@ pub fn check_destination(path: &Path, inputs: &[PathBuf]) -> Result<()> {
             "{name}: is a directory"
         )));
     }
-    if let Ok(out) = std::fs::canonicalize(path) {
-        for input in inputs {
-            if std::fs::canonicalize(input).is_ok_and(|i| i == out) {
-                return Err(crate::error::TraceError::Config(format!(
-                    "{name}: is an input ({}); not writing over it",
-                    input.display()
-                )));
-            }
+    for input in inputs {
+        if crate::input::same_file(path, input) {
+            return Err(crate::error::TraceError::Config(format!(
+                "{name}: is an input ({}); not writing over it",
+                input.display()
+            )));
         }
     }
     Ok(())
@@ -256,11 +256,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let input = dir.path().join("in.ddt");
         std::fs::write(&input, b"x").unwrap();
+        std::fs::hard_link(&input, dir.path().join("hard.ddt")).unwrap();
+        std::os::unix::fs::symlink(&input, dir.path().join("soft.ddt")).unwrap();
         let inputs = [input.clone()];
         assert!(check_destination(&dir.path().join("r.json"), &inputs).is_ok());
         for (bad, why) in [
             (input.clone(), "is an input"),
             (dir.path().join("./in.ddt"), "is an input"),
+            (dir.path().join("hard.ddt"), "is an input"),
+            (dir.path().join("soft.ddt"), "is an input"),
             (dir.path().join("nodir/r.json"), "does not exist"),
             (dir.path().to_path_buf(), "is a directory"),
         ] {

@@ -112,7 +112,8 @@ where
     root.fill(&WHITE).map_err(&err)?;
     let value = |r: &SweepRow| match what {
         Figure::Duplicates => r.of_exact_percent,
-        // log10, drawn on a linear axis labelled in powers of ten
+        // log10, drawn on a linear axis labelled in powers of ten (0 is
+        // drawn at 1, as the axis label says when a point has none)
         Figure::EvictionIo => (r.eviction_ios() as f64).max(1.0).log10(),
     };
     let exact_pct = mine
@@ -257,6 +258,13 @@ where
                 .map_err(&err)?;
         }
         Figure::EvictionIo => {
+            // (a log scale has no 0: a point of no eviction I/O is drawn at
+            // 1, and the axis says so)
+            let y_desc = if bounded.iter().any(|r| r.eviction_ios() == 0) {
+                "eviction I/Os (group reads + writes, log scale; 0 drawn at 1)"
+            } else {
+                "eviction I/Os (group reads + writes, log scale)"
+            };
             let ymax = series
                 .iter()
                 .flat_map(|(_, p)| p.iter().map(|q| q.1))
@@ -267,7 +275,7 @@ where
             chart
                 .configure_mesh()
                 .x_desc("index memory budget (log scale)")
-                .y_desc("eviction I/Os (group reads + writes, log)")
+                .y_desc(y_desc)
                 .x_label_formatter(&label_x)
                 .x_labels(x_labels)
                 .disable_x_mesh()
@@ -354,6 +362,39 @@ mod tests {
             .unwrap();
         assert!(pts.iter().all(|p| p.1 == pts[0].1), "{pts:?}");
         pts[0].1
+    }
+
+    #[test]
+    fn eviction_io_axis_says_when_zero_is_drawn_at_one() {
+        let row = |budget: u64, reads: u64| SweepRow {
+            trace: "t".into(),
+            policy: "lru".into(),
+            index_memory_bytes: Some(budget),
+            eviction_reads: reads,
+            eviction_writes: reads,
+            ..SweepRow::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.svg");
+        let note = "0 drawn at 1";
+        draw(
+            &[row(1 << 20, 50), row(2 << 20, 0)],
+            "t",
+            Figure::EvictionIo,
+            &path,
+        )
+        .unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains(note), "{svg}");
+        draw(
+            &[row(1 << 20, 50), row(2 << 20, 5)],
+            "t",
+            Figure::EvictionIo,
+            &path,
+        )
+        .unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(!svg.contains(note) && svg.contains("log scale"), "{svg}");
     }
 
     #[test]

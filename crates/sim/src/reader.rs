@@ -147,7 +147,9 @@ impl TraceReader {
     /// With `skip_bad`, malformed text lines are counted
     /// ([`TraceReader::bad_records`]) instead of failing.
     ///
-    /// Errors: the file cannot be opened, or a native header is bad.
+    /// Errors: the file cannot be opened, a native header is bad, or a
+    /// text format is named for a native trace
+    /// ([`TraceError::NativeAsText`]).
     pub fn open(
         path: &Path,
         format: Option<Format>,
@@ -157,7 +159,20 @@ impl TraceReader {
         let name = path.display().to_string();
         let (input, _) = input::open(path, consumed).map_err(io_err(&name))?;
         let (input, format) = match format {
-            Some(f) => (input, f),
+            Some(Format::Native) => (input, Format::Native),
+            // (a native trace read as text would fail on its first line
+            // with a message about fields, saying nothing of the cause)
+            Some(f) => {
+                let (input, head) = input::peek(input, |h| h.len() >= MAGIC.len(), MAGIC.len())
+                    .map_err(io_err(&name))?;
+                if head.starts_with(&MAGIC) {
+                    return Err(TraceError::NativeAsText {
+                        file: name,
+                        format: if f == Format::Fiu { "fiu" } else { "mobile" },
+                    });
+                }
+                (input, f)
+            }
             None => {
                 let (input, head) = input::peek(input, format_decidable, DETECT_CAP_BYTES)
                     .map_err(io_err(&name))?;

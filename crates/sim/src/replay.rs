@@ -84,12 +84,15 @@ pub const CRC32_BYTES_PER_SECOND: f64 = 20e9;
 pub struct Filters {
     /// CAFTL sampling hashing (FAST '11, as SmartDedup §4.1 describes it):
     /// of a write request with several non-zero blocks only the sample —
-    /// the block with the largest CRC-32C of its trace digest — is
+    /// the block with the largest CRC-32C of its engine fingerprint
+    /// ([`fingerprint_of`] its trace digest, 32 bytes; not of the digest)
+    /// — is
     /// fingerprinted and looked up first; the others only if it is a
     /// duplicate ([`dedupd_engine::EngineConfig::sampling`]).
     pub sampling: bool,
-    /// CAFTL pre-hashing: a CRC-32C of every block (of its trace digest
-    /// here: 32 bits, so collisions pass as with real CRCs); only a block
+    /// CAFTL pre-hashing: a CRC-32C of every block (of its engine
+    /// fingerprint here, as for `sampling`: 32 bits, so collisions pass as
+    /// with real CRCs); only a block
     /// whose CRC was seen before is fingerprinted inline. The engine's CRC
     /// table has [`PREHASH_TABLE_BYTES`]
     /// ([`dedupd_engine::EngineConfig::prehash_bytes`]).
@@ -165,7 +168,10 @@ impl std::str::FromStr for PolicySpec {
                             .ok()
                             .filter(|&n: &u32| n >= 1)
                             .ok_or_else(|| {
-                                TraceError::Config(format!("bad threshold {t:?} (t1, t2, …)"))
+                                TraceError::Config(format!(
+                                    "bad threshold {t:?} (tN with N from 1 to {} blocks)",
+                                    u32::MAX
+                                ))
                             })?;
                 }
                 f => {
@@ -372,7 +378,9 @@ pub struct StreamReport {
     /// `file`, `file:process` or `file:pid`, followed by
     /// `@major,minor` for a device other than the first of its file.
     pub name: String,
-    /// Name of its volume in the engine.
+    /// Name of its volume in the engine: `s` and the stream's index
+    /// (`s0`, `s1`, … by order of first request), whatever the file is
+    /// called.
     pub volume: String,
     /// Requests of the stream.
     pub requests: u64,
@@ -532,23 +540,13 @@ fn pct(part: u64, whole: u64) -> f64 {
     }
 }
 
-/// A volume name from a label: `[A-Za-z0-9._-]`, others become `_`, at most
-/// 64 characters, prefixed with the stream index for uniqueness.
-fn volume_name(index: usize, label: &str) -> String {
-    let mut s = format!("s{index}-");
-    for c in label.chars() {
-        if s.len() >= 64 {
-            break;
-        }
-        s.push(
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '_'
-            },
-        );
-    }
-    s
+/// The engine volume name of stream `index` (0-based, by order of first
+/// request): `s0`, `s1`, …. Independent of the trace's file name, so that
+/// the figures that depend on the volume table (journal and checkpoint
+/// bytes) are the same for every copy and form of one trace; the stream's
+/// label ([`StreamReport::name`]) names the file.
+fn volume_name(index: usize) -> String {
+    format!("s{index}")
 }
 
 /// What identifies a stream: the input file's index, the device (each
@@ -752,7 +750,9 @@ struct Stream {
 /// Replays `paths` (interleaved by time stamp) under `cfg`, calling
 /// `progress` now and then (and once at the end).
 ///
-/// Errors: a policy that is not available ([`build_engine`]), I/O, a
+/// Errors: a file given twice (the same device and inode, or the same
+/// path: [`TraceError::Config`]), a policy that is not available
+/// ([`build_engine`]), I/O, a
 /// malformed line (unless `skip_bad`), a file without any request
 /// ([`TraceError::NoRequests`]), or a request the engine refuses (beyond
 /// 1 PiB; skipped and counted with `skip_bad`).
@@ -761,6 +761,17 @@ pub fn replay(
     cfg: &ReplayConfig,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Report> {
+    // (the same file twice would replay its requests as two streams with
+    // one label)
+    if let Some((first, again)) =
+        crate::sweep::first_repeat(paths, |a, b| crate::input::same_file(a, b))
+    {
+        return Err(TraceError::Config(format!(
+            "trace {} is given more than once{} (each trace is replayed once)",
+            paths[again].display(),
+            crate::sweep::spelled_as(&paths[first].display(), &paths[again].display()),
+        )));
+    }
     let engine = build_engine(cfg)?;
     let spec = cfg.policy.parse::<PolicySpec>()?;
     let bounded = spec.eviction.is_some();
@@ -846,12 +857,7 @@ pub fn replay(
                     Some(&s) => s,
                     None => {
                         let s = streams.len();
-                        // (the file's base name and what follows it: a
-                        // process name may hold a '/' itself, kworker/0:1)
-                        let file = inp.reader.name();
-                        let dir_len = file.rfind('/').map_or(0, |at| at + 1);
-                        let base = label[dir_len.min(label.len())..].to_string();
-                        let volume = volume_name(s, &base);
+                        let volume = volume_name(s);
                         let id = engine.create_volume(&volume, VOLUME_BYTES)?;
                         streams.push(Stream {
                             report: StreamReport {

@@ -36,9 +36,11 @@ pub struct TraceStats {
     pub exact_duplicate_blocks: u64,
     /// `exact_duplicate_blocks` in percent of `blocks_written`.
     pub exact_duplicate_percent: f64,
-    /// Mean reuse distance of duplicates, in written blocks: for each
-    /// duplicate, the number of blocks written since the previous write of
-    /// the same digest (HPDedup §II-B, Fig. 1). 0 without duplicates.
+    /// Mean reuse distance of duplicates, in written blocks (HPDedup
+    /// §II-B, Fig. 1): with the written blocks numbered 0, 1, 2, … in
+    /// trace order (zero blocks included), a duplicate's distance is its
+    /// number minus that of the latest earlier write of the same digest (1
+    /// for a repeat of the block just before it). 0 without duplicates.
     pub mean_reuse_distance_blocks: f64,
     /// Distinct (pid, process, device) sources.
     pub sources: u64,

@@ -142,23 +142,75 @@ pub fn trace_names(traces: &[PathBuf]) -> Vec<String> {
         .collect()
 }
 
-/// Checks that no file is among `traces` twice, comparing canonical paths
-/// (so `t.fiu` and `./t.fiu` are the same; a path that cannot be resolved
-/// is compared as given).
+/// Checks that no file is among `traces` twice: the same file by device
+/// and inode, so `t.fiu`, `./t.fiu` and a hard or symbolic link to it are
+/// one ([`crate::input::same_file`]; a path that does not exist is
+/// compared by its spelling).
 ///
 /// Errors: [`TraceError::Config`] naming the first trace given twice.
 pub fn check_distinct_traces(traces: &[PathBuf]) -> Result<()> {
-    let mut seen = std::collections::HashSet::new();
-    for t in traces {
-        let key = std::fs::canonicalize(t).unwrap_or_else(|_| t.clone());
-        if !seen.insert(key) {
-            return Err(TraceError::Config(format!(
-                "trace {} is given more than once (each trace is swept once)",
-                t.display()
-            )));
-        }
+    match first_repeat(traces, |a, b| crate::input::same_file(a, b)) {
+        Some((first, again)) => Err(TraceError::Config(format!(
+            "trace {} is given more than once{} (each trace is swept once)",
+            traces[again].display(),
+            spelled_as(&traces[first].display(), &traces[again].display()),
+        ))),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// Checks that no policy is among `policies` twice, comparing them as
+/// parsed ([`PolicySpec`]): `lru+sampling+prehash` and
+/// `lru+prehash+sampling` are one policy.
+///
+/// Errors: [`TraceError::Config`] for a policy that does not parse, or
+/// naming the first policy given twice.
+pub fn check_distinct_policies(policies: &[String]) -> Result<()> {
+    let specs = policies
+        .iter()
+        .map(|p| p.parse::<PolicySpec>())
+        .collect::<Result<Vec<_>>>()?;
+    match first_repeat(&specs, |a, b| a == b) {
+        Some((first, again)) => Err(TraceError::Config(format!(
+            "policy {:?} is given more than once{} (each policy is swept once)",
+            policies[again],
+            spelled_as(
+                &format!("{:?}", policies[first]),
+                &format!("{:?}", policies[again])
+            ),
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Checks that no index memory budget (in bytes) is among `budgets` twice.
+///
+/// Errors: [`TraceError::Config`] naming the first budget given twice, in
+/// bytes.
+pub fn check_distinct_budgets(budgets: &[u64]) -> Result<()> {
+    match first_repeat(budgets, |a, b| a == b) {
+        Some((_, again)) => Err(TraceError::Config(format!(
+            "index memory budget of {} bytes is given more than once (each budget is swept once)",
+            budgets[again]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The indices (earlier, later) of the first item of `items` equal to an
+/// earlier one under `same`.
+pub fn first_repeat<T>(items: &[T], same: impl Fn(&T, &T) -> bool) -> Option<(usize, usize)> {
+    (1..items.len()).find_map(|j| (0..j).find(|&i| same(&items[i], &items[j])).map(|i| (i, j)))
+}
+
+/// ` (as FIRST)` when the repeat is spelled otherwise than the first.
+pub(crate) fn spelled_as(first: &dyn std::fmt::Display, again: &dyn std::fmt::Display) -> String {
+    let (first, again) = (first.to_string(), again.to_string());
+    if first == again {
+        String::new()
+    } else {
+        format!(" (as {first})")
+    }
 }
 
 /// Runs the grid on `cfg.jobs` threads, calling `done(row, finished,
@@ -168,9 +220,10 @@ pub fn check_distinct_traces(traces: &[PathBuf]) -> Result<()> {
 /// budget). After a failure no further point starts
 /// ([`run_sweep_keeping_rows`] returns the rows that finished too).
 ///
-/// Errors: a trace given twice ([`check_distinct_traces`]) or a policy
-/// that does not parse (both before anything runs), or the first replay
-/// that fails.
+/// Errors: a trace, policy or budget given twice
+/// ([`check_distinct_traces`], [`check_distinct_policies`],
+/// [`check_distinct_budgets`]) or a policy that does not parse (all
+/// before anything runs), or the first replay that fails.
 pub fn run_sweep(
     cfg: &SweepConfig,
     done: &(dyn Fn(&SweepRow, usize, usize) + Sync),
@@ -200,7 +253,7 @@ pub fn run_sweep_with_progress(
 /// [`run_sweep_with_progress`], returning the rows of the points that
 /// finished (in grid order) together with the error that stopped the
 /// sweep, if one did (the first in grid order among the points that
-/// failed; or a trace given twice or a policy that does not parse, found
+/// failed; or a trace, policy or budget given twice or a policy that does not parse, found
 /// before any point runs, with no rows). For writing what finished when a
 /// point fails ([`write_partial`]).
 pub fn run_sweep_keeping_rows(
@@ -222,6 +275,8 @@ fn plan_and_run(
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<Vec<Option<Result<SweepRow>>>> {
     check_distinct_traces(&cfg.traces)?;
+    check_distinct_policies(&cfg.policies)?;
+    check_distinct_budgets(&cfg.budgets)?;
     let names = trace_names(&cfg.traces);
     let mut points: Vec<(&PathBuf, &str, String, Option<u64>)> = Vec::new();
     for (t, name) in cfg.traces.iter().zip(&names) {
@@ -510,6 +565,44 @@ mod tests {
             figure_stems(&names),
             ["a_t.fiu", "b_t.fiu", "u.fiu", "a_t.fiu-2"]
         );
+    }
+
+    #[test]
+    fn traces_policies_and_budgets_given_twice_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.fiu");
+        std::fs::write(&t, "1 1 p 0 8 W 6 0 00000000000000000000000000000001\n").unwrap();
+        std::fs::hard_link(&t, dir.path().join("u.fiu")).unwrap();
+        let u = dir.path().join("u.fiu");
+        let e = check_distinct_traces(&[t.clone(), u.clone()]).unwrap_err();
+        assert!(
+            e.to_string().contains("u.fiu is given more than once (as "),
+            "{e}"
+        );
+        assert!(check_distinct_traces(&[t.clone(), dir.path().join("v.fiu")]).is_ok());
+        let p = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(check_distinct_policies(&p(&["lru", "g-lru", "lru+t2", "exact"])).is_ok());
+        let e = check_distinct_policies(&p(&["lru", "g-lru", "lru"])).unwrap_err();
+        assert!(
+            e.to_string().contains("\"lru\" is given more than once"),
+            "{e}"
+        );
+        let e = check_distinct_policies(&p(&["arc+prehash+t2", "arc+t2+prehash"])).unwrap_err();
+        assert!(e.to_string().contains("(as \"arc+prehash+t2\")"), "{e}");
+        assert!(check_distinct_budgets(&[1 << 20, 2 << 20]).is_ok());
+        let e = check_distinct_budgets(&[1 << 20, 2 << 20, 1 << 20]).unwrap_err();
+        assert!(e.to_string().contains("1048576 bytes"), "{e}");
+        // a sweep checks all three before it runs anything
+        let cfg = SweepConfig {
+            traces: vec![t],
+            policies: p(&["lru", "lru"]),
+            budgets: vec![1 << 20],
+            jobs: 1,
+            base: ReplayConfig::default(),
+        };
+        let (rows, e) = run_sweep_keeping_rows(&cfg, &|_, _, _| {}, &|_, _| {});
+        assert!(rows.is_empty());
+        assert!(e.unwrap().to_string().contains("more than once"));
     }
 
     #[test]

@@ -295,20 +295,37 @@ pub fn parse_fiu(
     if n < 9 {
         return Err(format!("expected 9 fields, found {n}"));
     }
-    let ts = parse_u64(f[0]).ok_or("bad time stamp")?;
+    // the value of field `i` (0-based) quoted; past the process name, the
+    // fields are counted from the end (a process name may hold spaces),
+    // so a line with a field too many names the wrong one: say so
+    let bad = |what: &str, i: usize| {
+        let mut m = format!(
+            "bad {what} {:?} (field {} of {n})",
+            String::from_utf8_lossy(f[i]),
+            i + 1
+        );
+        if n > 9 && i >= n - 6 {
+            m.push_str(&format!(
+                "; the line has {n} fields where 9 are expected (the fields after \
+                 the process name are taken from the end, so one too many shifts them)"
+            ));
+        }
+        m
+    };
+    let ts = parse_u64(f[0]).ok_or_else(|| bad("time stamp", 0))?;
     let pid = parse_u64(f[1])
         .and_then(|p| u32::try_from(p).ok())
-        .ok_or("bad pid")?;
+        .ok_or_else(|| bad("pid", 1))?;
     // process may hold spaces: it is everything between pid and lba
-    let lba = parse_u64(f[n - 6]).ok_or("bad lba")?;
-    let size = parse_u64(f[n - 5]).ok_or("bad size")?;
-    let op = parse_op(f[n - 4]).ok_or("operation is not R or W")?;
+    let lba = parse_u64(f[n - 6]).ok_or_else(|| bad("lba", n - 6))?;
+    let size = parse_u64(f[n - 5]).ok_or_else(|| bad("size", n - 5))?;
+    let op = parse_op(f[n - 4]).ok_or_else(|| bad("operation (not R or W)", n - 4))?;
     let major = parse_u64(f[n - 3])
         .and_then(|d| u32::try_from(d).ok())
-        .ok_or("bad major device number")?;
+        .ok_or_else(|| bad("major device number", n - 3))?;
     let minor = parse_u64(f[n - 2])
         .and_then(|d| u32::try_from(d).ok())
-        .ok_or("bad minor device number")?;
+        .ok_or_else(|| bad("minor device number", n - 2))?;
     let hex = f[n - 1];
     // (comm is cut at 15 bytes, which can split a multi-byte character)
     let process = if n == 9 {
@@ -397,13 +414,21 @@ pub fn parse_mobile(
     if n < 6 {
         return Err(format!("expected 7 tab-separated fields, found {n}"));
     }
-    let ts = parse_seconds_ns(f[0]).ok_or("bad time")?;
-    let op = parse_op(f[1]).ok_or("operation is not R or W")?;
-    let lba = parse_u64(f[2]).ok_or("bad lba")?;
-    let size = parse_u64(f[3]).ok_or("bad size")?;
+    // the value of field `i` (0-based) quoted
+    let bad = |what: &str, i: usize| {
+        format!(
+            "bad {what} {:?} (field {} of {n})",
+            String::from_utf8_lossy(f[i]),
+            i + 1
+        )
+    };
+    let ts = parse_seconds_ns(f[0]).ok_or_else(|| bad("time", 0))?;
+    let op = parse_op(f[1]).ok_or_else(|| bad("operation (not R or W)", 1))?;
+    let lba = parse_u64(f[2]).ok_or_else(|| bad("lba", 2))?;
+    let size = parse_u64(f[3]).ok_or_else(|| bad("size", 3))?;
     let pid = parse_u64(f[4])
         .and_then(|p| u32::try_from(p).ok())
-        .ok_or("bad pid")?;
+        .ok_or_else(|| bad("pid", 4))?;
     // (comm is cut at 15 bytes, which can split a multi-byte character)
     let process = String::from_utf8_lossy(f[5]);
     Request::check_sectors(lba, size)?;

@@ -326,7 +326,7 @@ fn an_fiu_trace_separated_by_tabs_is_read_as_fiu() {
 }
 
 #[test]
-fn a_process_name_with_a_slash_keeps_the_file_in_its_volume_name() {
+fn volumes_are_named_by_stream_index_and_labels_keep_the_file_and_process() {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
         "0.5\tW\t0\t8\t1200\tkworker/0:1\t{a}\n\
@@ -340,10 +340,78 @@ fn a_process_name_with_a_slash_keeps_the_file_in_its_volume_name() {
     };
     let r = run(&[p], &cfg);
     let volumes: Vec<&str> = r.streams.iter().map(|s| s.volume.as_str()).collect();
+    assert_eq!(volumes, ["s0", "s1"]);
+    let labels: Vec<&str> = r.streams.iter().map(|s| s.name.as_str()).collect();
+    let file = dir.path().join("phone.txt").display().to_string();
     assert_eq!(
-        volumes,
-        ["s0-phone.txt_kworker_0_1", "s1-phone.txt_com.example"]
+        labels,
+        [format!("{file}:kworker/0:1"), format!("{file}:com.example")]
     );
+}
+
+/// A report as JSON without what names the trace's file (its path and
+/// the stream labels) or depends on the clock or the process (its
+/// resident memory).
+fn report_without_names(r: &dedupd_sim::Report) -> serde_json::Value {
+    let mut v = serde_json::to_value(r).unwrap();
+    let o = v.as_object_mut().unwrap();
+    for k in ["traces", "elapsed_seconds", "requests_per_second"] {
+        assert!(o.remove(k).is_some(), "{k}");
+    }
+    let engine = o["engine"].as_object_mut().unwrap();
+    for k in ["rss_bytes", "peak_rss_bytes"] {
+        assert!(engine.remove(k).is_some(), "{k}");
+    }
+    for s in o["streams"].as_array_mut().unwrap() {
+        s.as_object_mut().unwrap().remove("name").unwrap();
+    }
+    v
+}
+
+#[test]
+fn every_form_of_a_trace_gives_the_same_report() {
+    // the real FIU sample if it is there, else lines in its format
+    let real = std::env::var_os("DEDUPD_FIU_SAMPLES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/fiu"))
+        .join("mail-01-sample.blkparse");
+    let text = std::fs::read_to_string(&real).unwrap_or_else(|_| {
+        (0..3000u32)
+            .map(|i| {
+                format!(
+                    "{} 4253 nfsd {} 8 W 6 0 {}\n",
+                    1000 + i,
+                    (i % 500) * 8,
+                    h(i % 700)
+                )
+            })
+            .collect()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let plain = write(dir.path(), "mail.blkparse", &text);
+    let gz = dir.path().join("another-name-entirely.blkparse.gz");
+    let mut enc = flate2::write::GzEncoder::new(
+        std::fs::File::create(&gz).unwrap(),
+        flate2::Compression::default(),
+    );
+    enc.write_all(text.as_bytes()).unwrap();
+    enc.finish().unwrap();
+    let native = dir.path().join("m.ddt");
+    convert(&plain, None, false, &native).unwrap();
+    for policy in ["exact", "lru"] {
+        let cfg = ReplayConfig {
+            policy: policy.into(),
+            index_memory_bytes: (policy != "exact").then_some(8192),
+            ..ReplayConfig::default()
+        };
+        let want = run(std::slice::from_ref(&plain), &cfg);
+        assert!(want.journal_bytes > 0 && want.checkpoint_bytes > 0);
+        let want = report_without_names(&want);
+        for other in [&gz, &native] {
+            let got = report_without_names(&run(std::slice::from_ref(other), &cfg));
+            assert_eq!(got, want, "{policy}: {other:?}");
+        }
+    }
 }
 
 #[test]
@@ -488,6 +556,10 @@ fn unknown_policy_or_filter_is_a_clear_error() {
         ("mru", "unknown policy \"mru\""),
         ("lru+dedup", "unknown filter \"dedup\""),
         ("lru+t0", "bad threshold"),
+        (
+            "lru+t99999999999",
+            "bad threshold \"t99999999999\" (tN with N from 1 to 4294967295 blocks)",
+        ),
         ("lru+t4+t8", "gives a threshold (tN) twice"),
         ("lru+prehash+prehash", "gives prehash twice"),
     ] {
@@ -711,7 +783,22 @@ fn hostile_lines_are_refused_with_file_and_line() {
             format!("0 10 proc 18446744073709551615 1 R 8 0 {}\n", h(3)),
             "address space",
         ),
-        (&mobile, format!(".\tW\t0\t8\t1\tp\t{}\n", h(4)), "bad time"),
+        (
+            &mobile,
+            format!(".\tW\t0\t8\t1\tp\t{}\n", h(4)),
+            "bad time \".\" (field 1 of 7)",
+        ),
+        // a field too many at the end: the value and the count are named
+        (
+            &good,
+            format!("2 7 p 8 8 W 8 0 {} extra\n", h(2)),
+            "bad size \"W\" (field 6 of 10); the line has 10 fields where 9 are expected",
+        ),
+        (
+            &good,
+            format!("2 7 p 8 8 Q 8 0 {}\n", h(2)),
+            "bad operation (not R or W) \"Q\" (field 6 of 9)",
+        ),
         (
             &mobile,
             format!("1.6\tR\t0\t8\t1\tp\t{0}-{0}-{0}\n", h(4)),
@@ -759,10 +846,15 @@ fn convert_and_gen_replace_their_output_only_when_complete() {
         .map(|i| format!("{} 7 p {} 8 W 8 0 {}\n", 100 + i, i * 8, h(i % 9)))
         .collect();
     let p = write(dir.path(), "t.blkparse", &text);
-    let before = read_all(&p, None);
-    // onto itself: read whole, then replaced by its native form
-    convert(&p, None, false, &p).unwrap();
-    assert_eq!(read_all(&p, Some(Format::Native)), before);
+    let before = std::fs::read(&p).unwrap();
+    // onto itself (or a link to it) it is refused, the input left as it was
+    let hard = dir.path().join("hard.blkparse");
+    std::fs::hard_link(&p, &hard).unwrap();
+    for onto in [p.clone(), dir.path().join("./t.blkparse"), hard] {
+        let e = convert(&p, None, false, &onto).unwrap_err().to_string();
+        assert!(e.contains("is an input"), "{onto:?}: {e}");
+        assert_eq!(std::fs::read(&p).unwrap(), before);
+    }
     // a conversion that fails leaves an existing output as it was
     let bad = write(dir.path(), "bad.blkparse", &format!("{text}garbage\n"));
     let out = write(dir.path(), "out.ddt", "precious");
@@ -884,5 +976,38 @@ fn binary_data_and_a_cut_native_header_are_named_as_such() {
         err.to_string()
             .contains("MD5 digest #2 of the request (\"xyz\") is not 32 hex digits"),
         "{err}"
+    );
+}
+
+#[test]
+fn a_native_trace_read_as_text_is_named_as_native() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("1 7 p 0 8 W 8 0 {}\n", h(1));
+    let src = write(dir.path(), "t.blkparse", &text);
+    let native = dir.path().join("t.ddt");
+    convert(&src, None, false, &native).unwrap();
+    for format in [Format::Fiu, Format::Mobile] {
+        let cfg = ReplayConfig {
+            format: Some(format),
+            ..ReplayConfig::default()
+        };
+        let err = replay(std::slice::from_ref(&native), &cfg, &mut |_| {}).unwrap_err();
+        assert!(matches!(err, TraceError::NativeAsText { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("a native trace") && msg.contains("--format native"),
+            "{msg}"
+        );
+        assert!(trace_stats(&native, Some(format), true).is_err());
+    }
+    // named as native, or detected, it reads
+    for format in [Some(Format::Native), None] {
+        let s = trace_stats(&native, format, false).unwrap();
+        assert_eq!(s.writes, 1);
+    }
+    // a text trace named as such still reads
+    assert_eq!(
+        trace_stats(&src, Some(Format::Fiu), false).unwrap().writes,
+        1
     );
 }
