@@ -18,10 +18,10 @@ pub(crate) enum Outcome {
         /// The opened export.
         export: Arc<dyn Export>,
         /// Largest READ or WRITE payload the client is held to (bytes):
-        /// the advertised maximum if its `NBD_OPT_GO` asked for
-        /// `NBD_INFO_BLOCK_SIZE` (proto.md: only then may the server
-        /// assume the client honours it), else the protocol's default,
-        /// [`proto::BLOCK_SIZE_MAX`].
+        /// the advertised maximum, whether or not the client asked for
+        /// `NBD_INFO_BLOCK_SIZE` (proto.md "Block size constraints": a
+        /// server stricter than the 32 MiB default MUST cleanly error the
+        /// commands past it, as `NBD_EINVAL` does).
         max_payload: u32,
     },
     /// The session is over (abort, unknown export on EXPORT_NAME, ...).
@@ -166,9 +166,12 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 ))?;
                 transmitting.store(true, Ordering::SeqCst);
                 w.flush()?;
+                // (the configured bound holds for every client: one that
+                // did not learn it gets NBD_EINVAL past it, which the spec
+                // allows a server stricter than its 32 MiB default)
                 return Ok(Outcome::Transmission {
                     export,
-                    max_payload: proto::BLOCK_SIZE_MAX,
+                    max_payload,
                 });
             }
             proto::OPT_LIST => {
@@ -192,19 +195,13 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 }
             }
             proto::OPT_INFO | proto::OPT_GO => {
-                if let Some((export, agreed)) =
-                    answer_info(w, option, &data, max_payload, provider)?
-                {
+                if let Some(export) = answer_info(w, option, &data, max_payload, provider)? {
                     if option == proto::OPT_GO {
                         transmitting.store(true, Ordering::SeqCst);
                         w.flush()?;
                         return Ok(Outcome::Transmission {
                             export,
-                            max_payload: if agreed {
-                                max_payload
-                            } else {
-                                proto::BLOCK_SIZE_MAX
-                            },
+                            max_payload,
                         });
                     }
                 }
@@ -220,14 +217,14 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
 /// Answers `NBD_OPT_INFO` / `NBD_OPT_GO`: the requested information, always
 /// `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` (maximum payload
 /// `max_payload`), then `NBD_REP_ACK`. Returns the export if the answer
-/// was positive, and whether the client asked for `NBD_INFO_BLOCK_SIZE`.
+/// was positive.
 fn answer_info<W: Write + ?Sized>(
     w: &mut W,
     option: u32,
     data: &[u8],
     max_payload: u32,
     provider: &dyn ExportProvider,
-) -> io::Result<Option<(Arc<dyn Export>, bool)>> {
+) -> io::Result<Option<Arc<dyn Export>>> {
     let req = match proto::decode_info_request(data) {
         Ok(req) => req,
         Err(e) => {
@@ -288,6 +285,5 @@ fn answer_info<W: Write + ?Sized>(
         ),
     )?;
     reply(w, option, proto::REP_ACK, &[])?;
-    let asked_block_size = req.info_types.contains(&proto::INFO_BLOCK_SIZE);
-    Ok(Some((export, asked_block_size)))
+    Ok(Some(export))
 }

@@ -110,9 +110,10 @@ impl ServerConfig {
     /// (proto.md "Block size constraints"): half of
     /// [`ServerConfig::inflight_budget_bytes`] rounded down to 4 KiB, at
     /// most 2^25 (32 MiB, the protocol's default and the default here) and
-    /// at least 4 KiB (the preferred block size). A client whose
-    /// `NBD_OPT_GO` asked for `NBD_INFO_BLOCK_SIZE` is held to it (only
-    /// then may a server assume the client honours it): a longer READ gets
+    /// at least 4 KiB (the preferred block size). Every client is held to
+    /// it, whether or not it asked for `NBD_INFO_BLOCK_SIZE` (so the
+    /// budget bounds memory; proto.md lets a server stricter than the
+    /// 32 MiB default error such commands cleanly): a longer READ gets
     /// `NBD_EINVAL`; a longer WRITE of up to 32 MiB has its payload read
     /// and dropped and gets `NBD_EINVAL`. Any client's WRITE over 32 MiB
     /// gets `NBD_EINVAL` and the connection is closed.
