@@ -10,9 +10,10 @@ use crate::size::{parse_index_memory, parse_size};
 /// Memory bounds (sizes with K/M/G suffixes).
 #[derive(Args, Debug, Clone)]
 pub struct MemoryBounds {
-    /// Memory budget of the in-memory fingerprint store (SmartDedup §3.2);
-    /// changeable at every start. fsck also sorts within it (references by
-    /// PBA, fingerprints), spilling to a scratch file in the store beyond it.
+    /// Memory budget of the in-memory fingerprint store (SmartDedup §3.2),
+    /// at least 4K; the server's is changeable at every start. fsck sorts
+    /// within it (references by PBA, fingerprints), spilling to a scratch
+    /// file in the store beyond it.
     #[arg(long, default_value = "8M", value_parser = parse_index_memory)]
     pub index_memory: u64,
     /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per stored

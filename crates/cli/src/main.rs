@@ -751,7 +751,7 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
                             "shrink to {} not finished (written only below it; resize to {} \
                              --shrink to finish)",
                             human(to),
-                            exact_size(to)
+                            crate::size::exact_size(to)
                         )
                     } else {
                         "ok".to_string()
@@ -992,17 +992,6 @@ fn offline_config(store: &Path) -> EngineConfig {
         journal_reserve_bytes: 2 * max_dirty_bytes,
         ..default
     }
-}
-
-/// `bytes` as a size argument, in the largest unit that keeps it whole
-/// (`200M`, `4100K`, `12345`).
-fn exact_size(bytes: u64) -> String {
-    [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")]
-        .iter()
-        .find(|(shift, _)| bytes != 0 && bytes.is_multiple_of(1u64 << shift))
-        .map_or(bytes.to_string(), |(shift, unit)| {
-            format!("{}{unit}", bytes >> shift)
-        })
 }
 
 /// A count that must be at least 1 (`--jobs`, `--max-connections`).
@@ -1287,12 +1276,11 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
 mod tests {
     #[test]
     fn exact_sizes_keep_the_bytes() {
-        use super::exact_size;
-        assert_eq!(exact_size(200 << 20), "200M");
-        assert_eq!(exact_size(4100 << 10), "4100K");
-        assert_eq!(exact_size(16 << 30), "16G");
-        assert_eq!(exact_size(12345), "12345");
-        assert_eq!(exact_size(0), "0");
+        assert_eq!(crate::size::exact_size(200 << 20), "200M");
+        assert_eq!(crate::size::exact_size(4100 << 10), "4100K");
+        assert_eq!(crate::size::exact_size(16 << 30), "16G");
+        assert_eq!(crate::size::exact_size(12345), "12345");
+        assert_eq!(crate::size::exact_size(0), "0");
     }
 
     use super::*;

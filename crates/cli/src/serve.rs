@@ -104,7 +104,8 @@ pub struct ServeArgs {
     /// the same content share one cached copy); 0 disables it.
     #[arg(long, default_value = "4M", value_parser = parse_size)]
     pub read_cache: u64,
-    /// Bytes of the skipped buffer (blocks awaiting out-of-line dedup).
+    /// Bytes of the skipped buffer (blocks awaiting out-of-line dedup), 16
+    /// per record; at most 256M.
     #[arg(long, default_value = "512K", value_parser = parse_size)]
     pub skipped_buffer: u64,
     /// Sequence threshold T (iDedup, SmartDedup §4.5): dedup inline only
@@ -138,14 +139,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 128, value_parser = crate::parse_count)]
     pub max_connections: u64,
     /// Journal length that triggers a checkpoint of metadata in place (as
-    /// do as many bytes of metadata pages changed since the last one).
+    /// do as many bytes of metadata pages changed since the last one); at
+    /// least 64K.
     #[arg(long, default_value = "32M", value_parser = parse_size)]
     pub journal_size: u64,
     /// Disk space kept allocated ahead of the journal, so TRIMs can be
     /// committed on a full file system; at least twice --max-dirty.
     #[arg(long, default_value = "40M", value_parser = parse_size)]
     pub journal_reserve: u64,
-    /// Changed metadata that triggers a journal commit from the write path.
+    /// Changed metadata that triggers a journal commit from the write path;
+    /// at least 4K.
     #[arg(long, default_value = "16M", value_parser = parse_size)]
     pub max_dirty: u64,
     /// Blocks released (overwrites, TRIM) but not yet reusable that trigger
@@ -375,21 +378,21 @@ fn check_option_combinations(args: &ServeArgs) -> anyhow::Result<()> {
         anyhow::bail!(
             "--journal-size {} is too small: at least 64K (below it every commit would \
              checkpoint the metadata in place)",
-            human(args.journal_size)
+            crate::size::exact_size(args.journal_size)
         );
     }
     if args.max_dirty < 4096 {
         anyhow::bail!(
             "--max-dirty {} is too small: at least 4K, one metadata page (a client that needs \
              each write durable at once sends it with FUA, or a FLUSH)",
-            human(args.max_dirty)
+            crate::size::exact_size(args.max_dirty)
         );
     }
     if args.inflight_budget < INFLIGHT_BUDGET_MIN_BYTES {
         anyhow::bail!(
             "--inflight-budget {} is too small: at least 2M (the largest request a client \
              may send is half of it, and NBD clients expect to send 1 MiB ones)",
-            human(args.inflight_budget)
+            crate::size::exact_size(args.inflight_budget)
         );
     }
     Ok(())
@@ -438,7 +441,8 @@ fn ensure_descriptors_for(max_connections: u64, given: bool, store: &Path) -> an
         }
     }
     let limit: u64 = lim.rlim_cur;
-    let maps = map_files_of(store);
+    // (a store made now gets its volume `default`)
+    let maps = map_files_of(store).max(1);
     let reserved = DESCRIPTORS_RESERVED + maps;
     let needed = max_connections
         .saturating_mul(DESCRIPTORS_PER_CONNECTION)

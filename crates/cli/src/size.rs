@@ -167,6 +167,17 @@ pub fn human(bytes: u64) -> String {
     }
 }
 
+/// `bytes` as a size argument, in the largest unit that keeps it whole
+/// (`200M`, `4100K`, `12345`).
+pub fn exact_size(bytes: u64) -> String {
+    [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")]
+        .iter()
+        .find(|(shift, _)| bytes != 0 && bytes.is_multiple_of(1u64 << shift))
+        .map_or(bytes.to_string(), |(shift, unit)| {
+            format!("{}{unit}", bytes >> shift)
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -279,15 +279,15 @@ fn serve_options_that_would_be_ignored_or_cannot_work_are_refused() {
         ),
         (
             &["serve", "--inflight-budget", "1M"][..],
-            "--inflight-budget 1.00 MiB is too small: at least 2M",
+            "--inflight-budget 1M is too small: at least 2M",
         ),
         (
             &["serve", "--journal-size", "0"][..],
-            "--journal-size 0 B is too small: at least 64K",
+            "--journal-size 0 is too small: at least 64K",
         ),
         (
             &["serve", "--max-dirty", "0"][..],
-            "--max-dirty 0 B is too small: at least 4K",
+            "--max-dirty 0 is too small: at least 4K",
         ),
         (
             &["serve", "--listen", "localhost"][..],
