@@ -971,9 +971,14 @@ impl FingerprintIndex {
         if !grp.ticks.is_empty() {
             grp.ticks.remove(i);
         }
-        grp.entries
-            .shrink_to(grp.entries.len() + grp.entries.len() / 8);
-        grp.ticks.shrink_to(grp.entries.capacity());
+        // (with slack between the growth step and the shrink point, so a
+        // group losing and gaining entries by turns is not reallocated
+        // at every removal)
+        let len = grp.entries.len();
+        if grp.entries.capacity() > len + len / 4 + 4 {
+            grp.entries.shrink_to(len + len / 8);
+            grp.ticks.shrink_to(grp.entries.capacity());
+        }
         let after = self.group_bytes(&self.groups[g as usize]);
         self.mem_bytes = self.mem_bytes + after - before;
         if self.groups[g as usize].entries.is_empty() {
