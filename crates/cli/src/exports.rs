@@ -253,6 +253,11 @@ impl Export for VolumeExport {
     fn writes_may_wait_for_disk(&self) -> bool {
         self.engine.commit_due()
     }
+    /// Whole blocks: zeroing them only unmaps them (zero blocks are never
+    /// stored); a partial block would be read, changed and written back.
+    fn fast_zero_granule(&self) -> Option<u32> {
+        Some(dedupd_engine::block::BLOCK_SIZE as u32)
+    }
 }
 
 #[cfg(test)]

@@ -47,6 +47,15 @@ pub trait Export: Send + Sync {
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError>;
     /// Makes `len` bytes at `offset` read back as zeros.
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError>;
+    /// Granule (bytes, a power of two) at which zeroing is faster than
+    /// writing: a `WRITE_ZEROES` with `NBD_CMD_FLAG_FAST_ZERO` whose offset
+    /// and length are multiples of it is carried out, any other gets
+    /// `NBD_ENOTSUP` at once, the export unchanged. `None` (the default):
+    /// `NBD_FLAG_SEND_FAST_ZERO` is not advertised, and the flag gets
+    /// `NBD_EINVAL`.
+    fn fast_zero_granule(&self) -> Option<u32> {
+        None
+    }
     /// True while a plain (not FUA) write, TRIM or zeroing may itself wait
     /// for the disk (a store that commits its metadata from the write path
     /// once enough has changed). Only a hint: a reply is not made to wait

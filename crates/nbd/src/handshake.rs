@@ -17,12 +17,6 @@ pub(crate) enum Outcome {
     Transmission {
         /// The opened export.
         export: Arc<dyn Export>,
-        /// Largest READ or WRITE payload the client is held to (bytes):
-        /// the advertised maximum, whether or not the client asked for
-        /// `NBD_INFO_BLOCK_SIZE` (proto.md "Block size constraints": a
-        /// server stricter than the 32 MiB default MUST cleanly error the
-        /// commands past it, as `NBD_EINVAL` does).
-        max_payload: u32,
     },
     /// The session is over (abort, unknown export on EXPORT_NAME, ...).
     Closed,
@@ -158,6 +152,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 let flags = proto::transmission_flags(
                     export.read_only(),
                     provider.flush_covers_all_connections(),
+                    export.fast_zero_granule().is_some(),
                 );
                 w.write_all(&proto::encode_export_name_reply(
                     export.size_bytes(),
@@ -166,13 +161,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                 ))?;
                 transmitting.store(true, Ordering::SeqCst);
                 w.flush()?;
-                // (the configured bound holds for every client: one that
-                // did not learn it gets NBD_EINVAL past it, which the spec
-                // allows a server stricter than its 32 MiB default)
-                return Ok(Outcome::Transmission {
-                    export,
-                    max_payload,
-                });
+                return Ok(Outcome::Transmission { export });
             }
             proto::OPT_LIST => {
                 if data.is_empty() {
@@ -199,10 +188,7 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
                     if option == proto::OPT_GO {
                         transmitting.store(true, Ordering::SeqCst);
                         w.flush()?;
-                        return Ok(Outcome::Transmission {
-                            export,
-                            max_payload,
-                        });
+                        return Ok(Outcome::Transmission { export });
                     }
                 }
             }
@@ -236,8 +222,11 @@ fn answer_info<W: Write + ?Sized>(
         reply(w, option, proto::REP_ERR_UNKNOWN, b"no such export")?;
         return Ok(None);
     };
-    let flags =
-        proto::transmission_flags(export.read_only(), provider.flush_covers_all_connections());
+    let flags = proto::transmission_flags(
+        export.read_only(),
+        provider.flush_covers_all_connections(),
+        export.fast_zero_granule().is_some(),
+    );
     // The name NBD_REP_SERVER would list (the default export's own name
     // when the client asked for "").
     let name = provider.canonical_name(&req.name);

@@ -32,10 +32,11 @@
 //! `NBD_OPT_INFO`, `NBD_OPT_LIST` and `NBD_OPT_ABORT` (every other option is
 //! answered `NBD_REP_ERR_UNSUP`; no TLS, no structured replies, no metadata
 //! contexts). Transmission with simple replies: `READ`, `WRITE`, `FLUSH`,
-//! `TRIM`, `WRITE_ZEROES` (`NO_HOLE` accepted), `DISC`, and `FUA` on every
+//! `TRIM`, `WRITE_ZEROES` (`NO_HOLE` accepted; `FAST_ZERO` for an export
+//! with a [`Export::fast_zero_granule`]), `DISC`, and `FUA` on every
 //! command. READs and WRITEs longer than the advertised maximum payload
-//! ([`ServerConfig::max_payload_bytes`], for a client that asked for it;
-//! 32 MiB for others) are refused with `NBD_EINVAL`; a WRITE over 32 MiB
+//! ([`ServerConfig::max_payload_bytes`], for every client, whether or not
+//! it asked for it) are refused with `NBD_EINVAL`; a WRITE over 32 MiB
 //! also closes the connection, since its payload is not read. Past the export's end,
 //! READ and TRIM get `NBD_EINVAL`, WRITE and WRITE_ZEROES `NBD_ENOSPC`.
 //! During shutdown, requests already sent get `NBD_ESHUTDOWN`.

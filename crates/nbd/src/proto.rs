@@ -138,9 +138,8 @@ pub const CMD_FLAG_FUA: u16 = 1 << 0;
 /// "NBD").
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 /// `NBD_CMD_FLAG_FAST_ZERO`: (WRITE_ZEROES) fail with `NBD_ENOTSUP` at once
-/// unless the zeroing is faster than a write. Zeroing whole 4 KiB blocks
-/// only unmaps them; a request with a partial block (which would be read,
-/// changed and written back) gets `NBD_ENOTSUP`, the export unchanged.
+/// unless the zeroing is faster than a write (see
+/// [`crate::Export::fast_zero_granule`]).
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
 // ---------------------------------------------------------------------------
@@ -432,17 +431,19 @@ pub fn encode_export_name_reply(size: u64, transmission_flags: u16, no_zeroes: b
 }
 
 /// Transmission flags for an export ("Transmission flags"): always
-/// `HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES |
-/// SEND_FAST_ZERO`, plus `READ_ONLY` and `CAN_MULTI_CONN` when asked for.
-pub fn transmission_flags(read_only: bool, multi_conn: bool) -> u16 {
+/// `HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES`,
+/// plus `READ_ONLY`, `CAN_MULTI_CONN` and `SEND_FAST_ZERO` when asked for.
+pub fn transmission_flags(read_only: bool, multi_conn: bool, fast_zero: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
         | TFLAG_SEND_FUA
         | TFLAG_SEND_TRIM
-        | TFLAG_SEND_WRITE_ZEROES
-        | TFLAG_SEND_FAST_ZERO;
+        | TFLAG_SEND_WRITE_ZEROES;
     if read_only {
         f |= TFLAG_READ_ONLY;
+    }
+    if fast_zero {
+        f |= TFLAG_SEND_FAST_ZERO;
     }
     if multi_conn {
         f |= TFLAG_CAN_MULTI_CONN;
@@ -765,8 +766,9 @@ mod tests {
 
     #[test]
     fn flags_and_errors() {
-        assert_eq!(transmission_flags(false, false), 0b1000_0110_1101);
-        assert_eq!(transmission_flags(true, true), 0b1001_0110_1111);
+        assert_eq!(transmission_flags(false, false, false), 0b0110_1101);
+        assert_eq!(transmission_flags(true, true, false), 0b1_0110_1111);
+        assert_eq!(transmission_flags(false, false, true), 0b1000_0110_1101);
         assert_eq!(error_code(&ExportError::Io("x".into())), NBD_EIO);
         assert_eq!(error_code(&ExportError::NoSpace), NBD_ENOSPC);
         assert_eq!(error_code(&ExportError::Invalid("x".into())), NBD_EINVAL);

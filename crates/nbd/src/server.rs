@@ -76,10 +76,10 @@ pub struct ServerConfig {
     /// Bytes of request payload (WRITE data, READ reply buffers) that may be
     /// in flight at once, summed over all connections of the server. A
     /// request waits for room before its buffer is allocated. It also sets
-    /// the largest request of a client that agreed to the server's size
-    /// constraints ([`ServerConfig::max_payload_bytes`]: half of it, at
-    /// most 32 MiB); a client that did not may send up to 32 MiB, and a
-    /// request larger than the budget runs alone. One connection may
+    /// the largest request of every client
+    /// ([`ServerConfig::max_payload_bytes`]: half of it, at most 32 MiB),
+    /// whether or not it asked for the server's size constraints. One
+    /// connection may
     /// hold at most half of it, so a client that
     /// stops reading its replies leaves room for the others' requests of
     /// up to half the budget; requests wait in arrival order, so one
@@ -901,11 +901,7 @@ fn handle_connection(shared: &Shared, id: u64, socket: Box<dyn Socket>) {
         let _ = writer.set_send_timeout(Some(SHUTDOWN_SEND_TIMEOUT));
     }
     let hangup_half = Arc::new(hangup_half);
-    if let Ok(Outcome::Transmission {
-        export,
-        max_payload,
-    }) = outcome
-    {
+    if let Ok(Outcome::Transmission { export }) = outcome {
         let hangup_socket = Arc::clone(&hangup_half);
         let replies = Arc::new(ReplyWriter::new(
             Box::new(writer),

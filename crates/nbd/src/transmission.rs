@@ -47,7 +47,13 @@ pub(crate) enum Plan {
 /// Checks a request against the export (`size` bytes, `read_only`) and the
 /// server's limits (READ and WRITE payloads up to `max_payload` bytes);
 /// pure.
-pub(crate) fn plan(req: &Request, size: u64, read_only: bool, max_payload: u32) -> Plan {
+pub(crate) fn plan(
+    req: &Request,
+    size: u64,
+    read_only: bool,
+    max_payload: u32,
+    fast_zero_granule: Option<u32>,
+) -> Plan {
     let flags_ok = req.flags & !req.command.allowed_flags() == 0;
     let in_range = req
         .offset
@@ -85,13 +91,17 @@ pub(crate) fn plan(req: &Request, size: u64, read_only: bool, max_payload: u32) 
                 Plan::Reply(proto::NBD_ENOSPC)
             } else if !in_range {
                 Plan::Reply(proto::NBD_EINVAL)
-            } else if req.flags & proto::CMD_FLAG_FAST_ZERO != 0
-                && !(req.offset | u64::from(req.length))
-                    .is_multiple_of(u64::from(proto::BLOCK_SIZE_PREFERRED))
-            {
-                // (a partial block is read, changed and written back: no
-                // faster than a write)
-                Plan::Reply(proto::NBD_ENOTSUP)
+            } else if req.flags & proto::CMD_FLAG_FAST_ZERO != 0 {
+                match fast_zero_granule {
+                    // (not advertised)
+                    None => Plan::Reply(proto::NBD_EINVAL),
+                    Some(g)
+                        if !(req.offset | u64::from(req.length)).is_multiple_of(u64::from(g)) =>
+                    {
+                        Plan::Reply(proto::NBD_ENOTSUP)
+                    }
+                    Some(_) => Plan::Dispatch,
+                }
             } else {
                 Plan::Dispatch
             }
@@ -472,6 +482,8 @@ struct Connection<'a, R: ?Sized> {
     export: &'a dyn Export,
     size: u64,
     read_only: bool,
+    /// [`Export::fast_zero_granule`], read once.
+    fast_zero_granule: Option<u32>,
     res: &'a Resources<'a>,
     /// Requests answered `NBD_ESHUTDOWN` so far.
     shutdown_replies: AtomicUsize,
@@ -527,6 +539,7 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
             export,
             size: export.size_bytes(),
             read_only: export.read_only(),
+            fast_zero_granule: export.fast_zero_granule(),
             res,
             shutdown_replies: AtomicUsize::new(0),
             spare: Mutex::new(Vec::new()),
@@ -709,7 +722,13 @@ impl<'a, R: RequestSource + ?Sized> Connection<'a, R> {
         let plan = if stopping {
             shutdown_plan(&req)
         } else {
-            plan(&req, self.size, self.read_only, self.res.max_payload)
+            plan(
+                &req,
+                self.size,
+                self.read_only,
+                self.res.max_payload,
+                self.fast_zero_granule,
+            )
         };
         match plan {
             Plan::Disconnect => Next::Stop,
@@ -926,7 +945,7 @@ mod tests {
     #[test]
     fn plans() {
         let size = 1 << 30;
-        let p = |r: Request| plan(&r, size, false, MAX);
+        let p = |r: Request| plan(&r, size, false, MAX, Some(4096));
         assert_eq!(p(req(Command::Read, 0, 0, 4096)), Plan::Dispatch);
         assert_eq!(p(req(Command::Read, CMD_FLAG_FUA, 0, 4096)), Plan::Dispatch);
         assert_eq!(
@@ -988,6 +1007,17 @@ mod tests {
             p(req(Command::Trim, fast, 0, 4096)),
             Plan::Reply(NBD_EINVAL)
         );
+        // an export without a granule does not advertise the flag
+        assert_eq!(
+            plan(
+                &req(Command::WriteZeroes, fast, 0, 4096),
+                size,
+                false,
+                MAX,
+                None
+            ),
+            Plan::Reply(NBD_EINVAL)
+        );
         // (past the end: the range error comes first)
         assert_eq!(
             p(req(Command::WriteZeroes, fast, size, 4096)),
@@ -1022,7 +1052,7 @@ mod tests {
     #[test]
     fn a_smaller_maximum_payload_refuses_longer_reads_and_writes_cleanly() {
         const SMALL: u32 = 1 << 20;
-        let p = |r: Request| plan(&r, 1 << 30, false, SMALL);
+        let p = |r: Request| plan(&r, 1 << 30, false, SMALL, None);
         assert_eq!(p(req(Command::Read, 0, 0, SMALL)), Plan::Dispatch);
         assert_eq!(p(req(Command::Write, 0, 0, SMALL)), Plan::Dispatch);
         assert_eq!(
@@ -1048,7 +1078,7 @@ mod tests {
 
     #[test]
     fn read_only_plans() {
-        let p = |r: Request| plan(&r, 4096, true, proto::BLOCK_SIZE_MAX);
+        let p = |r: Request| plan(&r, 4096, true, proto::BLOCK_SIZE_MAX, None);
         assert_eq!(p(req(Command::Read, 0, 0, 10)), Plan::Dispatch);
         assert_eq!(
             p(req(Command::Write, 0, 0, 10)),
