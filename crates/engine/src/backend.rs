@@ -27,7 +27,8 @@ pub trait BlockBackend: Send + Sync {
 /// Block data in one file, PBA × 4096 = byte offset; the file grows on
 /// demand (thin provisioning) and is sparse where never written.
 ///
-/// Growth is preallocated in 64 MiB steps (`fallocate` with KEEP_SIZE):
+/// Growth is preallocated up to 64 MiB ahead (`fallocate` with KEEP_SIZE;
+/// less on a file system with little free space):
 /// writing into blocks the file system has already allocated is several
 /// times cheaper than writing into holes (measured on ext4: the delayed
 /// allocation path dominated a sequential-write profile).
@@ -38,6 +39,10 @@ pub struct FileBackend {
     /// Set while one writer runs `fallocate`; the others do not queue
     /// behind it on the inode lock.
     preallocating: std::sync::atomic::AtomicBool,
+    /// File offset (bytes) below which writes do not look at preallocation
+    /// again: the free space is queried at most once per
+    /// [`MIN_PREALLOCATE_BYTES`] of growth.
+    next_preallocation_check: std::sync::atomic::AtomicU64,
     /// Held around each write of [`LARGE_WRITE_BYTES`] or more: writers of
     /// one file serialize on its inode lock anyway, and the kernel's
     /// waiters spin on that lock (burning a core for the whole copy),
@@ -50,7 +55,8 @@ pub struct FileBackend {
 const PREALLOCATE_BYTES: u64 = 64 << 20;
 
 /// Smallest preallocation made: when a quarter of the file system's free
-/// space is less, the data file grows by its writes alone.
+/// space is less, the data file grows by its writes alone (and the free
+/// space is looked at again once the file has grown by this much).
 const MIN_PREALLOCATE_BYTES: u64 = 4 << 20;
 
 /// Bytes of the file system holding `file` available to this process
@@ -82,6 +88,7 @@ impl FileBackend {
             file,
             preallocated_end: std::sync::atomic::AtomicU64::new(0),
             preallocating: std::sync::atomic::AtomicBool::new(false),
+            next_preallocation_check: std::sync::atomic::AtomicU64::new(0),
             large_writes: std::sync::Mutex::new(()),
             observer: crate::observe::Observer::default(),
         }
@@ -93,49 +100,49 @@ impl FileBackend {
         self
     }
 
+    /// Keeps space allocated ahead of a write ending at byte `end`: up to
+    /// [`PREALLOCATE_BYTES`], and never more than a quarter of the space
+    /// the file system has free plus what is preallocated already. A
+    /// fallocate that fails for want of space keeps (on ext4) what it
+    /// allocated past the file's end until the file is truncated, and a
+    /// write into a hole below the end then finds the file system full
+    /// while that space sits unused: the quarter bounds what is taken so.
+    /// Looks at the free space at most once per [`MIN_PREALLOCATE_BYTES`]
+    /// of growth when nothing is to be done.
     fn preallocate(&self, end: u64) {
         use std::os::unix::io::AsRawFd;
         use std::sync::atomic::Ordering;
         let have = self.preallocated_end.load(Ordering::Relaxed);
         // extend half a step ahead of need, one writer at a time
-        if end + PREALLOCATE_BYTES / 2 <= have || self.preallocating.swap(true, Ordering::Acquire) {
+        if end + PREALLOCATE_BYTES / 2 <= have
+            || end < self.next_preallocation_check.load(Ordering::Relaxed)
+            || self.preallocating.swap(true, Ordering::Acquire)
+        {
             return;
         }
-        let start = end.max(have);
-        let mut new_end =
-            ((end + PREALLOCATE_BYTES / 2) / PREALLOCATE_BYTES + 1) * PREALLOCATE_BYTES;
-        // A fallocate that fails for want of space keeps (on ext4) what it
-        // allocated past the file's end until the file is truncated, and a
-        // write into a hole below the end then finds the file system full
-        // while that space sits unused: take at most a quarter of the space
-        // left, and nothing once less than 4 MiB would be taken.
-        match available_bytes(&self.file) {
-            Some(free) => {
-                let step = (free / 4) & !(BLOCK_SIZE_U64 - 1);
-                if step < MIN_PREALLOCATE_BYTES {
-                    self.preallocating.store(false, Ordering::Release);
-                    return;
-                }
-                new_end = new_end.min(start + step);
+        self.next_preallocation_check
+            .store(end + MIN_PREALLOCATE_BYTES, Ordering::Relaxed);
+        let ahead = have.saturating_sub(end);
+        // (no figure: preallocate nothing rather than risk it)
+        let target = available_bytes(&self.file).map_or(0, |free| {
+            ((free + ahead) / 4).min(PREALLOCATE_BYTES) & !(BLOCK_SIZE_U64 - 1)
+        });
+        if target >= MIN_PREALLOCATE_BYTES && ahead < target / 2 {
+            let start = end.max(have);
+            let new_end = end + target;
+            // SAFETY: fallocate on a file descriptor we own; failure (no
+            // space, unsupported) leaves the writes to report ENOSPC.
+            let rc = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    libc::FALLOC_FL_KEEP_SIZE,
+                    start as libc::off_t,
+                    (new_end - start) as libc::off_t,
+                )
+            };
+            if rc == 0 {
+                self.preallocated_end.fetch_max(new_end, Ordering::Relaxed);
             }
-            None => {
-                // (no figure: preallocate nothing rather than risk it)
-                self.preallocating.store(false, Ordering::Release);
-                return;
-            }
-        }
-        // SAFETY: fallocate on a file descriptor we own; failure (no space,
-        // unsupported) leaves the writes to report ENOSPC.
-        let rc = unsafe {
-            libc::fallocate(
-                self.file.as_raw_fd(),
-                libc::FALLOC_FL_KEEP_SIZE,
-                start as libc::off_t,
-                (new_end - start) as libc::off_t,
-            )
-        };
-        if rc == 0 {
-            self.preallocated_end.fetch_max(new_end, Ordering::Relaxed);
         }
         self.preallocating.store(false, Ordering::Release);
     }
