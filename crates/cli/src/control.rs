@@ -159,24 +159,37 @@ pub fn call(
         .then(|| std::time::Instant::now() + READ_REPLY_DEADLINE);
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
-    match send_all(&s, line.as_bytes()) {
-        Ok(()) => {}
-        // a server at its limit answers busy and closes at once, maybe
-        // before the request went out: its reply is still there to read
+    // a server at its limit answers busy and closes at once, maybe before
+    // the request went out: its reply is still there to read, and the
+    // send's error is told only if none is
+    let unsent = match send_all(&s, line.as_bytes()) {
+        Ok(()) => None,
         Err(e)
             if matches!(
                 e.kind(),
                 std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
-            ) => {}
+            ) =>
+        {
+            Some(e)
+        }
         Err(e) => {
             return Err(e).with_context(|| format!("sending to the server at {}", path.display()))
         }
-    }
+    };
+    let unsent_context = |e: anyhow::Error| match &unsent {
+        Some(u) => e.context(format!("the request was not sent: {u}")),
+        None => e,
+    };
     let mut lines = BufReader::new(s);
     loop {
         let mut reply = String::new();
-        if lines.read_line(&mut reply)? == 0 {
-            bail!("the server closed the control connection without a reply");
+        let read = lines
+            .read_line(&mut reply)
+            .map_err(|e| unsent_context(e.into()))?;
+        if read == 0 {
+            return Err(unsent_context(anyhow::anyhow!(
+                "the server closed the control connection without a reply"
+            )));
         }
         let v: Value = serde_json::from_str(&reply).context("malformed reply from the server")?;
         if let Some(p) = v.get("progress") {

@@ -315,7 +315,7 @@ fn no_superblock_hint(e: &EngineError) -> Option<String> {
         return empty.then(|| {
             format!(
                 "{quoted} is an empty directory: `dedupd --store {quoted} init` makes it a \
-                 store (or `dedupd --store {quoted} serve` makes it one with a 16 GiB volume \
+                 store (or `dedupd --store {quoted} serve` makes it one with a volume \
                  default)"
             )
         });
@@ -414,8 +414,12 @@ fn serve_option_hint(e: &clap::Error) -> Option<String> {
     let cmd = cli_command();
     let serve = cmd.find_subcommand("serve")?;
     serve.get_arguments().find(|a| a.get_long() == Some(long))?;
+    // (OS strings, shown lossily: a non-UTF-8 argument must not panic here)
     let mut fixed = vec!["dedupd".to_string()];
-    let mut args = std::env::args().skip(1).peekable();
+    let mut args = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .peekable();
     while args
         .peek()
         .is_some_and(|a| a == "--store" || a.starts_with("--store="))
@@ -1049,9 +1053,15 @@ impl<'a> Figures<'a> {
     /// A percentage with one decimal, or `?`; one that is not exactly 0
     /// or 100 never reads as either (`<0.1`, `>99.9`).
     fn pct(&self, path: &str) -> String {
+        self.pct_of(path, 1.0)
+    }
+
+    /// [`Figures::pct`] of a fraction times `scale` (100 for a fraction
+    /// of 1).
+    fn pct_of(&self, path: &str, scale: f64) -> String {
         self.get(path)
             .and_then(Value::as_f64)
-            .map_or("?".into(), percent_text)
+            .map_or("?".into(), |x| percent_text(x * scale))
     }
 
     /// A fraction or ratio times `scale`, with `decimals` decimals, or `?`.
@@ -1126,7 +1136,7 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
     line!("blocks trimmed               {}", s.n("blocks_trimmed"));
     line!(
         "inline selectivity           {} % (duplication {}, load {}, power {}; {} selected, {} left to out-of-line)",
-        s.f("selectivity.selectivity", 100.0, 0),
+        s.pct_of("selectivity.selectivity", 100.0),
         s.f("selectivity.duplication_factor", 1.0, 2),
         s.f("selectivity.load_factor", 1.0, 2),
         s.f("selectivity.power_factor", 1.0, 2),
@@ -1274,15 +1284,6 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn exact_sizes_keep_the_bytes() {
-        assert_eq!(crate::size::exact_size(200 << 20), "200M");
-        assert_eq!(crate::size::exact_size(4100 << 10), "4100K");
-        assert_eq!(crate::size::exact_size(16 << 30), "16G");
-        assert_eq!(crate::size::exact_size(12345), "12345");
-        assert_eq!(crate::size::exact_size(0), "0");
-    }
-
     use super::*;
 
     #[test]

@@ -183,6 +183,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn exact_sizes_keep_the_bytes() {
+        assert_eq!(exact_size(200 << 20), "200M");
+        assert_eq!(exact_size(4100 << 10), "4100K");
+        assert_eq!(exact_size(16 << 30), "16G");
+        assert_eq!(exact_size(12345), "12345");
+        assert_eq!(exact_size(0), "0");
+    }
+
+    #[test]
     fn sizes() {
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert_eq!(parse_size("16G").unwrap(), 16 << 30);

@@ -3281,6 +3281,9 @@ impl Engine {
 
     /// A snapshot of the engine's figures (see [`Stats`] for definitions).
     pub fn stats(&self) -> Stats {
+        // (the file's length before the allocation mark: a write
+        // allocating in between is not counted free)
+        let data_file_bytes = self.backend.len_bytes().unwrap_or(0);
         let (mut s, free_blocks, pending_free_blocks, high_water_blocks) = {
             let m = lock(&self.meta);
             let c = &m.counters;
@@ -3326,7 +3329,7 @@ impl Engine {
                 m.high_water_blocks,
             )
         };
-        s.data_file_bytes = self.backend.len_bytes().unwrap_or(0);
+        s.data_file_bytes = data_file_bytes;
         // free: the free set's PBAs, and those between the highest
         // allocated PBA and the data file's end (after a restart, the
         // blocks freed at the top of the file before it)

@@ -150,6 +150,7 @@ const MERGE_BYTES: u64 = 64;
 
 /// Why examining a skipped record failed, which decides whether the
 /// record is kept for a later pass.
+#[derive(Debug)]
 enum ExamineError {
     /// Reading the block itself: the record is dropped (left to `dedupd
     /// dedup --offline`).
@@ -1203,6 +1204,17 @@ mod tests {
         assert!(before > 0);
         assert!(e.dedup_pass(64).is_err());
         assert_eq!(lock(&e.meta).skipped.stats().records, before);
+        // and a chunk whose pass began before the fault stops at its next
+        // record, examining nothing
+        let sizes: std::collections::HashMap<_, _> = [(v, 1 << 20)].into_iter().collect();
+        let mut r = super::PassReport::default();
+        let stopped = e.pass_chunk(&[(v, 0), (v, 1)], &sizes, &mut r);
+        assert!(
+            matches!(stopped, Err((0, super::ExamineError::Fault(_)))),
+            "{stopped:?}"
+        );
+        assert_eq!(r.blocks_examined, 0);
+        assert_eq!(pba(&e, 1), b);
     }
 
     #[test]
