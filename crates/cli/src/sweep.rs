@@ -66,17 +66,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--traces: {e}"))?;
     dedupd_sim::sweep::check_distinct_policies(&args.policies)
         .map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
-    if let Some((first, again)) = dedupd_sim::sweep::first_repeat(&budgets, |a, b| a == b) {
-        let (a, b) = (&args.index_memory[first], &args.index_memory[again]);
-        anyhow::bail!(
-            "--index-memory: budget {b} is given more than once{} (each budget is swept once)",
-            if a == b {
-                String::new()
-            } else {
-                format!(" (as {a}; both are {} bytes)", budgets[again])
-            }
-        );
-    }
+    dedupd_sim::sweep::check_distinct_budgets(&budgets, Some(&args.index_memory))
+        .map_err(|e| anyhow::anyhow!("--index-memory: {e}"))?;
     // no result or figure may land on a trace
     for out in dedupd_sim::sweep::output_paths(&args.out, &args.traces) {
         if args.out.is_dir() {

@@ -49,6 +49,17 @@ pub enum Format {
     Native,
 }
 
+impl Format {
+    /// The name [`Format`]'s `FromStr` parses (`fiu`, `mobile`, `native`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Fiu => "fiu",
+            Format::Mobile => "mobile",
+            Format::Native => "native",
+        }
+    }
+}
+
 impl std::str::FromStr for Format {
     type Err = String;
     /// Parses `fiu`, `mobile` or `native`.
@@ -168,7 +179,7 @@ impl TraceReader {
                 if head.starts_with(&MAGIC) {
                     return Err(TraceError::NativeAsText {
                         file: name,
-                        format: if f == Format::Fiu { "fiu" } else { "mobile" },
+                        format: f.name(),
                     });
                 }
                 (input, f)

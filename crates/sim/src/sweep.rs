@@ -183,18 +183,32 @@ pub fn check_distinct_policies(policies: &[String]) -> Result<()> {
     }
 }
 
-/// Checks that no index memory budget (in bytes) is among `budgets` twice.
+/// Checks that no index memory budget (in bytes) is among `budgets` twice;
+/// `spellings`, if given, are the budgets as the user wrote them (one per
+/// budget), for the message.
 ///
-/// Errors: [`TraceError::Config`] naming the first budget given twice, in
-/// bytes.
-pub fn check_distinct_budgets(budgets: &[u64]) -> Result<()> {
-    match first_repeat(budgets, |a, b| a == b) {
-        Some((_, again)) => Err(TraceError::Config(format!(
+/// Errors: [`TraceError::Config`] naming the first budget given twice
+/// (as spelt, with its bytes when the two spellings differ; else in
+/// bytes).
+pub fn check_distinct_budgets(budgets: &[u64], spellings: Option<&[String]>) -> Result<()> {
+    let Some((first, again)) = first_repeat(budgets, |a, b| a == b) else {
+        return Ok(());
+    };
+    Err(TraceError::Config(match spellings {
+        Some(sp) if sp.len() == budgets.len() => format!(
+            "budget {} is given more than once{} (each budget is swept once)",
+            sp[again],
+            if sp[first] == sp[again] {
+                String::new()
+            } else {
+                format!(" (as {}; both are {} bytes)", sp[first], budgets[again])
+            }
+        ),
+        _ => format!(
             "index memory budget of {} bytes is given more than once (each budget is swept once)",
             budgets[again]
-        ))),
-        None => Ok(()),
-    }
+        ),
+    }))
 }
 
 /// The indices (earlier, later) of the first item of `items` equal to an
@@ -276,7 +290,7 @@ fn plan_and_run(
 ) -> Result<Vec<Option<Result<SweepRow>>>> {
     check_distinct_traces(&cfg.traces)?;
     check_distinct_policies(&cfg.policies)?;
-    check_distinct_budgets(&cfg.budgets)?;
+    check_distinct_budgets(&cfg.budgets, None)?;
     let names = trace_names(&cfg.traces);
     let mut points: Vec<(&PathBuf, &str, String, Option<u64>)> = Vec::new();
     for (t, name) in cfg.traces.iter().zip(&names) {
@@ -589,8 +603,8 @@ mod tests {
         );
         let e = check_distinct_policies(&p(&["arc+prehash+t2", "arc+t2+prehash"])).unwrap_err();
         assert!(e.to_string().contains("(as \"arc+prehash+t2\")"), "{e}");
-        assert!(check_distinct_budgets(&[1 << 20, 2 << 20]).is_ok());
-        let e = check_distinct_budgets(&[1 << 20, 2 << 20, 1 << 20]).unwrap_err();
+        assert!(check_distinct_budgets(&[1 << 20, 2 << 20], None).is_ok());
+        let e = check_distinct_budgets(&[1 << 20, 2 << 20, 1 << 20], None).unwrap_err();
         assert!(e.to_string().contains("1048576 bytes"), "{e}");
         // a sweep checks all three before it runs anything
         let cfg = SweepConfig {
