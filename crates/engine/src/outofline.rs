@@ -754,13 +754,18 @@ impl Engine {
                                     found = Some(Pba(q));
                                 }
                             }
-                            match found {
+                            // every copy it was to join is gone: it joins
+                            // the live copy the index holds (another copy
+                            // whose target went, met earlier in the scan),
+                            // or stays and is indexed (the one indexed may
+                            // have been one of those gone)
+                            let indexed = || match m.lookup(&fp) {
+                                Ok(Some(c)) if holds(&m, c) => Some(c),
+                                _ => None,
+                            };
+                            match found.or_else(indexed) {
                                 Some(t) => t,
                                 None => {
-                                    // every copy it was to join is gone: it
-                                    // stays, and is indexed if no copy is
-                                    // (the one indexed may have been one of
-                                    // those gone)
                                     m.index_if_absent(p, fp);
                                     continue;
                                 }
@@ -1215,6 +1220,44 @@ mod tests {
         );
         assert_eq!(r.blocks_examined, 0);
         assert_eq!(pba(&e, 1), b);
+    }
+
+    #[test]
+    fn copies_whose_merge_target_died_are_merged_with_each_other() {
+        // copies b and c of content X were to merge onto a; a lost its
+        // last reference before the merge scan: b and c end as one copy
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let x = [5u8; BLOCK_SIZE];
+        let fp = HashAlgorithm::Sha256.fingerprint(&x);
+        let pba = |e: &Engine, lba: u64| lock(&e.meta).volumes[&v].get(Lba(lba)).unwrap();
+        let mut copies = Vec::new();
+        for lba in 0..3u64 {
+            e.write(v, lba * 4096, &x, false).unwrap();
+            let p = pba(&e, lba);
+            // (stored apart: the index forgets each copy)
+            lock(&e.meta).index.remove(&fp, p);
+            copies.push(p);
+        }
+        let (a, b, c) = (copies[0], copies[1], copies[2]);
+        assert!(a != b && b != c && a != c);
+        {
+            let mut m = lock(&e.meta);
+            m.pending_merges.insert(b.0, a.0);
+            m.pending_merges.insert(c.0, a.0);
+        }
+        e.write(v, 0, &[6u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        let stored = e.stats().physical_blocks_stored;
+        e.apply_pending_merges(&|| false).unwrap();
+        assert_eq!(pba(&e, 1), pba(&e, 2), "two copies of X left");
+        assert_eq!(e.stats().physical_blocks_stored, stored - 1);
+        let mut got = vec![0u8; BLOCK_SIZE];
+        for lba in 1..3u64 {
+            e.read(v, lba * 4096, &mut got).unwrap();
+            assert_eq!(got, x);
+        }
+        assert!(e.check().is_empty(), "{:?}", e.check());
     }
 
     #[test]
