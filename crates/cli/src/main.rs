@@ -1209,7 +1209,7 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
         s.n("pending_merges")
     );
     line!(
-        "skipped buffer faults        {} times full (records folded into coarser ones), {} saves failed (records lost on a crash; a full pass finds those duplicates)",
+        "skipped buffer faults        {} times degraded (records folded into coarser ones: buffer full, or dropped copies not remembered), {} saves failed (records lost on a crash; a full pass finds those duplicates)",
         s.n("skipped.degradations"),
         s.n("skipped_save_errors")
     );

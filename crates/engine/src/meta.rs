@@ -553,9 +553,16 @@ impl Meta {
         let ids: Vec<VolumeId> = self
             .volumes
             .iter()
-            // (a volume with its own sequence threshold T > 1 is left to
-            // the full pass, as the background pass leaves it)
-            .filter(|(_, v)| !v.deleting && v.record.sequence_threshold_blocks.unwrap_or(1) <= 1)
+            // (a volume with a sequence threshold T > 1, its own or the
+            // engine's, is left to the full pass, as the background pass
+            // leaves it)
+            .filter(|(_, v)| {
+                !v.deleting
+                    && v.record
+                        .sequence_threshold_blocks
+                        .unwrap_or(self.default_sequence_threshold_blocks)
+                        <= 1
+            })
             .map(|(id, _)| *id)
             .collect();
         self.skipped.record_volumes_whole(&ids);

@@ -1223,6 +1223,27 @@ mod tests {
     }
 
     #[test]
+    fn copies_not_remembered_queue_only_the_volumes_the_background_pass_takes() {
+        // the engine's sequence threshold T > 1: volumes without their own
+        // are left to the full pass, so they are not queued whole
+        let cfg = EngineConfig {
+            sequence_threshold_blocks: 4,
+            ..EngineConfig::default()
+        };
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg);
+        let a = e.create_volume("a", 1 << 20).unwrap();
+        let b = e.create_volume("b", 1 << 20).unwrap();
+        e.set_sequence_threshold("b", Some(1)).unwrap();
+        let mut m = lock(&e.meta);
+        // (b, lowered to T = 1, is queued whole already)
+        assert_eq!(m.skipped.stats().volumes, 1);
+        m.merges_dropped();
+        // a (T = 4 from the engine) is not queued
+        assert_eq!(m.skipped.stats().volumes, 1, "{:?}", m.skipped.stats());
+        let _ = (a, b);
+    }
+
+    #[test]
     fn copies_whose_merge_target_died_are_merged_with_each_other() {
         // copies b and c of content X were to merge onto a; a lost its
         // last reference before the merge scan: b and c end as one copy

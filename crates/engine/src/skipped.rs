@@ -59,7 +59,9 @@ pub struct SkippedStats {
     pub capacity_bytes: u64,
     /// Bytes in use.
     pub used_bytes: u64,
-    /// Times the buffer degraded to coarser records.
+    /// Times the buffer degraded to coarser records: folded when full, or
+    /// every volume queued whole because duplicate copies the index
+    /// dropped could not be remembered ([`crate::meta::Meta::merges_dropped`]).
     pub degradations: u64,
 }
 
