@@ -563,6 +563,20 @@ fn vanishing_clients_and_garbage_lose_nothing() {
     server.stop();
 }
 
+/// `len` bytes (a multiple of 8) of xorshift noise from `seed`: unique
+/// 4 KiB blocks, as a real file's rarely repeat.
+fn noise_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed;
+    let mut buf = vec![0u8; len];
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    buf
+}
+
 /// A tmpfs of `size` mounted at `at`, unmounted on drop.
 struct Tmpfs(std::path::PathBuf);
 
@@ -615,17 +629,8 @@ fn full_backing_file_system_gives_enospc_and_keeps_data() {
     ]));
     // unique data (a real file's bytes repeat rarely) until the file system is full
     let noise = tmp.path().join("noise.raw");
-    let mut f = std::fs::File::create(&noise).unwrap();
-    let mut x: u64 = 0x9E3779B97F4A7C15;
-    let mut buf = vec![0u8; 96 << 20];
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes());
-    }
-    f.write_all(&buf).unwrap();
-    drop(f);
+    let buf = noise_bytes(96 << 20, 0x9E3779B97F4A7C15);
+    std::fs::write(&noise, &buf).unwrap();
     run(Command::new(common::dedupd_bin())
         .arg("--store")
         .arg(&store)
@@ -730,15 +735,7 @@ fn a_small_ext4_fills_with_data_before_enospc() {
     // what is left for data once the store's metadata files exist
     let free_at_start = available_bytes(&store);
     let noise = tmp.path().join("noise.raw");
-    let mut x: u64 = 0x2545F4914F6CDD1D;
-    let mut buf = vec![0u8; 96 << 20];
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes());
-    }
-    std::fs::write(&noise, &buf).unwrap();
+    std::fs::write(&noise, noise_bytes(96 << 20, 0x2545F4914F6CDD1D)).unwrap();
     let out = Command::new("qemu-img")
         .args(["convert", "-n", "-W", "-m", "8", "-f", "raw", "-O", "raw"])
         .arg(&noise)

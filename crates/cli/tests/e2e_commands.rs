@@ -424,11 +424,19 @@ fn serve_under_nohup_ignores_sighup() {
 /// Runs `dedupd serve` on `store` with `args` until it is ready, stops it,
 /// and returns what it wrote to stderr.
 fn serve_stderr(store: &Path, args: &[&str]) -> String {
-    let mut child = Command::new(dedupd_bin())
-        .arg("--store")
+    let mut cmd = Command::new(dedupd_bin());
+    cmd.arg("--store")
         .arg(store)
         .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(args)
+        .args(args);
+    serve_until_ready(cmd).1
+}
+
+/// Runs `cmd` (a `dedupd serve`) until it is ready (it printed its stats
+/// command), stops it with SIGTERM, asserts it exited 0, and returns what
+/// it wrote to stdout until then (lines) and to stderr.
+fn serve_until_ready(mut cmd: Command) -> (String, String) {
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -440,8 +448,12 @@ fn serve_stderr(store: &Path, args: &[&str]) -> String {
         let _ = err.read_to_string(&mut s);
         s
     });
+    let mut said = Vec::new();
     for line in BufReader::new(stdout).lines() {
-        if line.unwrap().starts_with("dedupd: stats:") {
+        let line = line.unwrap();
+        let ready = line.starts_with("dedupd: stats:");
+        said.push(line);
+        if ready {
             break;
         }
     }
@@ -450,7 +462,7 @@ fn serve_stderr(store: &Path, args: &[&str]) -> String {
     let status = child.wait().unwrap();
     let errors = errors.join().unwrap();
     assert!(status.success(), "dedupd serve: {status}\n{errors}");
-    errors
+    (said.join("\n"), errors)
 }
 
 #[test]
@@ -796,42 +808,17 @@ fn a_low_open_file_limit_lowers_the_default_connection_cap_and_many_volumes_are_
     }
     // 300 files: 256 for the store, one per volume's map (10), 4 per
     // connection: 8 connections fit
-    let mut child = Command::new("sh")
-        .args(["-c", "ulimit -n 300 && exec \"$0\" \"$@\""])
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "ulimit -n 300 && exec \"$0\" \"$@\""])
         .arg(dedupd_bin())
         .arg("--store")
         .arg(&store)
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let errors = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let mut said = Vec::new();
-    for line in BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        let done = line.starts_with("dedupd: stats:");
-        said.push(line);
-        if done {
-            break;
-        }
-    }
-    // SAFETY: sending a signal to our own child process.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let status = child.wait().unwrap();
-    let errors = errors.join().unwrap();
-    assert!(status.success(), "dedupd serve: {status}\n{errors}");
+        .args(["serve", "--listen", "127.0.0.1:0"]);
+    let (said, errors) = serve_until_ready(cmd);
     assert!(
         errors.contains("at most 8 NBD connections at once (not 128)"),
         "{errors}"
     );
-    let said = said.join("\n");
     assert!(
         said.contains("(10 volumes: v0, v1, v2, v3, v4, v5, v6, v7, … and 2 more: `dedupd --store"),
         "{said}"

@@ -110,7 +110,6 @@ impl FileBackend {
     /// Looks at the free space at most once per [`MIN_PREALLOCATE_BYTES`]
     /// of growth when nothing is to be done.
     fn preallocate(&self, end: u64) {
-        use std::os::unix::io::AsRawFd;
         use std::sync::atomic::Ordering;
         let have = self.preallocated_end.load(Ordering::Relaxed);
         // extend half a step ahead of need, one writer at a time
@@ -130,17 +129,9 @@ impl FileBackend {
         if target >= MIN_PREALLOCATE_BYTES && ahead < target / 2 {
             let start = end.max(have);
             let new_end = end + target;
-            // SAFETY: fallocate on a file descriptor we own; failure (no
-            // space, unsupported) leaves the writes to report ENOSPC.
-            let rc = unsafe {
-                libc::fallocate(
-                    self.file.as_raw_fd(),
-                    libc::FALLOC_FL_KEEP_SIZE,
-                    start as libc::off_t,
-                    (new_end - start) as libc::off_t,
-                )
-            };
-            if rc == 0 {
+            // (a failure, no space or unsupported, leaves the writes to
+            // report ENOSPC)
+            if crate::fileio::allocate_keeping_size(&self.file, start, new_end).is_ok() {
                 self.preallocated_end.fetch_max(new_end, Ordering::Relaxed);
             }
         }

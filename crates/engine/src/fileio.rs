@@ -1,5 +1,6 @@
-//! Reading the store's files: whole reads that treat the end of a file as
-//! zeros, and the page ranges of a sparse file that may hold data.
+//! The store's files: whole reads that treat the end of a file as zeros,
+//! the page ranges of a sparse file that may hold data, and allocation
+//! ahead of a file's end.
 
 use std::fs::File;
 use std::io;
@@ -7,6 +8,30 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 
 use crate::paged::PAGE_SIZE;
+
+/// Allocates bytes `[start, end)` of `f` without changing its length
+/// (`fallocate` with `FALLOC_FL_KEEP_SIZE`); nothing for an empty range.
+///
+/// Errors: the call's (no space, unsupported by the file system).
+pub fn allocate_keeping_size(f: &File, start: u64, end: u64) -> io::Result<()> {
+    if end <= start {
+        return Ok(());
+    }
+    // SAFETY: fallocate on a file descriptor `f` owns.
+    let rc = unsafe {
+        libc::fallocate(
+            f.as_raw_fd(),
+            libc::FALLOC_FL_KEEP_SIZE,
+            start as libc::off_t,
+            (end - start) as libc::off_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
 
 /// Reads `buf.len()` bytes at byte `off` of `f`; what lies past the end of
 /// the file reads as zeros. Retries interrupted reads.

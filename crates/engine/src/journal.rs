@@ -607,27 +607,14 @@ impl Journal {
 
     /// Allocates `[start, end)` (keeping the length), and notes it.
     fn allocate(&mut self, start: u64, end: u64) -> io::Result<()> {
-        use std::os::unix::io::AsRawFd;
         if end <= start {
             return Ok(());
         }
-        // SAFETY: fallocate on a file descriptor we own.
-        let rc = unsafe {
-            libc::fallocate(
-                self.file.as_raw_fd(),
-                libc::FALLOC_FL_KEEP_SIZE,
-                start as libc::off_t,
-                (end - start) as libc::off_t,
-            )
-        };
-        if rc == 0 {
-            if start <= self.reserved_end_bytes {
-                self.reserved_end_bytes = self.reserved_end_bytes.max(end);
-            }
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
+        crate::fileio::allocate_keeping_size(&self.file, start, end)?;
+        if start <= self.reserved_end_bytes {
+            self.reserved_end_bytes = self.reserved_end_bytes.max(end);
         }
+        Ok(())
     }
 
     /// Bytes of the journal in use since the last checkpoint.

@@ -1143,6 +1143,22 @@ mod tests {
     use crate::engine::{lock, UNHASHED};
     use crate::{Engine, EngineConfig, HashAlgorithm};
 
+    /// Content X written at LBAs 0 and 1 of a new 1 MiB volume of `e`,
+    /// stored apart (the index forgets the first copy before the second
+    /// write): (volume, X's fingerprint, first copy, second copy).
+    fn two_copies_apart(e: &Engine) -> (VolumeId, crate::Fingerprint, Pba, Pba) {
+        let v = e.create_volume("v", 1 << 20).unwrap();
+        let x = [5u8; BLOCK_SIZE];
+        let fp = HashAlgorithm::Sha256.fingerprint(&x);
+        e.write(v, 0, &x, false).unwrap();
+        let a = lock(&e.meta).volumes[&v].get(Lba(0)).unwrap();
+        lock(&e.meta).index.remove(&fp, a);
+        e.write(v, 4096, &x, false).unwrap();
+        let b = lock(&e.meta).volumes[&v].get(Lba(1)).unwrap();
+        assert_ne!(a, b);
+        (v, fp, a, b)
+    }
+
     #[test]
     fn a_planned_merge_never_joins_blocks_stored_unhashed() {
         // CAFTL pre-hashing stores content seen for the first time unhashed
@@ -1179,16 +1195,8 @@ mod tests {
         // could not be read back): the fingerprints may be stale, so no
         // lookup hits, no merge is applied and the pass stops
         let e = Engine::in_memory(HashAlgorithm::Sha256);
-        let v = e.create_volume("v", 1 << 20).unwrap();
-        let x = [5u8; BLOCK_SIZE];
-        let fp = HashAlgorithm::Sha256.fingerprint(&x);
-        e.write(v, 0, &x, false).unwrap();
+        let (v, fp, a, b) = two_copies_apart(&e);
         let pba = |e: &Engine, lba: u64| lock(&e.meta).volumes[&v].get(Lba(lba)).unwrap();
-        let a = pba(&e, 0);
-        lock(&e.meta).index.remove(&fp, a);
-        e.write(v, 4096, &x, false).unwrap();
-        let b = pba(&e, 1);
-        assert_ne!(a, b);
         {
             let mut m = lock(&e.meta);
             assert_eq!(m.lookup(&fp).unwrap(), Some(b));
@@ -1287,16 +1295,9 @@ mod tests {
         // held instead of b; a lost its last reference before the merge
         // scan: b stays, and is indexed, so X is found inline again
         let e = Engine::in_memory(HashAlgorithm::Sha256);
-        let v = e.create_volume("v", 1 << 20).unwrap();
+        let (v, fp, a, b) = two_copies_apart(&e);
         let x = [5u8; BLOCK_SIZE];
-        let fp = HashAlgorithm::Sha256.fingerprint(&x);
-        e.write(v, 0, &x, false).unwrap();
         let pba = |e: &Engine, lba: u64| lock(&e.meta).volumes[&v].get(Lba(lba)).unwrap();
-        let a = pba(&e, 0);
-        lock(&e.meta).index.remove(&fp, a);
-        e.write(v, 4096, &x, false).unwrap();
-        let b = pba(&e, 1);
-        assert_ne!(a, b);
         {
             let mut m = lock(&e.meta);
             m.index_insert(fp, a).unwrap();
