@@ -1328,7 +1328,7 @@ mod tests {
         v["skipped"].as_object_mut().unwrap().remove("degradations");
         let (text, missing) = format_stats(&v);
         assert_eq!(missing, ["skipped.degradations", "skipped_save_errors"]);
-        assert!(text.contains("? times full"), "{text}");
+        assert!(text.contains("? times degraded"), "{text}");
         assert!(text.contains("? saves failed"), "{text}");
     }
 
