@@ -1022,7 +1022,7 @@ impl FingerprintIndex {
         // group losing and gaining entries by turns is not reallocated
         // at every removal)
         let len = grp.entries.len();
-        if grp.entries.capacity() > len + len / 4 + 4 {
+        if grp.entries.capacity() > len + len / 4 + 1 {
             grp.entries.shrink_to(len + len / 8);
             grp.ticks.shrink_to(grp.entries.capacity());
         }
