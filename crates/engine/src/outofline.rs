@@ -650,11 +650,19 @@ impl Engine {
             }
             let target = Pba(resolve(p));
             let mut m = lock(&self.meta);
-            if m.refcounts.get_u32(p) == 0 || !m.shareable(target.0) {
-                // a copy (or target) freed since the merge was planned:
-                // its bytes now say nothing (taking a free block for new
-                // data changes no epoch); should it hold a copy again when
-                // the scan reaches it, it is compared there
+            let fp = m.fingerprint_of(Pba(p));
+            if m.refcounts.get_u32(p) == 0
+                || !m.shareable(target.0)
+                || fp == crate::engine::UNHASHED
+                || m.fingerprint_of(target) != fp
+            {
+                // a copy (or target) freed since the merge was planned, or
+                // reused for other content (a block stored unhashed has no
+                // fingerprint to compare): its bytes now say nothing, and
+                // blocks of different content are no mismatch (taking a
+                // free block for new data changes no epoch); should it
+                // hold a copy again when the scan reaches it, it is
+                // compared there
                 scan.to_verify.pop();
                 continue;
             }
@@ -1474,6 +1482,30 @@ mod tests {
         };
         assert_eq!(e.apply_pending_merges(&yield_after_verifying).unwrap(), 0);
         rot_store_apart_and_resume(&e, v, kept, copy, &content);
+    }
+
+    #[test]
+    fn a_planned_merge_whose_copy_now_holds_other_content_is_no_verify_mismatch() {
+        let (e, v, content, _kept, copy) = verified_planned_merge();
+        // the copy's LBA is overwritten, the copy freed and reused for
+        // other content before the scan verifies the merge
+        e.write(v, 4096, &[4u8; BLOCK_SIZE], false).unwrap();
+        e.flush().unwrap();
+        e.write(v, 2 * 4096, &[5u8; BLOCK_SIZE], false).unwrap();
+        assert_eq!(
+            lock(&e.meta).volumes[&v].get(Lba(2)).map(|p| p.0),
+            Some(copy),
+            "the freed copy was not reused"
+        );
+        e.apply_pending_merges(&|| false).unwrap();
+        // blocks of different content are no mismatch: only blocks with
+        // one fingerprint and different bytes are
+        assert_eq!(e.stats().verify_mismatches, 0);
+        let mut got = vec![0u8; BLOCK_SIZE];
+        e.read(v, 2 * 4096, &mut got).unwrap();
+        assert_eq!(got, [5u8; BLOCK_SIZE]);
+        e.read(v, 0, &mut got).unwrap();
+        assert_eq!(got, content);
     }
 
     #[test]
