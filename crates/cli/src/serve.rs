@@ -132,8 +132,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     pub inflight_budget: u64,
     /// NBD connections open at once, over all listeners (each holds a
-    /// 128 KiB read buffer and 4 open files); more are closed at once.
-    /// Refused if the connections could exhaust the open-file limit with
+    /// 128 KiB read buffer and 4 open files); more are closed at once,
+    /// and said on stderr (one line every 5 s at most). Refused if the connections could exhaust the open-file limit with
     /// the store's files (one per volume and 256); the default is lowered
     /// to what fits instead.
     #[arg(long, default_value_t = 128, value_parser = crate::parse_count)]
@@ -418,6 +418,20 @@ fn map_files_of(store: &Path) -> u64 {
 /// `--max-connections` whose connections could use up the descriptors the
 /// store needs (a full table would fail commits for every client).
 ///
+/// How often connections refused at `--max-connections` are said on
+/// stderr (at most one line per interval).
+const REFUSAL_NOTE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The stderr line for `n` connections refused at the limit of `max` open
+/// connections.
+fn refusal_note(n: u64, max: u64) -> String {
+    let conns = if n == 1 { "connection" } else { "connections" };
+    format!(
+        "dedupd: warning: refused {n} NBD {conns}: {max} open already \
+         (--max-connections; `dedupd stats` counts them)"
+    )
+}
+
 /// Returns the connections to allow: `max_connections`, or, when it was
 /// not given (`given` false: the default) and does not fit, as many as
 /// fit, with a warning.
@@ -742,6 +756,23 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
                 while !stop.wait_timeout(interval) {
                     if let Err(e) = engine.flush() {
                         err_line!("dedupd: periodic commit failed: {e}");
+                    }
+                }
+            });
+        }
+        {
+            // connections refused at the limit are said on stderr (at most
+            // one line every REFUSAL_NOTE_INTERVAL), so that an operator
+            // sees why a client failed without asking for the stats
+            let server = server.clone();
+            let stop = stop.clone();
+            s.spawn(move || {
+                let mut said = 0;
+                while !stop.wait_timeout(REFUSAL_NOTE_INTERVAL) {
+                    let refused = server.stats().connections_refused;
+                    if refused > said {
+                        err_line!("{}", refusal_note(refused - said, max_connections));
+                        said = refused;
                     }
                 }
             });

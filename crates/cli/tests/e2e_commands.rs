@@ -835,3 +835,65 @@ fn a_low_open_file_limit_lowers_the_default_connection_cap_and_many_volumes_are_
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     fails_with(&out, "give --max-connections 8 or less");
 }
+
+#[test]
+fn connections_refused_at_the_limit_are_said_on_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("s");
+    let mut child = Command::new(dedupd_bin())
+        .arg("--store")
+        .arg(&store)
+        .args(["serve", "--listen", "127.0.0.1:0", "--max-connections", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut port = None;
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in out.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("dedupd: listening on nbd://127.0.0.1:") {
+            port = rest.trim().parse::<u16>().ok();
+        }
+        if line.starts_with("dedupd: stats:") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in out {});
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in err.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let port = port.expect("a TCP port");
+    // the one connection allowed, then one the server closes at once
+    let held = connect(port, "default");
+    let mut refused = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    refused
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 18];
+    assert_eq!(refused.read(&mut buf).unwrap(), 0, "not closed at once");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut said = Vec::new();
+    while Instant::now() < deadline {
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            said.push(line);
+            if said.last().unwrap().contains("refused 1 NBD connection:") {
+                break;
+            }
+        }
+    }
+    drop(held);
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    let last = said.last().cloned().unwrap_or_default();
+    assert!(
+        last.contains(
+            "dedupd: warning: refused 1 NBD connection: 1 open already (--max-connections"
+        ),
+        "{said:?}"
+    );
+}
