@@ -668,6 +668,13 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
         }
     }
     if let Some((_, p)) = &unix {
+        // (absolute, so that the command works from any directory, unless
+        // that is too long for a socket address and the path given is not)
+        let p = match std::path::absolute(p) {
+            Ok(a) if a.as_os_str().len() <= 107 || p.as_os_str().len() > 107 => a,
+            _ => p.clone(),
+        };
+        let p = &p;
         let socket = uri_encode(p.as_os_str());
         out_line!("dedupd: listening on nbd+unix:///?socket={socket}");
         if p.as_os_str().len() > 107 {
@@ -685,7 +692,12 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     }
     out_line!(
         "dedupd: stats: dedupd --store {} stats",
-        shell_quote(&store.display().to_string())
+        shell_quote(
+            &std::path::absolute(store)
+                .unwrap_or_else(|_| store.to_path_buf())
+                .display()
+                .to_string()
+        )
     );
     use std::io::Write;
     std::io::stdout().flush().ok();

@@ -860,6 +860,25 @@ fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work
         run(Command::new("bash").args(["-c", c]).env("PATH", &path));
     }
     server.stop();
+    // given relative to the server's directory, they work from any other
+    let dir = format!("--chdir={}", odd.display());
+    let server = Server::start_via(&["env", &dir], Path::new("st 'q'"), &["--socket", "n.sock"]);
+    let commands: Vec<&str> = server
+        .banner
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("dedupd: try: ")
+                .or_else(|| l.strip_prefix("dedupd: stats: "))
+        })
+        .collect();
+    assert_eq!(commands.len(), 3, "{}", server.banner);
+    for c in commands {
+        run(Command::new("bash")
+            .args(["-c", c])
+            .env("PATH", &path)
+            .current_dir("/"));
+    }
+    server.stop();
 
     // a listing whose reader went away ends quietly
     run(Command::new("bash")
