@@ -1106,6 +1106,12 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
         s.n("volumes"),
         s.bytes("provisioned_bytes")
     );
+    let damaged = s.n("volumes_damaged");
+    if damaged != "0" {
+        line!(
+            "volumes damaged              {damaged} (served read-only: `dedupd volume list` names them, `dedupd fsck --repair` rebuilds them)"
+        );
+    }
     line!(
         "logical bytes mapped         {}",
         s.bytes("logical_bytes_mapped")

@@ -928,6 +928,14 @@ fn lbas_whose_mapping_was_lost_fail_to_read_over_nbd() {
     );
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("Input/output error"), "{said}");
+    // and the stats say so
+    assert_eq!(stats(&store)["volumes_damaged"].as_u64(), Some(1));
+    let text = dedupd(&store, &["stats"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("volumes damaged              1 (served read-only"),
+        "{text}"
+    );
     server.stop();
 }
 

@@ -3289,6 +3289,11 @@ impl Engine {
             let c = &m.counters;
             let s = Stats {
                 volumes: m.volumes.len() as u64,
+                volumes_damaged: m
+                    .volumes
+                    .values()
+                    .filter(|v| v.read_only() && !v.deleting)
+                    .count() as u64,
                 provisioned_bytes: m.volumes.values().map(|v| v.record.size_bytes).sum(),
                 logical_bytes_mapped: m.mapped_blocks * BLOCK_SIZE_U64,
                 physical_blocks_stored: m.stored_blocks,

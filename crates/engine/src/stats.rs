@@ -7,6 +7,12 @@ use serde::{Deserialize, Serialize};
 pub struct Stats {
     /// Number of volumes.
     pub volumes: u64,
+    /// Volumes whose map could not be trusted when the store was opened (a
+    /// page failing its checksum, a map missing or cut short): served
+    /// read-only until `dedupd fsck --repair` rebuilds them. Volumes being
+    /// deleted are not counted.
+    #[serde(default)]
+    pub volumes_damaged: u64,
     /// Sum of volume sizes in bytes (what clients see; may exceed physical space).
     pub provisioned_bytes: u64,
     /// Bytes of all volumes that map to stored data: mapped LBAs × 4096.
