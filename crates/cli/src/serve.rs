@@ -45,8 +45,8 @@ pub struct ServeArgs {
     /// TCP address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:10809")]
     pub listen: String,
-    /// Do not listen on TCP (use with --socket).
-    #[arg(long)]
+    /// Do not listen on TCP (use with --socket; refused with --listen).
+    #[arg(long, conflicts_with = "listen")]
     pub no_tcp: bool,
     /// Also listen on this Unix socket.
     #[arg(long)]

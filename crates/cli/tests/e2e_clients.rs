@@ -810,6 +810,14 @@ fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work
         ][..],
         &["serve", "--no-tcp"],
         &["serve", "--listen", "127.0.0.1"],
+        &[
+            "serve",
+            "--no-tcp",
+            "--listen",
+            "127.0.0.1:0",
+            "--socket",
+            "x.sock",
+        ],
     ]
     .iter()
     .enumerate()
