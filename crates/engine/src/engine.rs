@@ -418,6 +418,13 @@ pub struct Engine {
     /// again ([`Journal::make_head_durable`]): blocks it released are free
     /// in memory, and none may be reused before it is durable.
     replayed_chain_pending: AtomicBool,
+    /// Set at open when a journal chain was replayed, cleared by the next
+    /// commit or checkpoint: until then the blocks the chain's last
+    /// transaction released are not known (they are in the free set), and
+    /// a write must first commit, so that damage to that transaction would
+    /// be found behind an intact one instead of cutting the chain there
+    /// (see [`Meta::held_free`]).
+    replayed_frees_unknown: AtomicBool,
     /// Set when uncommitted metadata or pending frees pass twice their
     /// bounds: the next change commits first, waiting for a running
     /// commit, and is refused if that fails (see [`Engine::enforce_bounds`]).
@@ -1181,6 +1188,9 @@ impl Engine {
         engine
             .replayed_chain_pending
             .store(chain_pending, Ordering::Relaxed);
+        engine
+            .replayed_frees_unknown
+            .store(chain_pending, Ordering::Relaxed);
         engine.dir = Some(dir);
         engine.damage = damage;
         engine.notes = damage_notes;
@@ -1271,6 +1281,7 @@ impl Engine {
             rmw: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             commit_wanted: AtomicBool::new(false),
             replayed_chain_pending: AtomicBool::new(false),
+            replayed_frees_unknown: AtomicBool::new(false),
             over_commit_bound: AtomicBool::new(false),
             checkpoint_behind: AtomicBool::new(false),
             no_close_on_drop: AtomicBool::new(false),
@@ -2572,7 +2583,9 @@ impl Engine {
     /// commit's own error otherwise (a failed data sync, unreadable
     /// metadata, journal I/O), which then stands for the store's state.
     fn commit_for_space(&self, no_space: EngineError) -> Result<()> {
-        match self.flush() {
+        // (twice: the first commit's own releases are held back until a
+        // second one is durable)
+        match self.flush().and_then(|()| self.commit_changes(true)) {
             Ok(()) => {
                 self.no_space_commits.fetch_add(1, Ordering::Relaxed);
                 Ok(())
@@ -3035,6 +3048,13 @@ impl Engine {
     /// later flush and write fails with [`EngineError::DataSyncFailed`]
     /// until restart); [`EngineError::MetadataUnreadable`].
     pub fn flush(&self) -> Result<()> {
+        self.commit_changes(false)
+    }
+
+    /// [`Engine::flush`]; with `force`, a transaction is written even if
+    /// nothing changed, which releases the blocks held back by the last
+    /// one ([`Meta::held_free`]).
+    fn commit_changes(&self, force: bool) -> Result<()> {
         let entry_changes = {
             let m = lock(&self.meta);
             if let Some(why) = &m.data_sync_failure {
@@ -3046,7 +3066,11 @@ impl Engine {
         // (the writes this flush covers may be in the chain replayed at
         // open: made durable before anything is acknowledged)
         self.replayed_chain_durable(&mut c)?;
-        if c.durable_changes >= entry_changes {
+        let force = force
+            && c.journal.is_some()
+            && (!lock(&self.meta).held_free.is_empty()
+                || self.replayed_frees_unknown.load(Ordering::Acquire));
+        if c.durable_changes >= entry_changes && !force {
             // a flush that started after us committed everything we need
             return self.sync_data();
         }
@@ -3095,16 +3119,21 @@ impl Engine {
         }
         c.durable_changes = batch.change_count;
         {
-            let _w = self.reuse.write().unwrap_or_else(|e| e.into_inner());
-            for &p in &batch.frees {
-                self.cache.invalidate(p);
-            }
-            let mut m = lock(&self.meta);
-            m.free.extend(batch.frees.iter().copied());
-            m.frees_in_flight = 0;
-            if !batch.frees.is_empty() {
-                m.reuse_epoch += 1;
-            }
+            // with a journal, the blocks this transaction released wait
+            // for the next one, and those the previous one released are
+            // free now (`Meta::held_free`)
+            let frees = std::mem::take(&mut batch.frees);
+            let release = {
+                let mut m = lock(&self.meta);
+                m.frees_in_flight = 0;
+                if c.journal.is_some() {
+                    std::mem::replace(&mut m.held_free, frees)
+                } else {
+                    frees
+                }
+            };
+            self.replayed_frees_unknown.store(false, Ordering::Release);
+            self.release_frees(release);
         }
         if c.journal.is_some() {
             c.checkpoint.add(batch.ops);
@@ -3130,6 +3159,20 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Makes `frees` reusable (the read cache forgets them first).
+    fn release_frees(&self, frees: Vec<u64>) {
+        if frees.is_empty() {
+            return;
+        }
+        let _w = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+        for &p in &frees {
+            self.cache.invalidate(p);
+        }
+        let mut m = lock(&self.meta);
+        m.free.extend(frees.iter().copied());
+        m.reuse_epoch += 1;
     }
 
     /// Syncs the data file. A failure is remembered: from then on writes,
@@ -3169,11 +3212,16 @@ impl Engine {
     /// Errors: [`EngineError::Io`] writing or syncing the journal (the
     /// chain stays in memory and the next write or FLUSH tries again).
     pub fn make_replayed_chain_durable(&self) -> Result<()> {
-        if !self.replayed_chain_pending.load(Ordering::Acquire) {
-            return Ok(());
+        if self.replayed_chain_pending.load(Ordering::Acquire) {
+            let mut c = lock(&self.commit);
+            self.replayed_chain_durable(&mut c)?;
         }
-        let mut c = lock(&self.commit);
-        self.replayed_chain_durable(&mut c)
+        if self.replayed_frees_unknown.load(Ordering::Acquire) {
+            // a transaction behind the chain's last one, before any block
+            // that one released can be reused (see `replayed_frees_unknown`)
+            self.commit_changes(true)?;
+        }
+        Ok(())
     }
 
     /// Makes the journal chain replayed at open durable, once
@@ -3234,6 +3282,11 @@ impl Engine {
                 .map_err(|e| EngineError::io("restarting the journal after a checkpoint", e))?;
         }
         self.checkpoint_behind.store(false, Ordering::Relaxed);
+        // every commit is in place: no loss of a transaction can take the
+        // store back before the blocks the last one released
+        let held = std::mem::take(&mut lock(&self.meta).held_free);
+        self.replayed_frees_unknown.store(false, Ordering::Release);
+        self.release_frees(held);
         Ok(())
     }
 
@@ -3330,7 +3383,7 @@ impl Engine {
             (
                 s,
                 m.free.len(),
-                m.pending_free.len() as u64,
+                (m.pending_free.len() + m.frees_in_flight + m.held_free.len()) as u64,
                 m.high_water_blocks,
             )
         };

@@ -224,8 +224,15 @@ pub struct Meta {
     /// reusable only after the commit that records it (deferred free).
     pub pending_free: Vec<u64>,
     /// Released blocks taken by the commit under way (0 when none is):
-    /// free once it succeeds, pending again if it fails.
+    /// held once it succeeds, pending again if it fails.
     pub frees_in_flight: usize,
+    /// PBAs released by the journal's last transaction: reusable only once
+    /// a later transaction (or a checkpoint) is durable too. Were that
+    /// transaction damaged after its commit (bit rot), recovery would stop
+    /// before it, at maps that still point at these blocks: held back, they
+    /// still hold what those maps read. (Damage to a transaction with an
+    /// intact one behind it is refused at open.) Empty without a journal.
+    pub held_free: Vec<u64>,
     /// Skipped-buffer records (volume, LBA) the running out-of-line pass
     /// took and has not examined yet (at most one pass's worth): saved with
     /// the buffer, so a checkpoint during the pass keeps them.
@@ -523,7 +530,7 @@ impl Meta {
     /// True if released blocks wait for a commit to become reusable:
     /// pending, or taken by a commit under way.
     pub fn frees_waiting(&self) -> bool {
-        !self.pending_free.is_empty() || self.frees_in_flight > 0
+        !self.pending_free.is_empty() || self.frees_in_flight > 0 || !self.held_free.is_empty()
     }
 
     /// Moves the duplicate copies the index dropped into `pending_merges`.
@@ -923,6 +930,7 @@ impl Meta {
                 .sum::<u64>()
             + self.free.memory_bytes()
             + self.pending_free.capacity() as u64 * 8
+            + self.held_free.capacity() as u64 * 8
             + self.skipped.memory_bytes()
             + self.skipped_in_flight.capacity() as u64 * 16
             + self.pending_merges.len() as u64 * 48
@@ -966,7 +974,12 @@ impl Meta {
                 self.free.doubled()
             ));
         }
-        for p in self.free.iter().chain(self.pending_free.iter().copied()) {
+        for p in self
+            .free
+            .iter()
+            .chain(self.pending_free.iter().copied())
+            .chain(self.held_free.iter().copied())
+        {
             if let Some(f) = free_or_pending.get_mut(p as usize) {
                 if *f {
                     errs.push(format!("PBA {p} is on the free lists twice"));

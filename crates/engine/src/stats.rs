@@ -27,9 +27,11 @@ pub struct Stats {
     /// Free PBAs below the data file's end, reusable for new data.
     pub free_blocks: u64,
     /// Blocks released (by overwrites, TRIM, deletes, out-of-line dedup)
-    /// since the last commit: reusable only once a commit has made their
-    /// release durable (once they pass `--max-pending-free` bytes, the next
-    /// write commits).
+    /// and not reusable yet: those released since the last commit, and,
+    /// in a store, those the last commit released, which wait for one more
+    /// commit or a checkpoint (so that damage to the journal's last
+    /// transaction cannot leave maps pointing at reused blocks). Once
+    /// they pass `--max-pending-free` bytes, the next write commits.
     #[serde(default)]
     pub pending_free_blocks: u64,
     /// Commits a write forced because the file system was full while
