@@ -59,22 +59,6 @@ const PREALLOCATE_BYTES: u64 = 64 << 20;
 /// space is looked at again once the file has grown by this much).
 const MIN_PREALLOCATE_BYTES: u64 = 4 << 20;
 
-/// Bytes of the file system holding `file` available to this process
-/// (`fstatvfs`: `f_bavail` × `f_frsize`), or `None` if the call fails.
-fn available_bytes(file: &File) -> Option<u64> {
-    use std::os::unix::io::AsRawFd;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: fstatvfs fills the struct for a file descriptor we own; it
-    // is read only when the call succeeded.
-    let rc = unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: initialised by the successful call above.
-    let st = unsafe { st.assume_init() };
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
-}
-
 /// Writes at least this long take [`FileBackend::large_writes`] (measured
 /// on ext4 with four concurrent 1 MiB writers: 5–25 % more throughput, the
 /// spinning on the inode lock gone from the profile). Small writes hold the
@@ -123,7 +107,7 @@ impl FileBackend {
             .store(end + MIN_PREALLOCATE_BYTES, Ordering::Relaxed);
         let ahead = have.saturating_sub(end);
         // (no figure: preallocate nothing rather than risk it)
-        let target = available_bytes(&self.file).map_or(0, |free| {
+        let target = crate::fileio::available_bytes(&self.file).map_or(0, |free| {
             ((free + ahead) / 4).min(PREALLOCATE_BYTES) & !(BLOCK_SIZE_U64 - 1)
         });
         if target >= MIN_PREALLOCATE_BYTES && ahead < target / 2 {

@@ -66,7 +66,13 @@ fn load_skipped(
         .map_err(|e| e.to_string())
 }
 
+/// Journal bytes in use past which each commit compares them with the
+/// file system's free space (see the checkpoint condition in
+/// [`Engine::flush`]).
+const JOURNAL_ROOM_CHECK_BYTES: u64 = 1 << 20;
+
 /// Number of locks serialising read-modify-write of partial blocks.
+
 const RMW_STRIPES: usize = 64;
 
 /// Read-modify-write attempts of one block that may find it remapped (or
@@ -3029,10 +3035,15 @@ impl Engine {
     fn compare_stored(&self, p: Pba, block: &[u8], m: &mut Meta) -> bool {
         let mut stored = vec![0u8; BLOCK_SIZE];
         // under the metadata lock: the PBA cannot be released meanwhile
-        if self.backend.read_blocks(p, &mut stored).is_ok() && stored == block {
+        // (a stored block that cannot be read is not shared, but is no
+        // mismatch: its bytes are not known to differ)
+        let readable = self.backend.read_blocks(p, &mut stored).is_ok();
+        if readable && stored == block {
             return true;
         }
-        m.counters.verify_mismatches += 1;
+        if readable {
+            m.counters.verify_mismatches += 1;
+        }
         false
     }
 
@@ -3147,7 +3158,17 @@ impl Engine {
                     * crate::paged::PAGE_SIZE as u64
             };
             let bound = self.config.journal_size_bytes;
-            if used >= bound || pinned_bytes >= bound {
+            // a file system filling up: the checkpoint that empties the
+            // journal may need new blocks for the pages it puts in place
+            // (at most the journal's bytes), so it runs while they are
+            // there (twice over), not once the file system is full, when
+            // it could not, and the journal could not grow either
+            let short_of_room = used >= JOURNAL_ROOM_CHECK_BYTES
+                && c.journal
+                    .as_ref()
+                    .and_then(|j| j.available_bytes())
+                    .is_some_and(|free| free < used.saturating_mul(2));
+            if used >= bound || pinned_bytes >= bound || short_of_room {
                 // a failed checkpoint loses nothing: the journal keeps the
                 // changes; past twice the bound, changes wait for one that
                 // succeeds (`enforce_bounds`)

@@ -622,6 +622,12 @@ impl Journal {
         self.write_offset_bytes
     }
 
+    /// Bytes available on the file system holding the journal, or `None`
+    /// if that cannot be told.
+    pub fn available_bytes(&self) -> Option<u64> {
+        crate::fileio::available_bytes(&self.file)
+    }
+
     /// Sequence number the next transaction will carry.
     pub fn next_seq(&self) -> u64 {
         self.next_seq

@@ -506,12 +506,16 @@ impl Engine {
         Ok(candidates
             .into_iter()
             .filter(|&c| {
-                let same =
-                    c == p || (self.backend.read_blocks(c, &mut other).is_ok() && other == mine);
-                if !same {
+                if c == p {
+                    return true;
+                }
+                // (a block that cannot be read is not shared either, but
+                // is no mismatch: its bytes are not known to differ)
+                let readable = self.backend.read_blocks(c, &mut other).is_ok();
+                if readable && other != mine {
                     m.counters.verify_mismatches += 1;
                 }
-                same
+                readable && other == mine
             })
             .collect())
     }
