@@ -72,7 +72,6 @@ fn load_skipped(
 const JOURNAL_ROOM_CHECK_BYTES: u64 = 1 << 20;
 
 /// Number of locks serialising read-modify-write of partial blocks.
-
 const RMW_STRIPES: usize = 64;
 
 /// Read-modify-write attempts of one block that may find it remapped (or

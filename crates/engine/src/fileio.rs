@@ -93,6 +93,22 @@ pub fn data_pages(f: &File, end: u64) -> io::Result<Vec<(u64, u64)>> {
     Ok(out)
 }
 
+/// Bytes of the file system holding `file` available to this process
+/// (`fstatvfs`: `f_bavail` × `f_frsize`), or `None` if the call fails.
+pub(crate) fn available_bytes(file: &File) -> Option<u64> {
+    use std::os::unix::io::AsRawFd;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: fstatvfs fills the struct for a file descriptor we own; it
+    // is read only when the call succeeded.
+    let rc = unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: initialised by the successful call above.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,20 +127,4 @@ mod tests {
         read_padded(&f, &mut buf, 10 * 1024 * 1024 + 6).unwrap();
         assert_eq!(buf, [2, 2, 2, 2, 0, 0, 0, 0]);
     }
-}
-
-/// Bytes of the file system holding `file` available to this process
-/// (`fstatvfs`: `f_bavail` × `f_frsize`), or `None` if the call fails.
-pub(crate) fn available_bytes(file: &File) -> Option<u64> {
-    use std::os::unix::io::AsRawFd;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: fstatvfs fills the struct for a file descriptor we own; it
-    // is read only when the call succeeded.
-    let rc = unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: initialised by the successful call above.
-    let st = unsafe { st.assume_init() };
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
