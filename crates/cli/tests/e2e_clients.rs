@@ -795,6 +795,26 @@ fn a_command_whose_checkpoint_fails_succeeds_with_a_warning() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("exists"));
 }
 
+/// Runs the client and stats commands `server` printed at start (three),
+/// with `path` as PATH, from directory `cwd`; each must succeed.
+fn run_printed_commands(server: &Server, path: &str, cwd: &Path) {
+    let commands: Vec<&str> = server
+        .banner
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("dedupd: try: ")
+                .or_else(|| l.strip_prefix("dedupd: stats: "))
+        })
+        .collect();
+    assert_eq!(commands.len(), 3, "{}", server.banner);
+    for c in commands {
+        run(Command::new("bash")
+            .args(["-c", c])
+            .env("PATH", path)
+            .current_dir(cwd));
+    }
+}
+
 #[test]
 fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work() {
     require("nbdinfo");
@@ -855,37 +875,12 @@ fn serve_refuses_bad_options_before_making_a_store_and_prints_commands_that_work
         bin_dir.display(),
         std::env::var("PATH").unwrap_or_default()
     );
-    let commands: Vec<&str> = server
-        .banner
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("dedupd: try: ")
-                .or_else(|| l.strip_prefix("dedupd: stats: "))
-        })
-        .collect();
-    assert_eq!(commands.len(), 3, "{}", server.banner);
-    for c in commands {
-        run(Command::new("bash").args(["-c", c]).env("PATH", &path));
-    }
+    run_printed_commands(&server, &path, &std::env::current_dir().unwrap());
     server.stop();
     // given relative to the server's directory, they work from any other
     let dir = format!("--chdir={}", odd.display());
     let server = Server::start_via(&["env", &dir], Path::new("st 'q'"), &["--socket", "n.sock"]);
-    let commands: Vec<&str> = server
-        .banner
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("dedupd: try: ")
-                .or_else(|| l.strip_prefix("dedupd: stats: "))
-        })
-        .collect();
-    assert_eq!(commands.len(), 3, "{}", server.banner);
-    for c in commands {
-        run(Command::new("bash")
-            .args(["-c", c])
-            .env("PATH", &path)
-            .current_dir("/"));
-    }
+    run_printed_commands(&server, &path, Path::new("/"));
     server.stop();
 
     // a listing whose reader went away ends quietly
