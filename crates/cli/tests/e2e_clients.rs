@@ -978,3 +978,101 @@ fn fast_zeroes_of_whole_blocks_unmap_and_partial_ones_fail_at_once() {
     run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x33 16k 48k", &uri]));
     server.stop();
 }
+
+/// One NBD request with a simple reply (no structured replies were
+/// negotiated): returns the reply's error (0 for success).
+fn nbd_request(s: &mut TcpStream, command: u16, offset: u64, len: u32, payload: &[u8]) -> u32 {
+    let mut req = Vec::with_capacity(28 + payload.len());
+    req.extend_from_slice(&0x25609513u32.to_be_bytes());
+    req.extend_from_slice(&0u16.to_be_bytes());
+    req.extend_from_slice(&command.to_be_bytes());
+    req.extend_from_slice(&7u64.to_be_bytes());
+    req.extend_from_slice(&offset.to_be_bytes());
+    req.extend_from_slice(&len.to_be_bytes());
+    req.extend_from_slice(payload);
+    s.write_all(&req).unwrap();
+    let mut reply = [0u8; 16];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply[..4], &0x67446698u32.to_be_bytes());
+    u32::from_be_bytes(reply[4..8].try_into().unwrap())
+}
+
+/// A store on a 64 MiB ext4 whose journal has not been checkpointed when
+/// the file system fills: unique 4 KiB writes with a FLUSH every 8 go on
+/// well past ENOSPC, then TRIM of the whole volume, three times. A
+/// checkpoint that waited for the journal's size bound found no room for
+/// the pages it puts in place once the disk was full: every FLUSH failed
+/// from then on, even after the TRIM. It runs while there is room now.
+#[test]
+fn a_full_file_system_emptied_by_trim_takes_flushes_and_writes_again() {
+    require("mkfs.ext4");
+    require("losetup");
+    const NBD_CMD_WRITE: u16 = 1;
+    const NBD_CMD_FLUSH: u16 = 3;
+    const NBD_CMD_TRIM: u16 = 4;
+    const NBD_ENOSPC: u32 = 28;
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("small.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    run(Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-b", "4096"])
+        .arg(&image));
+    let lo = common::Loop::attach(&image);
+    let _mount = common::Mount::new(&lo.0, &tmp.path().join("mnt"), "rw");
+    let store = tmp.path().join("mnt").join("store");
+    let ok = |args: &[&str]| assert!(dedupd(&store, args).status.success(), "{args:?}");
+    ok(&["init", "--index-prefix-bits", "8"]);
+    ok(&["volume", "create", "a", "48M"]);
+    let server = Server::start(&store, &["--journal-reserve", "8M", "--max-dirty", "4M"]);
+    let mut s = handshake(server.port, "a");
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        // (splitmix64)
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut block = vec![0u8; 4096];
+    for round in 0..3 {
+        let (mut writes, mut errors, mut flush_errors) = (0u64, 0u64, 0u64);
+        while errors < 200 && writes < 40_000 {
+            for w in block.chunks_mut(8) {
+                w.copy_from_slice(&next().to_le_bytes());
+            }
+            let offset = (next() % 12_288) * 4096;
+            match nbd_request(&mut s, NBD_CMD_WRITE, offset, 4096, &block) {
+                0 => writes += 1,
+                NBD_ENOSPC => errors += 1,
+                e => panic!("round {round}: write error {e}"),
+            }
+            if (writes + errors).is_multiple_of(8) {
+                let e = nbd_request(&mut s, NBD_CMD_FLUSH, 0, 0, &[]);
+                if e != 0 {
+                    flush_errors += 1;
+                }
+            }
+        }
+        assert!(errors > 0, "round {round}: the file system never filled");
+        assert_eq!(flush_errors, 0, "round {round}: FLUSHes failed");
+        assert_eq!(nbd_request(&mut s, NBD_CMD_TRIM, 0, 48 << 20, &[]), 0);
+        assert_eq!(
+            nbd_request(&mut s, NBD_CMD_FLUSH, 0, 0, &[]),
+            0,
+            "round {round}"
+        );
+        assert_eq!(nbd_request(&mut s, NBD_CMD_WRITE, 0, 4096, &block), 0);
+        assert_eq!(
+            nbd_request(&mut s, NBD_CMD_FLUSH, 0, 0, &[]),
+            0,
+            "round {round}"
+        );
+    }
+    drop(s);
+    server.stop();
+    assert!(dedupd(&store, &["fsck"]).status.success());
+}
