@@ -2589,8 +2589,13 @@ impl Engine {
     /// metadata, journal I/O), which then stands for the store's state.
     fn commit_for_space(&self, no_space: EngineError) -> Result<()> {
         // (twice: the first commit's own releases are held back until a
-        // second one is durable)
-        match self.flush().and_then(|()| self.commit_changes(true)) {
+        // second one is durable; should the second fail for room, what the
+        // first made free is written into)
+        let second = || match self.commit_changes(true) {
+            Err(EngineError::NoSpace { .. }) if !lock(&self.meta).free.is_empty() => Ok(()),
+            r => r,
+        };
+        match self.flush().and_then(|()| second()) {
             Ok(()) => {
                 self.no_space_commits.fetch_add(1, Ordering::Relaxed);
                 Ok(())
@@ -3133,17 +3138,16 @@ impl Engine {
             // for the next one, and those the previous one released are
             // free now (`Meta::held_free`)
             let frees = std::mem::take(&mut batch.frees);
-            let release = {
-                let mut m = lock(&self.meta);
+            let logged = c.journal.is_some();
+            self.release_frees(|m| {
                 m.frees_in_flight = 0;
-                if c.journal.is_some() {
+                if logged {
                     std::mem::replace(&mut m.held_free, frees)
                 } else {
                     frees
                 }
-            };
+            });
             self.replayed_frees_unknown.store(false, Ordering::Release);
-            self.release_frees(release);
         }
         if c.journal.is_some() {
             c.checkpoint.add(batch.ops);
@@ -3161,7 +3165,10 @@ impl Engine {
             // journal may need new blocks for the pages it puts in place
             // (at most the journal's bytes), so it runs while they are
             // there (twice over), not once the file system is full, when
-            // it could not, and the journal could not grow either
+            // it could not, and the journal could not grow either. (On a
+            // file system that stays full, commits then checkpoint every
+            // MiB of journal: that keeps the journal inside its reserve,
+            // which is what lets TRIMs commit there.)
             let short_of_room = used >= JOURNAL_ROOM_CHECK_BYTES
                 && c.journal
                     .as_ref()
@@ -3182,15 +3189,19 @@ impl Engine {
     }
 
     /// Makes `frees` reusable (the read cache forgets them first).
-    fn release_frees(&self, frees: Vec<u64>) {
+    /// The blocks are those `take` returns, taken in the same hold of the
+    /// metadata lock, so that no block is on no list meanwhile.
+    fn release_frees(&self, take: impl FnOnce(&mut Meta) -> Vec<u64>) {
+        let _w = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+        let mut m = lock(&self.meta);
+        let frees = take(&mut m);
         if frees.is_empty() {
             return;
         }
-        let _w = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+        // (the read cache's lock is taken under no other)
         for &p in &frees {
             self.cache.invalidate(p);
         }
-        let mut m = lock(&self.meta);
         m.free.extend(frees.iter().copied());
         m.reuse_epoch += 1;
     }
@@ -3304,9 +3315,8 @@ impl Engine {
         self.checkpoint_behind.store(false, Ordering::Relaxed);
         // every commit is in place: no loss of a transaction can take the
         // store back before the blocks the last one released
-        let held = std::mem::take(&mut lock(&self.meta).held_free);
+        self.release_frees(|m| std::mem::take(&mut m.held_free));
         self.replayed_frees_unknown.store(false, Ordering::Release);
-        self.release_frees(held);
         Ok(())
     }
 
