@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{dedupd, require, run, stats, Server};
@@ -700,6 +700,36 @@ fn available_bytes(path: &Path) -> u64 {
         .expect("df output")
 }
 
+/// A 64 MiB ext4 (4 KiB blocks) made in `dir`, attached to a loop device
+/// and mounted at `dir/mnt`; unmounted, then detached, when dropped.
+struct SmallExt4 {
+    /// Where a store on it goes (`dir/mnt/store`, not created).
+    store: PathBuf,
+    // (dropped in this order: unmounted before the loop device goes)
+    _mount: common::Mount,
+    _lo: common::Loop,
+}
+
+impl SmallExt4 {
+    fn mount(dir: &Path) -> SmallExt4 {
+        let image = dir.join("small.img");
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        run(Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-b", "4096"])
+            .arg(&image));
+        let lo = common::Loop::attach(&image);
+        let mount = common::Mount::new(&lo.0, &dir.join("mnt"), "rw");
+        SmallExt4 {
+            store: dir.join("mnt").join("store"),
+            _mount: mount,
+            _lo: lo,
+        }
+    }
+}
+
 /// On ext4, a preallocation the file system cannot satisfy in full keeps
 /// what it allocated past the data file's end: the store must not take
 /// space that way and then find the file system full with most of it
@@ -710,17 +740,8 @@ fn a_small_ext4_fills_with_data_before_enospc() {
     require("mkfs.ext4");
     require("losetup");
     let tmp = tempfile::tempdir().unwrap();
-    let image = tmp.path().join("small.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    run(Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-b", "4096"])
-        .arg(&image));
-    let lo = common::Loop::attach(&image);
-    let _mount = common::Mount::new(&lo.0, &tmp.path().join("mnt"), "rw");
-    let store = tmp.path().join("mnt").join("store");
+    let small = SmallExt4::mount(tmp.path());
+    let store = small.store.clone();
     let server = Server::start(
         &store,
         &[
@@ -1012,17 +1033,8 @@ fn a_full_file_system_emptied_by_trim_takes_flushes_and_writes_again() {
     const NBD_CMD_TRIM: u16 = 4;
     const NBD_ENOSPC: u32 = 28;
     let tmp = tempfile::tempdir().unwrap();
-    let image = tmp.path().join("small.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    run(Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-b", "4096"])
-        .arg(&image));
-    let lo = common::Loop::attach(&image);
-    let _mount = common::Mount::new(&lo.0, &tmp.path().join("mnt"), "rw");
-    let store = tmp.path().join("mnt").join("store");
+    let small = SmallExt4::mount(tmp.path());
+    let store = small.store.clone();
     let ok = |args: &[&str]| assert!(dedupd(&store, args).status.success(), "{args:?}");
     ok(&["init", "--index-prefix-bits", "8"]);
     ok(&["volume", "create", "a", "48M"]);
