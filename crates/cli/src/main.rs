@@ -1274,7 +1274,7 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
     // (present only while a server answers)
     if v.get("connections_open").is_some() {
         line!(
-            "NBD connections open         {} ({} negotiating, {} total, {} refused at the limit; read buffers {}; negotiation buffers {}; kept request buffers {}; payload in flight {})",
+            "NBD connections open         {} ({} negotiating, {} total, {} refused at the limit; read buffers {}; negotiation buffers {}; kept request buffers {}; payload in flight {}, at most {})",
             s.n("connections_open"),
             s.n("connections_negotiating"),
             s.n("connections_total"),
@@ -1282,7 +1282,8 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
             s.bytes("connection_read_buffer_bytes"),
             s.bytes("negotiation_buffer_bytes"),
             s.bytes("connection_kept_buffer_bytes"),
-            s.bytes("inflight_bytes")
+            s.bytes("inflight_bytes"),
+            s.bytes("inflight_bytes_peak")
         );
     }
     (out, s.missing.into_inner())

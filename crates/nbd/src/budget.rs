@@ -20,6 +20,8 @@ pub(crate) struct Budget {
 struct State {
     /// Bytes taken.
     used: usize,
+    /// Most bytes taken at once since the budget was made.
+    peak: usize,
     /// Ticket the next request gets.
     next_ticket: u64,
     /// Ticket whose turn it is.
@@ -59,6 +61,7 @@ impl Budget {
                 s.waiting -= 1;
             }
             s.used = s.used.saturating_add(bytes);
+            s.peak = s.peak.max(s.used);
             s.serving += 1;
             // the next in line may fit too
             let waiting = s.waiting > 0;
@@ -76,6 +79,12 @@ impl Budget {
     /// Bytes currently taken.
     pub(crate) fn in_use(&self) -> usize {
         self.lock().used
+    }
+
+    /// Most bytes taken at once since the budget was made (at most the
+    /// capacity, or one larger request's bytes taken alone).
+    pub(crate) fn peak(&self) -> usize {
+        self.lock().peak
     }
 
     /// Bytes it holds when full.
@@ -118,6 +127,7 @@ mod tests {
         let g1 = b.acquire(60);
         let g2 = b.acquire(40);
         assert_eq!(b.in_use(), 100);
+        assert_eq!(b.peak(), 100);
         drop(g1);
         assert_eq!(b.in_use(), 40);
         drop(g2);

@@ -213,6 +213,10 @@ pub struct ServerStats {
     pub requests_total: u64,
     /// Bytes of payload buffers currently taken from the in-flight budget.
     pub inflight_bytes: u64,
+    /// Most bytes [`ServerStats::inflight_bytes`] reached since the
+    /// server was created: at most [`ServerConfig::inflight_budget_bytes`],
+    /// or one request larger than the budget served alone.
+    pub inflight_bytes_peak: u64,
     /// Connections closed at once because [`ServerConfig::max_connections`]
     /// were open.
     pub connections_refused: u64,
@@ -603,6 +607,7 @@ impl Server {
             connections_total: s.connections_total.load(Ordering::Relaxed),
             requests_total: s.requests_total.load(Ordering::Relaxed),
             inflight_bytes: s.budget.in_use() as u64,
+            inflight_bytes_peak: s.budget.peak() as u64,
             connections_refused: s.connections_refused.load(Ordering::Relaxed),
             read_buffer_bytes: s.connections_open.load(Ordering::Relaxed)
                 * READ_BUFFER_BYTES as u64,
