@@ -631,8 +631,10 @@ mod tests {
         let stop = Arc::new(StopSignal::new());
         let done = Arc::new(AtomicBool::new(false));
         let (s, d) = (stop.clone(), done.clone());
+        let (taken_tx, taken) = std::sync::mpsc::channel();
         let server = std::thread::spawn(move || {
             serve(listener, s, move |_, _| {
+                let _ = taken_tx.send(());
                 std::thread::sleep(Duration::from_millis(500));
                 d.store(true, Ordering::SeqCst);
                 Ok(Value::Null)
@@ -643,7 +645,7 @@ mod tests {
             std::thread::spawn(move || call(&dir, &Request::VolumeList, &mut |_, _| {}))
         };
         // the request is taken, then the server is told to stop
-        std::thread::sleep(Duration::from_millis(200));
+        taken.recv().unwrap();
         stop.stop();
         server.join().unwrap();
         assert!(done.load(Ordering::SeqCst), "serve returned mid-operation");

@@ -172,10 +172,15 @@ mod tests {
         // 70 does not fit beside 60; 35 would, but comes after it (and
         // does not fit beside 70: it starts once the large one is done, so
         // the order recorded does not depend on the scheduler)
+        let waiting = |n: usize| {
+            while b.lock().waiting != n {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
         let large = spawn("large", 70);
-        std::thread::sleep(Duration::from_millis(100));
+        waiting(1);
         let small = spawn("small", 35);
-        std::thread::sleep(Duration::from_millis(100));
+        waiting(2);
         assert!(
             order.lock().unwrap().is_empty(),
             "{:?}",

@@ -224,7 +224,7 @@ pub struct ServerStats {
     /// (`connections_open` × [`READ_BUFFER_BYTES`]).
     pub read_buffer_bytes: u64,
     /// Bytes of request buffers the open connections keep for reuse
-    /// between requests: at most one of up to 1 MiB + 16 bytes per worker
+    /// between requests: at most one of up to 1 MiB + 4 KiB per worker
     /// of a busy connection, and at most the in-flight budget's bytes in
     /// all; none once a client has sent nothing for a second.
     pub kept_buffer_bytes: u64,

@@ -509,7 +509,9 @@ fn shutdown_finishes_inflight_requests_then_returns() {
     let mut busy = h.tcp();
     busy.connect_go("slow");
     busy.send_request(0, CMD_READ, 42, 0, 4096, &[]);
-    std::thread::sleep(Duration::from_millis(50));
+    // (the server has taken the read: it is in flight, not waiting in
+    // the socket, where a shutdown would refuse it)
+    wait_until("read taken", || h.server.stats().requests_total >= 1);
     let started = Instant::now();
     h.shutdown.shutdown();
     // A client negotiating an option with more data than an option may
@@ -519,17 +521,17 @@ fn shutdown_finishes_inflight_requests_then_returns() {
     let r = oversized.option_reply();
     assert_eq!((r.option, r.kind), (OPT_LIST, proto::REP_ERR_SHUTDOWN));
     assert!(oversized.at_eof());
-    // The in-flight read is still answered.
-    assert_eq!(busy.reply(), (0, 42));
-    assert_eq!(busy.read_n(4096).len(), 4096);
-    assert!(busy.at_eof());
-    assert!(idle.at_eof());
     // A client still negotiating has its options refused with
     // ERR_SHUTDOWN (proto.md: the server SHOULD), then is closed.
     negotiating.send_option(OPT_LIST, &[]);
     let r = negotiating.option_reply();
     assert_eq!((r.option, r.kind), (OPT_LIST, proto::REP_ERR_SHUTDOWN));
     assert!(negotiating.at_eof());
+    // The in-flight read is still answered.
+    assert_eq!(busy.reply(), (0, 42));
+    assert_eq!(busy.read_n(4096).len(), 4096);
+    assert!(busy.at_eof());
+    assert!(idle.at_eof());
 
     let addr = h.addr;
     h.stop();
@@ -643,10 +645,31 @@ fn a_reply_is_not_held_behind_a_write_that_may_wait_for_the_disk() {
 /// WRITE whose payload comes later; the FLUSH's reply must not wait.
 /// Held with `MSG_MORE`, a reply leaves only after the kernel's 200 ms:
 /// four connections do this at once, and the fastest reply must come
-/// well before that (a loaded machine may delay some, never all).
+/// well before that (a loaded machine may delay some, or a whole round:
+/// up to three rounds are tried; a held reply fails every one).
 fn reply_not_held_behind_a_slow_write(flags: u16) {
     let h = Harness::start(ServerConfig::default());
-    let waits: Vec<Duration> = std::thread::scope(|scope| {
+    let mut rounds_waited = Vec::new();
+    for _ in 0..3 {
+        let waits = four_connections_flush_behind_a_slow_write(&h, flags);
+        let fastest = *waits.iter().min().unwrap();
+        rounds_waited.push(waits);
+        if fastest < Duration::from_millis(150) {
+            break;
+        }
+    }
+    let fastest = rounds_waited.last().unwrap().iter().min().unwrap();
+    assert!(
+        *fastest < Duration::from_millis(150),
+        "flush replies took {rounds_waited:?}"
+    );
+    h.stop();
+}
+
+/// One round of [`reply_not_held_behind_a_slow_write`]: each of four
+/// connections' wait for its FLUSH reply.
+fn four_connections_flush_behind_a_slow_write(h: &Harness, flags: u16) -> Vec<Duration> {
+    std::thread::scope(|scope| {
         let rounds: Vec<_> = (0..4)
             .map(|_| {
                 let mut c = h.tcp();
@@ -670,13 +693,7 @@ fn reply_not_held_behind_a_slow_write(flags: u16) {
             })
             .collect();
         rounds.into_iter().map(|r| r.join().unwrap()).collect()
-    });
-    let fastest = waits.iter().min().unwrap();
-    assert!(
-        *fastest < Duration::from_millis(150),
-        "flush replies took {waits:?}"
-    );
-    h.stop();
+    })
 }
 
 #[test]
@@ -771,7 +788,7 @@ fn a_refused_write_whose_payload_stalls_ends_its_connection() {
 fn connections_are_capped_and_silent_negotiations_dropped() {
     let h = Harness::start(ServerConfig {
         max_connections: 2,
-        handshake_timeout: Duration::from_millis(500),
+        handshake_timeout: Duration::from_secs(2),
         ..ServerConfig::default()
     });
     let mut a = h.tcp();
@@ -863,15 +880,15 @@ fn requests_sent_before_shutdown_get_eshutdown_but_flush_flushes() {
         ..ServerConfig::default()
     });
     let mut c = h.tcp();
-    c.connect_go("slow");
-    // The one worker executes the first (slow) read; the rest wait in the
+    c.connect_go("stall");
+    // The one worker executes the first (3 s) read; the rest wait in the
     // socket, the third a WRITE whose payload must be skipped.
     c.send_request(0, CMD_READ, 1, 0, 512, &[]);
     c.send_request(0, CMD_READ, 2, 0, 512, &[]);
     c.send_request(0, CMD_WRITE, 3, 0, 4, b"abcd");
     c.send_request(0, CMD_FLUSH, 4, 0, 0, &[]);
-    let flushes_before = *h.provider.slow.flushes.lock().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    let flushes_before = *h.provider.stall.flushes.lock().unwrap();
+    wait_until("first read taken", || h.server.stats().requests_total == 1);
     h.shutdown.shutdown();
     assert_eq!(c.reply(), (0, 1));
     assert_eq!(c.read_n(512).len(), 512);
@@ -881,7 +898,10 @@ fn requests_sent_before_shutdown_get_eshutdown_but_flush_flushes() {
     // a FLUSH still flushes: the writes it covers were acknowledged
     assert_eq!(c.reply(), (0, 4));
     assert!(c.at_eof());
-    assert_eq!(*h.provider.slow.flushes.lock().unwrap(), flushes_before + 1);
+    assert_eq!(
+        *h.provider.stall.flushes.lock().unwrap(),
+        flushes_before + 1
+    );
     h.stop();
 }
 
@@ -907,7 +927,11 @@ fn idle_connections_keep_no_request_buffers() {
         }
     }
     let kept = h.server.stats().kept_buffer_bytes;
-    assert!(kept <= 3 * workers * ((1 << 20) + 16), "{kept} bytes kept");
+    // (a READ's buffer holds its reply header too, rounded up to 4 KiB)
+    assert!(
+        kept <= 3 * workers * ((1 << 20) + 4096),
+        "{kept} bytes kept"
+    );
     // every connection now waits for its client: none keeps a buffer
     wait_until("idle connections to free their buffers", || {
         h.server.stats().kept_buffer_bytes == 0
@@ -921,12 +945,13 @@ fn idle_connections_keep_no_request_buffers() {
 #[test]
 fn a_client_that_keeps_negotiating_is_dropped_at_the_deadline() {
     let h = Harness::start(ServerConfig {
-        handshake_timeout: Duration::from_millis(800),
+        handshake_timeout: Duration::from_millis(1500),
         ..ServerConfig::default()
     });
+    // (before the connection: the server's deadline starts after it)
+    let started = Instant::now();
     let mut c = h.tcp();
     c.greet(proto::FLAG_C_FIXED_NEWSTYLE);
-    let started = Instant::now();
     // each option is answered, well within the per-read time, but the
     // negotiation as a whole never ends
     let mut answered = 0;
@@ -940,12 +965,12 @@ fn a_client_that_keeps_negotiating_is_dropped_at_the_deadline() {
         }
         answered += 1;
         assert!(
-            started.elapsed() < Duration::from_secs(5),
+            started.elapsed() < Duration::from_secs(10),
             "still negotiating after {answered} options"
         );
     }
     assert!(answered >= 2, "only {answered} options answered");
-    assert!(started.elapsed() >= Duration::from_millis(700));
+    assert!(started.elapsed() >= Duration::from_millis(1500));
     wait_until("the connection to close", || {
         h.server.stats().connections_open == 0
     });
