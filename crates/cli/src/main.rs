@@ -101,8 +101,10 @@ enum Command {
     },
     /// Deduplicate stored data after the fact.
     Dedup {
-        /// Full post-processing pass: compare every stored block with every
-        /// other and merge copies (exact whatever the index budget).
+        /// Full post-processing pass: compare the fingerprints of every
+        /// stored block with every other's and merge copies (exact whatever
+        /// the index budget); copies are byte-compared first if the server
+        /// runs, or last ran, with --verify.
         #[arg(long)]
         offline: bool,
         /// Only this volume (default: all volumes).
@@ -548,9 +550,9 @@ fn with_store(
         _ => String::new(),
     };
     with_bar(&label, |progress| {
-        // (run as the server last ran: its sequence threshold)
+        // (run as the server last ran: its sequence threshold and verify)
         let config = EngineConfig {
-            sequence_threshold_from_store: true,
+            settings_from_store: true,
             ..offline_config(store)
         };
         let opened = Engine::open(store, config);

@@ -61,7 +61,9 @@ pub struct ServeArgs {
     #[arg(long, default_value = "16G", value_parser = crate::size::parse_volume_size)]
     pub default_volume_size: u64,
     /// Byte-compare each block with the stored copy on a fingerprint hit
-    /// before sharing it (like ZFS dedup=verify; off by default).
+    /// before sharing it (like ZFS dedup=verify; off by default). The
+    /// store records it: `dedupd dedup --offline` with the server stopped
+    /// verifies as the server last did.
     #[arg(long)]
     pub verify: bool,
     #[command(flatten)]

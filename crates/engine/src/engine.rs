@@ -132,6 +132,10 @@ pub struct EngineConfig {
     /// Byte-compare a block with the stored one on every fingerprint hit
     /// before sharing it (like ZFS `dedup=verify`). Default false: with
     /// SHA-256 a collision is far less likely than an undetected disk error.
+    /// Recorded in the store ([`crate::store::State::verify`]), so that
+    /// commands opening it with [`EngineConfig::settings_from_store`]
+    /// (`dedupd dedup --offline` with the server stopped) verify as the
+    /// server last did.
     pub verify: bool,
     /// The fingerprint index: memory budget, eviction policy, inline lookup
     /// mode; `prefix_bits` applies when a store is created (afterwards the
@@ -152,11 +156,14 @@ pub struct EngineConfig {
     /// duplicates with contiguous PBAs; see [`crate::sequence`]. A volume
     /// may override it. Default 1 (off).
     pub sequence_threshold_blocks: u32,
-    /// [`Engine::open`] takes T from the store (the one it last ran
-    /// with) instead of `sequence_threshold_blocks`: for commands that
-    /// open a store between runs of the server (volume and offline
-    /// commands) without changing how it runs. Default false.
-    pub sequence_threshold_from_store: bool,
+    /// [`Engine::open`] takes the settings the store records from the
+    /// last open that wrote them — T (instead of
+    /// `sequence_threshold_blocks`) and `verify` — instead of this
+    /// configuration's: for commands that open a store between runs of
+    /// the server (volume, offline dedup and fsck commands), which then
+    /// run as the server last ran and leave its settings recorded.
+    /// Default false (an open with other settings records them).
+    pub settings_from_store: bool,
     /// Bytes of the reverse index (PBA → fingerprint, 32 bytes per block)
     /// kept in memory; the rest is paged from its file on demand (see
     /// [`crate::reverse`]). 0 keeps all of it. Default 16 MiB (about
@@ -191,7 +198,7 @@ impl Default for EngineConfig {
             index: crate::index::IndexConfig::default(),
             skipped_buffer_bytes: 512 << 10,
             sequence_threshold_blocks: 1,
-            sequence_threshold_from_store: false,
+            settings_from_store: false,
             prehash_bytes: 0,
             sampling: false,
             reverse_index_cache_bytes: 16 << 20,
@@ -1042,8 +1049,14 @@ impl Engine {
         // examined whole (where mapped). The store goes on recording the
         // old T until a checkpoint has saved that queue (see
         // `checkpoint_locked`): a crash before then queues them again here.
-        if config.sequence_threshold_from_store {
+        if config.settings_from_store {
             config.sequence_threshold_blocks = state.default_sequence_threshold_blocks;
+            config.verify = state.verify;
+        }
+        meta.verify = config.verify;
+        if state.verify != config.verify {
+            meta.state_dirty = true;
+            meta.change_count += 1;
         }
         let (was_t, now_t) = (
             state.default_sequence_threshold_blocks.max(1),
@@ -1318,6 +1331,7 @@ impl Engine {
         let meta = Meta {
             next_volume_id: 1,
             default_sequence_threshold_blocks: config.sequence_threshold_blocks,
+            verify: config.verify,
             skipped: crate::skipped::SkippedBuffer::new(config.skipped_buffer_bytes),
             ..Meta::empty(index)
         };

@@ -329,7 +329,7 @@ pub fn fsck(path: &Path, opts: FsckOptions) -> Result<FsckReport> {
 /// [`fsck`] with the memory bounds of `config` (index budget, metadata
 /// caches), which also bound the check's own sorts: fsck's memory does not
 /// grow with the store. `allow_damaged_metadata` and
-/// `sequence_threshold_from_store` are set whatever `config` says.
+/// `settings_from_store` are set whatever `config` says.
 ///
 /// Errors: as [`fsck`].
 pub fn fsck_with(path: &Path, opts: FsckOptions, config: EngineConfig) -> Result<FsckReport> {
@@ -353,7 +353,7 @@ pub fn fsck_with_progress(
 ) -> Result<FsckReport> {
     let config = EngineConfig {
         allow_damaged_metadata: true,
-        sequence_threshold_from_store: true,
+        settings_from_store: true,
         ..config
     };
     let (dir, sb) = crate::store::StoreDir::open_for_repair(path)?;

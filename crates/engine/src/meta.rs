@@ -179,6 +179,9 @@ pub struct Meta {
     /// The engine's sequence threshold T in effect for volumes without
     /// their own ([`crate::store::State::default_sequence_threshold_blocks`]).
     pub default_sequence_threshold_blocks: u32,
+    /// The engine's `verify` setting, recorded in the state
+    /// ([`crate::store::State::verify`]).
+    pub verify: bool,
     /// u32 reference count per PBA; paged from `refcounts` under
     /// [`Meta::map_cache`].
     pub refcounts: CachedArray,
@@ -671,6 +674,7 @@ impl Meta {
             next_volume_id: self.next_volume_id,
             volumes: self.volumes.values().map(|v| &v.record).collect(),
             default_sequence_threshold_blocks: self.default_sequence_threshold_blocks,
+            verify: self.verify,
         }
     }
 
@@ -1061,6 +1065,8 @@ struct StateView<'a> {
     volumes: Vec<&'a VolumeRecord>,
     #[serde(skip_serializing_if = "crate::store::is_one")]
     default_sequence_threshold_blocks: u32,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    verify: bool,
 }
 
 /// [`crate::store::CounterState`] borrowed from [`Meta`].

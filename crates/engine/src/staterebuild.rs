@@ -115,6 +115,7 @@ pub fn rebuild_state(
         .map_or(highest, |s| s.next_volume_id.max(highest));
     if let Some(s) = &salvaged {
         state.default_sequence_threshold_blocks = s.default_sequence_threshold_blocks.max(1);
+        state.verify = s.verify;
         // (a format-1 store's counters and journal sequence)
         state.counters = s.counters.clone();
         state.journal_seq = s.journal_seq;

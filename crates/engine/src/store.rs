@@ -143,6 +143,12 @@ pub struct State {
     /// recorded for it.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub default_sequence_threshold_blocks: u32,
+    /// The engine's `verify` setting (byte-compare before sharing) as of
+    /// the last open that wrote the state (absent: off). Commands opening
+    /// the store between runs of the server take it from here, so an
+    /// offline dedup pass verifies as the server did.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub verify: bool,
     /// Persistent counters of a format-1 store (format 2 keeps them in
     /// `counters.json`, [`CounterState`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -159,6 +165,7 @@ impl Default for State {
             next_volume_id: 0,
             volumes: Vec::new(),
             default_sequence_threshold_blocks: 1,
+            verify: false,
             counters: None,
             journal_seq: 0,
         }

@@ -928,6 +928,34 @@ fn verify_refuses_to_share_a_block_whose_bytes_differ() {
             );
             assert_eq!(e.stats().physical_blocks_stored, 2);
             assert!(e.check().is_empty(), "{:?}", e.check());
+            e.close().unwrap();
+            drop(e);
+            // a command opening the store between runs of the server
+            // (`dedupd dedup --offline`, `fsck`) verifies as the server
+            // did, whatever its own configuration says, and leaves the
+            // setting recorded
+            let between_runs = EngineConfig {
+                settings_from_store: true,
+                ..EngineConfig::default()
+            };
+            for _ in 0..2 {
+                let e = Engine::open(&path, between_runs.clone()).unwrap();
+                e.dedup_offline(None, &mut |_, _| {}).unwrap();
+                e.read(v, 4096, &mut buf).unwrap();
+                assert!(
+                    buf == pattern(1),
+                    "an offline pass between runs merged different bytes"
+                );
+                e.close().unwrap();
+            }
+            // a server started without verify records that instead
+            Engine::open(&path, EngineConfig::default())
+                .unwrap()
+                .close()
+                .unwrap();
+            let e = Engine::open(&path, between_runs).unwrap();
+            e.dedup_offline(None, &mut |_, _| {}).unwrap();
+            assert_eq!(e.stats().physical_blocks_stored, 1);
         } else {
             assert!(
                 buf != pattern(1),

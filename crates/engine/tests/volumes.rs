@@ -746,7 +746,7 @@ fn a_start_with_threshold_one_after_one_above_queues_the_volumes_that_took_it() 
     }
     {
         let config = EngineConfig {
-            sequence_threshold_from_store: true,
+            settings_from_store: true,
             ..EngineConfig::default()
         };
         let e = Engine::open(&path, config).unwrap();
