@@ -248,6 +248,10 @@ pub struct Meta {
     pub stored_blocks: u64,
     /// Persistent counters.
     pub counters: PersistentCounters,
+    /// The counters as the last commit took them (or as the store held
+    /// them at open): a close commits counters that moved without any
+    /// other change (a verify mismatch that kept two copies apart).
+    pub counters_committed: PersistentCounters,
     /// Structural changes (file lengths, removals) since the last commit.
     pub structural_ops: Vec<Op>,
     /// True if the volume table or counters changed since the last commit.
@@ -732,6 +736,7 @@ impl Meta {
             file: MetaFile::Counters,
             data: self.encoded_counters(journal_seq),
         });
+        self.counters_committed = self.counters.clone();
         self.state_dirty = false;
         CommitBatch {
             ops,
@@ -774,6 +779,7 @@ impl Meta {
         }
         let counters_len = self.encoded_counters(self.commit_generation).len();
         lens.push(counters_len);
+        self.counters_committed = self.counters.clone();
         let bytes = crate::journal::txn_len(lens);
         let model = &mut self.journal_model;
         model.written_bytes += bytes;
