@@ -878,9 +878,13 @@ impl Engine {
             None => None,
         };
         let mut r = PassReport::default();
-        let (high, budget_bytes) = {
+        let (high, budget_bytes, additions_before) = {
             let m = lock(&self.meta);
-            (m.high_water_blocks, m.index.config().memory_budget_bytes)
+            (
+                m.high_water_blocks,
+                m.index.config().memory_budget_bytes,
+                m.skipped.additions(),
+            )
         };
         let mut sorter = crate::keysort::KeySorter::new(
             high,
@@ -978,7 +982,14 @@ impl Engine {
         merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
         r.lbas_remapped += self.apply_merges(merges, only)?;
         r.merges_applied = r.lbas_remapped;
-        let m = lock(&self.meta);
+        let mut m = lock(&self.meta);
+        if only.is_none() && m.skipped.additions() == additions_before {
+            // every stored block was examined and nothing written since
+            // the scan began could need dedup: the queued work (blocks
+            // written before, copies planned to merge) is done
+            m.skipped.clear();
+            m.pending_merges.clear();
+        }
         r.work_remaining = !m.skipped.is_empty();
         Ok(r)
     }

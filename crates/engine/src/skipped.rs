@@ -95,6 +95,11 @@ pub struct SkippedBuffer {
     /// once. Cleared whenever `regions` changes.
     #[serde(skip)]
     last_region: Option<((VolumeId, u64), bool)>,
+    /// Calls that recorded work (blocks, ranges, volumes) since the
+    /// buffer was made or loaded: unchanged over a span of time, nothing
+    /// was written that could need out-of-line dedup.
+    #[serde(skip)]
+    additions: u64,
 }
 
 impl SkippedBuffer {
@@ -125,6 +130,7 @@ impl SkippedBuffer {
 
     /// Records that block `lba` of `vol` was written without an inline match.
     pub fn record(&mut self, vol: VolumeId, lba: u64) {
+        self.additions += 1;
         let region = (vol, lba / REGION_BLOCKS);
         // a volume pending whole: its scan covers what is ahead of its
         // cursor; a write behind it is recorded as any other while the
@@ -206,6 +212,7 @@ impl SkippedBuffer {
     /// Records that blocks `start..end` of `vol` may hold duplicates, as
     /// dirty regions (used for writes replayed from the journal).
     pub fn record_range(&mut self, vol: VolumeId, start: u64, end: u64) {
+        self.additions += 1;
         if start >= end {
             return;
         }
@@ -239,6 +246,7 @@ impl SkippedBuffer {
 
     /// Records that every block of `vol` may hold duplicates.
     pub fn record_volume(&mut self, vol: VolumeId) {
+        self.additions += 1;
         self.last_region = None;
         self.records.retain(|r| r.0 != vol);
         self.regions.retain(|r| r.0 != vol);
@@ -252,6 +260,7 @@ impl SkippedBuffer {
     /// reaches the end (its scan is not restarted, so repeated calls
     /// cannot hold it back for ever).
     pub fn record_volumes_whole(&mut self, vols: &[VolumeId]) {
+        self.additions += 1;
         self.degradations += 1;
         for &vol in vols {
             if self.volumes.contains_key(&vol) {
@@ -269,6 +278,25 @@ impl SkippedBuffer {
         self.regions.retain(|r| r.0 != vol);
         self.volumes.remove(&vol);
         self.rescan_from.remove(&vol);
+    }
+
+    /// Calls that recorded work since the buffer was made or loaded (see
+    /// [`SkippedBuffer::clear`]).
+    pub fn additions(&self) -> u64 {
+        self.additions
+    }
+
+    /// Forgets everything pending (the capacity and the count of
+    /// degradations stay): for an exact pass over every stored block
+    /// during which [`SkippedBuffer::additions`] did not move, which left
+    /// nothing for the records to find.
+    pub fn clear(&mut self) {
+        self.records = VecDeque::new();
+        self.regions.clear();
+        self.volumes.clear();
+        self.rescan_from.clear();
+        self.last_region = None;
+        self.last_volume = None;
     }
 
     /// True if nothing is pending.

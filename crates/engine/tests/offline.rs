@@ -160,3 +160,60 @@ fn one_offline_pass_runs_at_a_time() {
     assert_eq!(e.stats().physical_blocks_stored, 8);
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
+
+/// An exact pass over every stored block during which nothing was written
+/// leaves no queued out-of-line work behind (the skipped buffer's records
+/// and the planned merges were all about copies it merged); a write while
+/// it runs keeps the queue.
+#[test]
+fn an_exact_pass_with_no_write_meanwhile_empties_the_queued_work() {
+    const N: u64 = 2000;
+    let cfg = EngineConfig {
+        // a 4 KiB index: inline dedup misses most copies, which are queued
+        index: IndexConfig {
+            memory_budget_bytes: 4096,
+            ..IndexConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    for write_meanwhile in [false, true] {
+        let e = Engine::in_memory_with(HashAlgorithm::Sha256, cfg.clone());
+        let a = e.create_volume("a", 2 * N * 4096).unwrap();
+        let b = e.create_volume("b", N * 4096).unwrap();
+        for k in 0..N {
+            e.write(a, k * 4096, &block(k), false).unwrap();
+        }
+        for k in 0..N {
+            e.write(b, k * 4096, &block(k), false).unwrap();
+        }
+        let s = e.stats();
+        assert!(
+            s.skipped.records + s.skipped.regions + s.skipped.volumes > 0,
+            "{:?}",
+            s.skipped
+        );
+        let mut wrote = false;
+        e.dedup_offline(None, &mut |_, _| {
+            if write_meanwhile && !wrote {
+                wrote = true;
+                e.write(a, N * 4096, &block(N), false).unwrap();
+            }
+        })
+        .unwrap();
+        let s = e.stats();
+        let queued = s.skipped.records + s.skipped.regions + s.skipped.volumes;
+        if write_meanwhile {
+            assert!(queued > 0, "the write during the pass was forgotten");
+        } else {
+            assert_eq!(queued, 0, "{:?}", s.skipped);
+            assert_eq!(s.pending_merges, 0);
+            assert_eq!(s.physical_blocks_stored, N);
+        }
+        let mut buf = vec![0u8; 4096];
+        for k in (0..N).step_by(97) {
+            e.read(b, k * 4096, &mut buf).unwrap();
+            assert!(buf == block(k), "block {k}");
+        }
+        assert!(e.check().is_empty(), "{:?}", e.check());
+    }
+}
