@@ -768,7 +768,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
             s.spawn(move || {
                 // (asleep between commits; the stop wakes it)
                 while !stop.wait_timeout(interval) {
-                    if let Err(e) = engine.flush() {
+                    if let Err(e) = engine.commit_periodic() {
                         err_line!("dedupd: periodic commit failed: {e}");
                     }
                 }

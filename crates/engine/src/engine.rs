@@ -3081,6 +3081,17 @@ impl Engine {
         self.commit_changes(false)
     }
 
+    /// [`Engine::flush`] for a timer (a server's commit interval): also
+    /// writes a transaction when nothing changed if blocks released by the
+    /// last one wait for another to become reusable, so an idle store does
+    /// not keep them pending (and counted in
+    /// [`Stats::pending_free_blocks`]) until the next write.
+    ///
+    /// Errors: as [`Engine::flush`].
+    pub fn commit_periodic(&self) -> Result<()> {
+        self.commit_changes(true)
+    }
+
     /// [`Engine::flush`]; with `force`, a transaction is written even if
     /// nothing changed, which releases the blocks held back by the last
     /// one ([`Meta::held_free`]).

@@ -830,6 +830,17 @@ fn blocks_freed_at_the_top_of_the_data_file_stay_counted_free_after_a_restart() 
     assert_eq!(before.data_file_bytes, 8 * 4096);
     assert_eq!(before.free_blocks, 0, "{before:?}");
     assert_eq!(before.pending_free_blocks, 4, "{before:?}");
+    // a flush with nothing changed leaves them held; a server's periodic
+    // commit releases them, so an idle store does not keep them pending
+    e.flush().unwrap();
+    assert_eq!(e.stats().pending_free_blocks, 4);
+    e.commit_periodic().unwrap();
+    let idle = e.stats();
+    assert_eq!(
+        (idle.pending_free_blocks, idle.free_blocks),
+        (0, 4),
+        "{idle:?}"
+    );
     e.close().unwrap();
     drop(e);
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
