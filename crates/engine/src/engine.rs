@@ -1212,6 +1212,9 @@ impl Engine {
             .store(chain_pending, Ordering::Relaxed);
         engine.dir = Some(dir);
         engine.damage = damage;
+        // volume operations a crash (or an error) cut short: said at every
+        // open until finished, with the command that finishes them
+        damage_notes.extend(unfinished_volume_notes(&engine));
         engine.notes = damage_notes;
         let c = engine.commit.get_mut().unwrap_or_else(|e| e.into_inner());
         c.checkpoint = checkpoint;
@@ -3631,6 +3634,31 @@ pub(crate) fn validate_size(size_bytes: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Notes on the volumes of `engine` whose delete or shrink was cut short
+/// (see [`Engine::notes`]): one per volume, naming the command that
+/// finishes the operation.
+fn unfinished_volume_notes(engine: &Engine) -> Vec<String> {
+    let m = lock(&engine.meta);
+    let mut notes = Vec::new();
+    for v in m.volumes.values() {
+        let name = &v.record.name;
+        if v.record.deleting {
+            notes.push(format!(
+                "volume {name}: a delete was cut short; the volume is served read-only, \
+                 the LBAs it had released already reading as zeros, until \
+                 `dedupd volume delete {name}` finishes it"
+            ));
+        } else if let Some(to) = v.record.shrinking_to_bytes {
+            notes.push(format!(
+                "volume {name}: a shrink to {to} bytes was cut short; it takes no writes \
+                 past that size (where LBAs it had released already read as zeros) until \
+                 `dedupd volume resize {name} {to} --shrink` finishes it"
+            ));
+        }
+    }
+    notes
 }
 
 #[cfg(test)]

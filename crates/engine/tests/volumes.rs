@@ -403,6 +403,14 @@ fn a_shrink_cut_short_keeps_the_tail_unwritten_until_resized_again() {
     assert_eq!(info.shrinking_to_bytes, Some(100 * 4096), "{info:?}");
     assert!(!info.read_only);
     assert!(e.check().is_empty(), "{:?}", e.check());
+    // the open says so, with the command that finishes it
+    assert!(
+        e.notes()
+            .iter()
+            .any(|n| n.contains("volume resize v 409600 --shrink")),
+        "{:?}",
+        e.notes()
+    );
     // below the new end the volume is served as before; past it, a part
     // of the tail is released already, and nothing is written
     let (v, _) = e.volume("v").unwrap();
@@ -430,6 +438,7 @@ fn a_shrink_cut_short_keeps_the_tail_unwritten_until_resized_again() {
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     let info = e.volumes().into_iter().find(|i| i.name == "v").unwrap();
     assert_eq!(info.shrinking_to_bytes, None);
+    assert!(e.notes().is_empty(), "{:?}", e.notes());
 }
 
 #[test]
@@ -456,6 +465,11 @@ fn a_delete_cut_short_leaves_the_volume_read_only_until_deleted_again() {
     let vols = e.volumes();
     let info = vols.iter().find(|i| i.name == "v").expect("still listed");
     assert!(info.deleting && info.read_only, "{info:?}");
+    assert!(
+        e.notes().iter().any(|n| n.contains("volume delete v")),
+        "{:?}",
+        e.notes()
+    );
     let (v, _) = e.volume("v").unwrap();
     assert!(e.write(v, 0, &[1u8; 4096], false).is_err());
     assert!(e.check().is_empty(), "{:?}", e.check());
