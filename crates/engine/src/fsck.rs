@@ -624,10 +624,29 @@ impl Engine {
                 ));
             }
             if !v.map_missing && !v.damaged_pages.is_empty() {
+                // (the LBAs each page holds, within the volume)
+                const PER_PAGE: u64 = crate::paged::U64_PER_PAGE;
+                let shown = &v.damaged_pages[..v.damaged_pages.len().min(16)];
+                let lbas: Vec<String> = shown
+                    .iter()
+                    .map(|&page| {
+                        let first = page * PER_PAGE;
+                        let last = ((page + 1) * PER_PAGE).min(v.size_blocks().max(first + 1)) - 1;
+                        format!("{first}-{last}")
+                    })
+                    .collect();
+                let more = v.damaged_pages.len() - shown.len();
                 let lost = format!(
-                    "volume {}: map pages {:?} damaged; the LBAs they hold (508 per page) fail to read until a repair unmaps them",
+                    "volume {}: map page{} {:?} damaged: LBAs {}{} lost (they fail to read until a repair unmaps them, then read as zeros)",
                     v.record.name,
-                    &v.damaged_pages[..v.damaged_pages.len().min(16)]
+                    if v.damaged_pages.len() == 1 { "" } else { "s" },
+                    shown,
+                    lbas.join(", "),
+                    if more > 0 {
+                        format!(" and those of {more} more pages")
+                    } else {
+                        String::new()
+                    }
                 );
                 r.data_lost.push(lost);
             }

@@ -438,6 +438,15 @@ fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
     }
     let check = fsck(&path, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4);
+    // the lost LBAs are named
+    assert!(
+        check
+            .data_lost
+            .iter()
+            .any(|l| l.contains("volume a: map page [1] damaged: LBAs 508-1015 lost")),
+        "{:?}",
+        check.data_lost
+    );
     let fixed = fsck_repair(&path);
     assert_eq!(fixed.exit_code(), 1);
     assert!(!fixed.data_lost.is_empty());
