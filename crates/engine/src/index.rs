@@ -1009,6 +1009,23 @@ impl FingerprintIndex {
         (pos, old)
     }
 
+    /// Cuts group `g`'s capacity to its entries (if it still exists), so
+    /// the entry just removed gives its bytes back to the budget at once.
+    fn fit_group(&mut self, g: u32) {
+        let Some(grp) = self.groups.get(g as usize) else {
+            return;
+        };
+        if grp.entries.is_empty() || grp.entries.capacity() == grp.entries.len() {
+            return;
+        }
+        let before = self.group_bytes(grp);
+        let grp = &mut self.groups[g as usize];
+        grp.entries.shrink_to_fit();
+        grp.ticks.shrink_to(grp.entries.capacity());
+        let after = self.group_bytes(&self.groups[g as usize]);
+        self.mem_bytes = self.mem_bytes + after - before;
+    }
+
     /// Removes entry `i` of group `g` from memory (no I/O), returning the
     /// capacity it freed to the budget; drops the group when it empties.
     fn remove_at(&mut self, g: u32, i: usize) {
@@ -1432,12 +1449,17 @@ impl FingerprintIndex {
         merged
     }
 
-    /// Forgets the oldest ghost of list `q` (B1 or B2); false if none.
+    /// Forgets the oldest ghost of list `q` (B1 or B2); false if none. Its
+    /// group's capacity is cut to fit, so each ghost dropped to make room
+    /// frees its bytes (with the slack a removal otherwise leaves, the
+    /// budget loop would drop every ghost before memory fell, and ARC,
+    /// without ghosts, stops adapting).
     fn drop_ghost(&mut self, q: usize) -> bool {
         match self.pop_queue(q) {
             Some((g, i)) => {
                 self.arc.len[q] -= 1;
                 self.remove_at(g, i);
+                self.fit_group(g);
                 true
             }
             None => false,
