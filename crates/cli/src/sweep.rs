@@ -31,7 +31,8 @@ pub struct SweepArgs {
     #[arg(long, value_parser = crate::parse_count)]
     jobs: Option<u64>,
     /// Output directory (created if missing; results.csv, results.json
-    /// and the figures in it are replaced).
+    /// and the swept traces' figures in it are replaced; figures of other
+    /// traces are left).
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]

@@ -442,8 +442,9 @@ pub fn to_csv(rows: &[SweepRow]) -> String {
 /// `<stem>-duplicates.{png,svg}` and `<stem>-eviction-io.{png,svg}` into
 /// `dir` (created if needed), the stem as [`figure_stems`] makes it from
 /// the traces in order of their first row, and removes the partial results
-/// of an earlier failed sweep ([`write_partial`]) from it. Returns the
-/// files written.
+/// of an earlier failed sweep ([`write_partial`]) from it, and the figures
+/// of a trace swept with `exact` alone (none are drawn for it). Figures of
+/// traces not in `rows` are left. Returns the files written.
 ///
 /// Errors: I/O, or a drawing failure.
 pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
@@ -476,11 +477,20 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
     let stems = figure_stems(&traces);
     for (t, stem) in traces.into_iter().zip(&stems) {
         // (a figure plots the bounded policies against their budget; a
-        // trace swept with `exact` alone has none to draw)
+        // trace swept with `exact` alone has none to draw, and an earlier
+        // sweep's figures of it would contradict these results)
         if !rows
             .iter()
             .any(|r| r.trace == t && r.index_memory_bytes.is_some())
         {
+            for (path, _) in figure_paths(dir, stem) {
+                match std::fs::remove_file(&path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io_err(&name)(e));
+                    }
+                    _ => {}
+                }
+            }
             continue;
         }
         for (path, what) in figure_paths(dir, stem) {
@@ -755,18 +765,28 @@ mod tests {
             index_memory_bytes: Some(1 << 20),
             ..exact.clone()
         };
-        let files = write_outputs(&[exact, bounded], dir.path()).unwrap();
+        let files = write_outputs(&[exact.clone(), bounded], dir.path()).unwrap();
         assert_eq!(files.len(), 6, "{files:?}");
         // no temporary file left beside them
-        let names: Vec<String> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let names = || -> Vec<String> {
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        };
         assert!(
-            names.iter().all(|n| !n.starts_with(".dedupd-output-")),
-            "{names:?}"
+            names().iter().all(|n| !n.starts_with(".dedupd-output-")),
+            "{:?}",
+            names()
         );
-        assert_eq!(names.len(), 6, "{names:?}");
+        assert_eq!(names().len(), 6, "{:?}", names());
+        // the same trace swept again with `exact` alone: its old figures,
+        // which these results no longer show, go; another trace's stay
+        std::fs::write(dir.path().join("u-duplicates.png"), "other").unwrap();
+        write_outputs(std::slice::from_ref(&exact), dir.path()).unwrap();
+        let mut left = names();
+        left.sort();
+        assert_eq!(left, ["results.csv", "results.json", "u-duplicates.png"]);
     }
     #[test]
     fn a_trace_given_twice_is_refused() {
