@@ -920,8 +920,13 @@ impl Engine {
                 file: d.file.clone(),
                 detail: format!(
                     "{what}; the store is not served. \
-                     Run `dedupd --store {} fsck --repair` to rebuild it from the volume maps",
-                    crate::error::store_word(path)
+                     Run `dedupd --store {} fsck --repair` to rebuild it {}",
+                    crate::error::store_word(path),
+                    if d.file == dir.path(MetaFile::Fingerprints) {
+                        "by fingerprinting the stored blocks again"
+                    } else {
+                        "from the volume maps"
+                    }
                 ),
             });
         }

@@ -36,8 +36,9 @@ pub enum EngineError {
         /// What is wrong.
         detail: String,
     },
-    /// A metadata file fails its checksum or is malformed.
-    #[error("metadata file {file} is damaged: {detail}")]
+    /// A metadata file fails its checksum or is malformed, or the data
+    /// file is missing or cut short while blocks are referenced.
+    #[error("store file {file} is damaged: {detail}")]
     Corrupt {
         /// The damaged file.
         file: PathBuf,

@@ -907,12 +907,18 @@ fn lock(root: &Path) -> Result<File> {
         .truncate(false)
         .open(&p)
         .map_err(|e| {
-            let why = if e.raw_os_error() == Some(libc::EROFS) {
-                " (the store is on a read-only file system; every command that \
-                 opens a store, fsck included, needs it writable: opening takes \
-                 a lock file and rebuilds the on-disk fingerprint store)"
-            } else {
-                ""
+            let why = match e.raw_os_error() {
+                Some(libc::EROFS) => {
+                    " (the store is on a read-only file system; every command that \
+                     opens a store, fsck included, needs it writable: opening takes \
+                     a lock file and rebuilds the on-disk fingerprint store)"
+                }
+                Some(libc::EACCES) | Some(libc::EPERM) => {
+                    " (every command that opens a store, fsck included, needs to \
+                     write in its directory: run it as the store's owner, or give \
+                     this user write access to the store)"
+                }
+                _ => "",
             };
             EngineError::io(format!("opening {}{why}", p.display()), e)
         })?;
