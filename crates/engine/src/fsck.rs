@@ -775,6 +775,9 @@ impl Engine {
         let mut reported_step = 0;
         // (consecutive PBAs with the same count problem are named as a run)
         let mut pba_run: Option<PbaProblemRun> = None;
+        // referenced blocks found unreadable or changed (the first
+        // NAMED_PROBLEMS_MAX): the LBAs mapping them are named after the pass
+        let mut damaged_pbas = std::collections::BTreeSet::new();
         let mut check = |m: &mut crate::meta::Meta, p: u64, want: u32| -> Result<()> {
             if p / FSCK_PROGRESS_STEP_BLOCKS > reported_step {
                 reported_step = p / FSCK_PROGRESS_STEP_BLOCKS;
@@ -826,6 +829,9 @@ impl Engine {
                 r.blocks_rehashed += 1;
                 let Some(actual) = hash_of(p) else {
                     flush_pba_run(&mut r, &mut pba_run);
+                    if damaged_pbas.len() < NAMED_PROBLEMS_MAX {
+                        damaged_pbas.insert(p);
+                    }
                     r.unreadable_blocks += 1;
                     r.note_problem(format!("PBA {p}: cannot be read (I/O error)"));
                     r.note_lost(format!(
@@ -840,6 +846,9 @@ impl Engine {
                     // the fingerprint page passed its checksum: the data
                     // changed on disk, and no repair can undo that
                     flush_pba_run(&mut r, &mut pba_run);
+                    if damaged_pbas.len() < NAMED_PROBLEMS_MAX {
+                        damaged_pbas.insert(p);
+                    }
                     r.corrupted_blocks += 1;
                     r.note_problem(format!(
                         "PBA {p}: stored fingerprint does not match its data"
@@ -889,6 +898,35 @@ impl Engine {
         for_each_referenced(&mut m, next..rc_len, |m, q| check(m, q, 0))?;
         flush_pba_run(&mut r, &mut pba_run);
         progress(blocks_phase, rc_len, rc_len);
+        // the LBAs that read those blocks, volume by volume (one more pass
+        // over the maps, only when a block was found damaged)
+        if !damaged_pbas.is_empty() {
+            let mut reading = LbaRuns::default();
+            for id in &ids {
+                let v = &m.volumes[id];
+                v.map.for_each_nonzero_u64(0..v.size_blocks(), |lba, raw| {
+                    if damaged_pbas.contains(&(raw - 1)) {
+                        reading.push(*id, lba);
+                    }
+                });
+            }
+            for &(id, lbas) in &reading.runs {
+                r.note_lost(format!(
+                    "volume {}: {} read a damaged block (named above by PBA)",
+                    m.volumes[&id].record.name,
+                    lbas.describe()
+                ));
+            }
+            for &id in reading.total.keys() {
+                let more = reading.not_listed(id);
+                if more > 0 {
+                    r.note_lost(format!(
+                        "volume {}: {more} more LBAs read a damaged block",
+                        m.volumes[&id].record.name
+                    ));
+                }
+            }
+        }
 
         // a referenced block's fingerprint, from its data where the stored
         // one cannot be used (None: unreadable now), for the repair

@@ -1125,11 +1125,16 @@ fn rehash_reports_rotten_data_as_lost_and_a_repair_stops_sharing_it() {
     let check = rehash(false);
     assert_eq!(check.exit_code(), 4, "{check:?}");
     assert_eq!(check.corrupted_blocks, 1);
-    assert_eq!(check.data_lost.len(), 1, "{:?}", check.data_lost);
-    assert!(
-        check.data_lost[0].contains("2 LBA(s)"),
-        "{:?}",
-        check.data_lost
+    // the block, then the LBAs that read it, by volume
+    assert_eq!(
+        check.data_lost,
+        [
+            format!(
+                "PBA {at}: its data changed on disk; the 2 LBA(s) mapping it read the changed bytes"
+            ),
+            "volume a: LBA 5 read a damaged block (named above by PBA)".to_string(),
+            "volume b: LBA 5 read a damaged block (named above by PBA)".to_string(),
+        ]
     );
     let fixed = rehash(true);
     assert_eq!(fixed.exit_code(), 1, "{fixed:?}");
