@@ -556,14 +556,27 @@ impl Engine {
         opts: FsckOptions,
         progress: &mut dyn FnMut(&str, u64, u64),
     ) -> Result<FsckReport> {
-        let mut r = FsckReport::default();
         // commits lost with the journal may have freed blocks that were
         // then reused for other data: their stored fingerprints, and so
         // the index a repair rebuilds from them, can be wrong (new writes
         // would share blocks by a fingerprint their bytes no longer have).
         // Such a repair without rehash runs as a check: nothing is changed,
         // in memory or on file
-        r.journal_lost_commits = self.damage.iter().any(|d| d.file.ends_with("journal"));
+        let mut r = FsckReport {
+            journal_lost_commits: self.damage.iter().any(|d| d.file.ends_with("journal")),
+            ..FsckReport::default()
+        };
+        if r.journal_lost_commits {
+            // (the damaged transactions cannot be decoded: which LBAs they
+            // changed is not known)
+            r.note_lost(
+                "journal: the commits from its damaged transaction on (all it held, if \
+                 it is missing) are lost, though acknowledged: the writes, TRIMs and \
+                 volume changes they held read as before them (which LBAs cannot be \
+                 told from the damaged journal)"
+                    .to_string(),
+            );
+        }
         r.repair_refused = opts.repair && r.journal_lost_commits && !opts.rehash;
         let opts = FsckOptions {
             repair: opts.repair && !r.repair_refused,

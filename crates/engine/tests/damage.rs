@@ -819,6 +819,11 @@ fn missing_journal_or_data_file_is_refused() {
     assert_eq!(plain.exit_code(), 4, "{plain:?}");
     assert!(plain.journal_lost_commits);
     assert!(
+        plain.data_lost.iter().any(|l| l.starts_with("journal: ")),
+        "{:?}",
+        plain.data_lost
+    );
+    assert!(
         plain
             .problems
             .iter()
