@@ -3173,7 +3173,9 @@ impl Engine {
             // free now (`Meta::held_free`)
             let frees = std::mem::take(&mut batch.frees);
             let logged = c.journal.is_some();
+            let counters = std::mem::take(&mut batch.counters);
             self.release_frees(|m| {
+                m.counters_committed = counters;
                 m.frees_in_flight = 0;
                 if logged {
                     std::mem::replace(&mut m.held_free, frees)

@@ -248,9 +248,10 @@ pub struct Meta {
     pub stored_blocks: u64,
     /// Persistent counters.
     pub counters: PersistentCounters,
-    /// The counters as the last commit took them (or as the store held
-    /// them at open): a close commits counters that moved without any
-    /// other change (a verify mismatch that kept two copies apart).
+    /// The counters as the last durable commit carried them (or as the
+    /// store held them at open): a close commits counters that moved
+    /// without any other change (a verify mismatch that kept two copies
+    /// apart).
     pub counters_committed: PersistentCounters,
     /// Structural changes (file lengths, removals) since the last commit.
     pub structural_ops: Vec<Op>,
@@ -272,6 +273,9 @@ pub struct CommitBatch {
     pub change_count: u64,
     /// [`Meta::commit_generation`] of this batch.
     pub generation: u64,
+    /// The counters the batch carries: [`Meta::counters_committed`] once
+    /// it is durable.
+    pub counters: PersistentCounters,
 }
 
 impl Meta {
@@ -736,9 +740,9 @@ impl Meta {
             file: MetaFile::Counters,
             data: self.encoded_counters(journal_seq),
         });
-        self.counters_committed = self.counters.clone();
         self.state_dirty = false;
         CommitBatch {
+            counters: self.counters.clone(),
             ops,
             frees: {
                 self.frees_in_flight = self.pending_free.len();
@@ -779,7 +783,6 @@ impl Meta {
         }
         let counters_len = self.encoded_counters(self.commit_generation).len();
         lens.push(counters_len);
-        self.counters_committed = self.counters.clone();
         let bytes = crate::journal::txn_len(lens);
         let model = &mut self.journal_model;
         model.written_bytes += bytes;
@@ -793,6 +796,7 @@ impl Meta {
         }
         self.state_dirty = false;
         CommitBatch {
+            counters: self.counters.clone(),
             ops: Vec::new(),
             frees: {
                 self.frees_in_flight = self.pending_free.len();

@@ -878,12 +878,12 @@ impl Engine {
             None => None,
         };
         let mut r = PassReport::default();
-        let (high, budget_bytes, additions_before) = {
+        let (high, budget_bytes, quiet_before) = {
             let m = lock(&self.meta);
             (
                 m.high_water_blocks,
                 m.index.config().memory_budget_bytes,
-                m.skipped.additions(),
+                (m.skipped.additions(), m.counters.blocks_written),
             )
         };
         let mut sorter = crate::keysort::KeySorter::new(
@@ -983,10 +983,12 @@ impl Engine {
         r.lbas_remapped += self.apply_merges(merges, only)?;
         r.merges_applied = r.lbas_remapped;
         let mut m = lock(&self.meta);
-        if only.is_none() && m.skipped.additions() == additions_before {
-            // every stored block was examined and nothing written since
-            // the scan began could need dedup: the queued work (blocks
-            // written before, copies planned to merge) is done
+        if only.is_none() && (m.skipped.additions(), m.counters.blocks_written) == quiet_before {
+            // every stored block was examined and nothing was written
+            // since the scan began (not even an inline hit, which may
+            // share a copy the pass merged away from, and records
+            // nothing): the queued work (blocks written before, copies
+            // planned to merge) is done
             m.skipped.clear();
             m.pending_merges.clear();
         }
