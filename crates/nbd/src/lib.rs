@@ -49,7 +49,8 @@
 //! or skipped after a refusal) that does not arrive within 60 s of its
 //! header, ends the connection; so does a reply
 //! the client does not read for 60 s, or does not take whole within 60 s
-//! plus 1 s per 64 KiB. Idle connections in transmission are kept.
+//! plus 1 s per 64 KiB of its first partial send (checked between sends,
+//! each of which may wait 60 s). Idle connections in transmission are kept.
 
 #![warn(missing_docs)]
 
