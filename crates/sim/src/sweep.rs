@@ -461,12 +461,7 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
     files.push(json);
     // (partial results of an earlier sweep that failed are stale now)
     for stale in ["results.partial.csv", "results.partial.json"] {
-        match std::fs::remove_file(dir.join(stale)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(io_err(&name)(e));
-            }
-            _ => {}
-        }
+        remove_if_present(&dir.join(stale)).map_err(io_err(&name))?;
     }
     let mut traces: Vec<&str> = Vec::new();
     for r in rows {
@@ -484,12 +479,7 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
             .any(|r| r.trace == t && r.index_memory_bytes.is_some())
         {
             for (path, _) in figure_paths(dir, stem) {
-                match std::fs::remove_file(&path) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(io_err(&name)(e));
-                    }
-                    _ => {}
-                }
+                remove_if_present(&path).map_err(io_err(&name))?;
             }
             continue;
         }
@@ -499,6 +489,14 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(files)
+}
+
+/// Removes `path`; one already gone is no error.
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// Writes the rows of the points that finished before a sweep failed as
