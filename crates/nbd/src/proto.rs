@@ -431,19 +431,20 @@ pub fn encode_export_name_reply(size: u64, transmission_flags: u16, no_zeroes: b
 }
 
 /// Transmission flags for an export ("Transmission flags"): always
-/// `HAS_FLAGS | SEND_FLUSH | SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES`,
-/// plus `READ_ONLY`, `CAN_MULTI_CONN` and `SEND_FAST_ZERO` when asked for.
+/// `HAS_FLAGS | SEND_FLUSH`, plus `CAN_MULTI_CONN` when asked for. A
+/// writable export also gets `SEND_FUA | SEND_TRIM | SEND_WRITE_ZEROES`
+/// and `SEND_FAST_ZERO` when asked for; a read-only one gets `READ_ONLY`
+/// instead and none of the write features (each would only ever be
+/// answered `NBD_EPERM`).
 pub fn transmission_flags(read_only: bool, multi_conn: bool, fast_zero: bool) -> u16 {
-    let mut f = TFLAG_HAS_FLAGS
-        | TFLAG_SEND_FLUSH
-        | TFLAG_SEND_FUA
-        | TFLAG_SEND_TRIM
-        | TFLAG_SEND_WRITE_ZEROES;
+    let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH;
     if read_only {
         f |= TFLAG_READ_ONLY;
-    }
-    if fast_zero {
-        f |= TFLAG_SEND_FAST_ZERO;
+    } else {
+        f |= TFLAG_SEND_FUA | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
+        if fast_zero {
+            f |= TFLAG_SEND_FAST_ZERO;
+        }
     }
     if multi_conn {
         f |= TFLAG_CAN_MULTI_CONN;
@@ -767,7 +768,9 @@ mod tests {
     #[test]
     fn flags_and_errors() {
         assert_eq!(transmission_flags(false, false, false), 0b0110_1101);
-        assert_eq!(transmission_flags(true, true, false), 0b1_0110_1111);
+        // read-only: READ_ONLY, FLUSH, MULTI_CONN, no FUA/TRIM/ZEROES
+        assert_eq!(transmission_flags(true, true, false), 0b1_0000_0111);
+        assert_eq!(transmission_flags(true, false, true), 0b0000_0111);
         assert_eq!(transmission_flags(false, false, true), 0b1000_0110_1101);
         assert_eq!(error_code(&ExportError::Io("x".into())), NBD_EIO);
         assert_eq!(error_code(&ExportError::NoSpace), NBD_ENOSPC);
