@@ -44,9 +44,49 @@ struct Counting<R> {
 
 impl<R: Read> Read for Counting<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
+        let n = self
+            .inner
+            .read(buf)
+            .map_err(|e| io::Error::new(e.kind(), FileError(e)))?;
         self.count.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
+    }
+}
+
+/// An error reading the file itself (not decoding it), marked so that
+/// [`Decoding`] passes it on unchanged; displays as the error it wraps.
+#[derive(Debug)]
+struct FileError(io::Error);
+
+impl std::fmt::Display for FileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for FileError {}
+
+/// A decompressor whose own errors (corrupt or cut-short data) say so and
+/// name the compression, as the decoders' messages ("incomplete frame",
+/// "corrupt deflate stream") do not; errors reading the file pass as they
+/// are.
+struct Decoding<R> {
+    inner: R,
+    compression: &'static str,
+}
+
+impl<R: Read> Read for Decoding<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf).map_err(|e| {
+            if e.get_ref().is_some_and(|inner| inner.is::<FileError>()) {
+                e
+            } else {
+                io::Error::new(
+                    e.kind(),
+                    format!("{} data is corrupt or cut short: {e}", self.compression),
+                )
+            }
+        })
     }
 }
 
@@ -100,11 +140,17 @@ pub fn open(path: &Path, consumed: Arc<AtomicU64>) -> io::Result<(Box<dyn BufRea
         Compression::None => raw,
         Compression::Gzip => Box::new(BufReader::with_capacity(
             BUF_BYTES,
-            flate2::bufread::MultiGzDecoder::new(raw),
+            Decoding {
+                inner: flate2::bufread::MultiGzDecoder::new(raw),
+                compression: "gzip",
+            },
         )),
         Compression::Zstd => Box::new(BufReader::with_capacity(
             BUF_BYTES,
-            zstd::stream::read::Decoder::with_buffer(raw)?,
+            Decoding {
+                inner: zstd::stream::read::Decoder::with_buffer(raw)?,
+                compression: "zstd",
+            },
         )),
     };
     Ok((r, c))
@@ -166,6 +212,46 @@ mod tests {
         // stays text
         assert_eq!(detect_compression(b"_*M\x18"), Compression::Zstd);
         assert_eq!(detect_compression(b"PXYZ"), Compression::None);
+    }
+
+    #[test]
+    fn corrupt_or_cut_compressed_data_is_named_as_such() {
+        let text: String = (0..2000)
+            .map(|i| format!("{i} 1 p {i} 8 W 8 0 x\n"))
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        // with a content checksum, as the zstd tool writes by default
+        let mut enc = zstd::stream::Encoder::new(Vec::new(), 1).unwrap();
+        enc.include_checksum(true).unwrap();
+        io::Write::write_all(&mut enc, text.as_bytes()).unwrap();
+        let zst = enc.finish().unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        io::Write::write_all(&mut gz, text.as_bytes()).unwrap();
+        let gz = gz.finish().unwrap();
+        let mut flipped = zst.clone();
+        let mid = flipped.len() / 2;
+        flipped[mid] ^= 0xff;
+        for (name, bytes, expect) in [
+            (
+                "cut.zst",
+                zst[..zst.len() / 2].to_vec(),
+                "zstd data is corrupt or cut short",
+            ),
+            ("flipped.zst", flipped, "zstd data is corrupt or cut short"),
+            (
+                "cut.gz",
+                gz[..gz.len() / 2].to_vec(),
+                "gzip data is corrupt or cut short",
+            ),
+        ] {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            let (mut r, _) = open(&p, Arc::new(AtomicU64::new(0))).unwrap();
+            match r.read_to_end(&mut Vec::new()) {
+                Ok(n) => panic!("{name}: {n} bytes read without an error"),
+                Err(err) => assert!(err.to_string().starts_with(expect), "{name}: {err}"),
+            }
+        }
     }
 
     /// Delivers its bytes `step` at a time, as a pipe may.
