@@ -6,6 +6,7 @@
 mod bounds;
 mod control;
 mod exports;
+mod progress;
 mod replay;
 mod serve;
 mod size;
@@ -549,7 +550,7 @@ fn with_store(
         Request::DedupOffline { .. } => "dedup --offline: scanning the data file".to_string(),
         _ => String::new(),
     };
-    with_bar(&label, |progress| {
+    progress::with_bar(&label, |progress| {
         // (run as the server last ran: its sequence threshold and verify)
         let config = EngineConfig {
             settings_from_store: true,
@@ -590,34 +591,6 @@ fn with_store(
             Err(e) => Err(e.into()),
         }
     })
-}
-
-/// Runs `f` with a progress callback (blocks done, of all) drawn as a bar
-/// labelled `label`, which appears at the first report and is cleared at
-/// the end.
-fn with_bar<T>(label: &str, f: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) -> T {
-    with_phase_bars(|progress| f(&mut |done, all| progress(label, done, all)))
-}
-
-/// Runs `f` with a progress callback (phase, blocks done, of all) drawn as
-/// one bar per phase, labelled with it: a bar appears at its phase's first
-/// report and is cleared when the next phase begins or `f` ends.
-fn with_phase_bars<T>(f: impl FnOnce(&mut dyn FnMut(&str, u64, u64)) -> T) -> T {
-    let mut bar: Option<(String, indicatif::ProgressBar)> = None;
-    let result = f(&mut |phase, done, all| {
-        if bar.as_ref().is_none_or(|(p, _)| p != phase) {
-            if let Some((_, old)) = bar.take() {
-                old.finish_and_clear();
-            }
-        }
-        let (_, b) = bar.get_or_insert_with(|| (phase.to_string(), progress_bar(phase)));
-        b.set_length(all);
-        b.set_position(done);
-    });
-    if let Some((_, b)) = bar {
-        b.finish_and_clear();
-    }
-    result
 }
 
 fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
@@ -802,20 +775,6 @@ fn print_quietly_if_cut(text: &str) -> std::io::Result<()> {
     }
 }
 
-/// A progress bar on stderr (drawn only on a terminal) counting blocks,
-/// with an ETA; the caller sets its length and position.
-fn progress_bar(msg: &str) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg} [{bar:40}] {human_pos}/{human_len} blocks, {per_sec:0} (eta {eta})",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_message(msg.to_string());
-    bar
-}
-
 fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<()> {
     if !offline {
         bail!("give --offline (the background pass runs inside `dedupd serve`, see --out-of-line-rate)");
@@ -883,7 +842,7 @@ fn fsck(
         }
         std::process::exit(8);
     };
-    let checked = with_phase_bars(|progress| {
+    let checked = progress::with_phase_bars(|progress| {
         dedupd_engine::fsck::fsck_with_progress(store, opts, config, progress)
     });
     let report = match checked {
