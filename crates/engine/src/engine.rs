@@ -961,8 +961,25 @@ impl Engine {
             // LBAs past its end would read as unmapped with nothing said
             let want_pages = crate::paged::disk_len(rec.size_bytes / BLOCK_SIZE_U64 * 8)
                 .div_ceil(crate::paged::PAGE_SIZE as u64);
-            let map_truncated_at =
-                (!map_missing && map.page_count() < want_pages).then(|| map.page_count());
+            // (the length a map is given comes from the file as the last
+            // checkpoint left it and the journal's cuts and extensions,
+            // never from the pages the journal writes: those written past
+            // a cut would extend the file over holes that read as unmapped)
+            let sized_pages = ops_by_file
+                .get(&MetaFile::Map(rec.id))
+                .into_iter()
+                .flatten()
+                .fold(
+                    std::fs::metadata(dir.path(MetaFile::Map(rec.id))).map_or(0, |m| m.len()),
+                    |len, op| match op {
+                        Op::SetLen { len_bytes, .. } => *len_bytes,
+                        Op::Remove { .. } => 0,
+                        _ => len,
+                    },
+                )
+                .div_ceil(crate::paged::PAGE_SIZE as u64);
+            let have_pages = map.page_count().min(sized_pages);
+            let map_truncated_at = (!map_missing && have_pages < want_pages).then_some(have_pages);
             if let Some(have) = map_truncated_at {
                 mine.push(Damage {
                     file: dir.path(MetaFile::Map(rec.id)),
@@ -1001,10 +1018,28 @@ impl Engine {
             .filter(|(_, v)| v.map_missing)
             .map(|(id, _)| *id)
             .collect();
+        // likewise a truncated map's journaled pages past its cut: written
+        // there, they would extend the file over holes (the LBAs between
+        // the cut and them) that the next start reads as never written
+        let cut_maps: HashMap<VolumeId, u64> = meta
+            .volumes
+            .iter()
+            .filter_map(|(id, v)| v.map_truncated_at.map(|page| (*id, page)))
+            .collect();
         let mut chain_ops = chain_ops;
-        if !lost_maps.is_empty() {
-            chain_ops
-                .retain(|op| !matches!(op.file(), MetaFile::Map(id) if lost_maps.contains(&id)));
+        if !lost_maps.is_empty() || !cut_maps.is_empty() {
+            chain_ops.retain(|op| {
+                let page = match op {
+                    Op::Write { offset, .. } => offset / crate::paged::PAGE_SIZE as u64,
+                    Op::Patch { offset, .. } => offset / crate::paged::PAYLOAD_SIZE as u64,
+                    _ => 0,
+                };
+                match op.file() {
+                    MetaFile::Map(id) if lost_maps.contains(&id) => false,
+                    MetaFile::Map(id) => cut_maps.get(&id).is_none_or(|&cut| page < cut),
+                    _ => true,
+                }
+            });
         }
         let mut checkpoint = CheckpointBuffer::default();
         checkpoint.add(chain_ops);

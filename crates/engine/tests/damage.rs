@@ -1397,6 +1397,68 @@ fn truncated_map_is_damage_not_a_hole() {
     assert!(e.check().is_empty(), "{:?}", e.check());
 }
 
+/// A map file cut short while the journal holds changes to pages past the
+/// cut: replaying them must not extend the file over holes that read as
+/// never written, neither at open nor when a checkpoint writes the
+/// journal's pages in place. The LBAs past the cut fail to read (those the
+/// journal rewrote included: their pages are dropped as a missing map's
+/// are), fsck names them, and a repair unmaps them.
+#[test]
+fn truncated_map_with_journaled_pages_past_the_cut_is_damage() {
+    let d = tempfile::tempdir().unwrap();
+    let path = build(d.path());
+    {
+        // LBA 1100 (map page 2) written and committed, not checkpointed
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let (a, _) = e.volume("a").unwrap();
+        e.write(a, 1100 * 4096, &pattern(1100), false).unwrap();
+        e.flush().unwrap();
+        e.drop_without_closing();
+    }
+    let map = first_map_file(&path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&map)
+        .unwrap()
+        .set_len(4096) // page 0 only: LBAs 0..508 of volume a's 600
+        .unwrap();
+    {
+        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let (a, _) = e.volume("a").unwrap();
+        assert!(e.volume_read_only(a), "{:?}", e.damage());
+        let mut buf = vec![0u8; 4096];
+        e.read(a, 10 * 4096, &mut buf).unwrap();
+        assert!(buf == pattern(10));
+        assert!(matches!(
+            e.read(a, 520 * 4096, &mut buf),
+            Err(EngineError::MappingLost { lba: 520, .. })
+        ));
+        e.close().unwrap();
+    }
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 4, "{check:?}");
+    assert!(
+        check
+            .data_lost
+            .iter()
+            .any(|l| l.contains("volume a") && l.contains("from 508 on")),
+        "{:?}",
+        check.data_lost
+    );
+    assert_eq!(repair(&path), 1);
+    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    let (a, _) = e.volume("a").unwrap();
+    assert!(!e.volume_read_only(a));
+    let mut buf = vec![0u8; 4096];
+    for lba in [520, 1100] {
+        e.read(a, lba * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "LBA {lba}");
+    }
+    e.read(a, 10 * 4096, &mut buf).unwrap();
+    assert!(buf == pattern(10));
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
 /// Copies the store at every journal sync until the first change to
 /// another metadata file: what a crash after a repair's commit and before
 /// its checkpoint leaves.
