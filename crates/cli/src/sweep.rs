@@ -88,6 +88,14 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             |j| usize::try_from(j).unwrap_or(usize::MAX),
         )
         .min(points.max(1));
+    // SIGINT or SIGTERM stops the sweep and keeps what finished (a second
+    // one ends the process at once). SIGINT is caught even when ignored,
+    // as a script's background job has it.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(sig, 130, stop.clone())?;
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
     let cfg = SweepConfig {
         traces: args.traces.clone(),
         policies: args.policies.clone(),
@@ -95,6 +103,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         jobs,
         base: args.input.apply(ReplayConfig {
             prefix_bits: args.index_prefix_bits,
+            stop: Some(stop),
             ..ReplayConfig::default()
         })?,
     };

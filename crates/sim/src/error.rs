@@ -89,6 +89,10 @@ pub enum TraceError {
     /// Bad configuration (unknown policy, bad generator parameters, …).
     #[error("{0}")]
     Config(String),
+    /// The replay was asked to stop ([`crate::replay::ReplayConfig::stop`]
+    /// raised, e.g. by SIGINT) before it finished.
+    #[error("interrupted")]
+    Interrupted,
     /// An engine error outside any single request (part of the message,
     /// so not also given as the error's source).
     #[error("engine: {0}")]

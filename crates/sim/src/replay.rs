@@ -243,6 +243,19 @@ pub struct ReplayConfig {
     pub prefix_bits: Option<u32>,
     /// How the background out-of-line pass is modelled (SmartDedup §3.3).
     pub out_of_line: OutOfLine,
+    /// Once raised (a signal handler, another thread), the replay stops at
+    /// its next progress report (every few thousand requests) with
+    /// [`TraceError::Interrupted`], and a sweep starts no further point.
+    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl ReplayConfig {
+    /// True once [`ReplayConfig::stop`] is raised.
+    pub fn stopped(&self) -> bool {
+        self.stop
+            .as_ref()
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// When the replay runs the engine's out-of-line dedup pass.
@@ -304,6 +317,7 @@ impl Default for ReplayConfig {
             index_memory_bytes: None,
             prefix_bits: None,
             out_of_line: OutOfLine::Off,
+            stop: None,
         }
     }
 }
@@ -946,6 +960,9 @@ pub fn replay(
                     .max(engine.index_bytes_in_memory());
             }
             if r.requests.is_multiple_of(PROGRESS_EVERY_REQUESTS) {
+                if cfg.stopped() {
+                    return Err(TraceError::Interrupted);
+                }
                 progress(&Progress {
                     bytes_read: consumed.load(Ordering::Relaxed),
                     bytes_total,

@@ -276,7 +276,7 @@ pub fn run_sweep_keeping_rows(
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> (Vec<SweepRow>, Option<TraceError>) {
     match plan_and_run(cfg, done, progress) {
-        Ok(results) => collect_results(results),
+        Ok(results) => collect_results(results, cfg.base.stopped()),
         Err(e) => (Vec::new(), Some(e)),
     }
 }
@@ -330,8 +330,9 @@ fn plan_and_run(
     std::thread::scope(|s| {
         for _ in 0..cfg.jobs.clamp(1, total.max(1)) {
             s.spawn(|| loop {
-                // (checked before a point is taken: a point taken runs)
-                if failed.load(Ordering::Relaxed) {
+                // (checked before a point is taken: a point taken runs,
+                // unless the sweep is stopped)
+                if failed.load(Ordering::Relaxed) || cfg.base.stopped() {
                     break;
                 }
                 let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) else {
@@ -375,7 +376,10 @@ fn plan_and_run(
 /// point that did not run, as none starts after a failure), and its first
 /// error in grid order — an error of a point that ran, never that of a
 /// point left out because of it.
-fn collect_results(results: Vec<Option<Result<SweepRow>>>) -> (Vec<SweepRow>, Option<TraceError>) {
+fn collect_results(
+    results: Vec<Option<Result<SweepRow>>>,
+    stopped: bool,
+) -> (Vec<SweepRow>, Option<TraceError>) {
     let mut rows = Vec::with_capacity(results.len());
     let mut first_error = None;
     let mut skipped = false;
@@ -389,8 +393,12 @@ fn collect_results(results: Vec<Option<Result<SweepRow>>>) -> (Vec<SweepRow>, Op
         }
     }
     if skipped && first_error.is_none() {
-        // (only a failure stops points from running: not reached)
-        first_error = Some(TraceError::Config("a sweep point did not run".into()));
+        // (only a failure or a stop keeps points from running)
+        first_error = Some(if stopped {
+            TraceError::Interrupted
+        } else {
+            TraceError::Config("a sweep point did not run".into())
+        });
     }
     (rows, first_error)
 }
@@ -401,6 +409,28 @@ fn csv_field(s: &str) -> String {
     } else {
         s.to_string()
     }
+}
+
+/// The rows as pretty JSON: an array of [`SweepRow`] objects, each with
+/// `eviction_ios` added (as the CSV has it).
+///
+/// Errors: encoding (not expected).
+pub fn to_json(rows: &[SweepRow]) -> Result<String> {
+    #[derive(serde::Serialize)]
+    struct Out<'a> {
+        #[serde(flatten)]
+        row: &'a SweepRow,
+        eviction_ios: u64,
+    }
+    let out: Vec<Out<'_>> = rows
+        .iter()
+        .map(|row| Out {
+            row,
+            eviction_ios: row.eviction_ios(),
+        })
+        .collect();
+    serde_json::to_string_pretty(&out)
+        .map_err(|e| TraceError::Config(format!("encoding results: {e}")))
 }
 
 /// The rows as CSV (a header line, then one line per row).
@@ -455,8 +485,7 @@ pub fn write_outputs(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
     crate::output::write_whole(&csv, to_csv(rows).as_bytes())?;
     files.push(csv);
     let json = dir.join("results.json");
-    let text = serde_json::to_string_pretty(rows)
-        .map_err(|e| TraceError::Config(format!("encoding results: {e}")))?;
+    let text = to_json(rows)?;
     crate::output::write_whole(&json, (text + "\n").as_bytes())?;
     files.push(json);
     // (partial results of an earlier sweep that failed are stale now)
@@ -511,8 +540,7 @@ pub fn write_partial(rows: &[SweepRow], dir: &Path) -> Result<Vec<PathBuf>> {
     let csv = dir.join("results.partial.csv");
     crate::output::write_whole(&csv, to_csv(rows).as_bytes())?;
     let json = dir.join("results.partial.json");
-    let text = serde_json::to_string_pretty(rows)
-        .map_err(|e| TraceError::Config(format!("encoding results: {e}")))?;
+    let text = to_json(rows)?;
     crate::output::write_whole(&json, (text + "\n").as_bytes())?;
     Ok(vec![csv, json])
 }
@@ -725,8 +753,13 @@ mod tests {
             assert_eq!(fields.len(), header.len(), "{line}");
             assert_eq!(fields[col], "2", "{line}");
         }
-        let json = serde_json::to_value(&rows).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&to_json(&rows).unwrap()).unwrap();
         assert_eq!(json[0]["bad_records_skipped"], 2);
+        assert_eq!(
+            json[0]["eviction_ios"],
+            json[0]["eviction_reads"].as_u64().unwrap()
+                + json[0]["eviction_writes"].as_u64().unwrap()
+        );
     }
 
     #[test]
@@ -735,12 +768,16 @@ mod tests {
         let ok = || Some(Ok(SweepRow::default()));
         let failed = || Some(Err(TraceError::Config("point 1 failed".into())));
         for results in [vec![None, failed(), None], vec![ok(), None, failed()]] {
-            let e = collect_results(results).1.unwrap();
+            let e = collect_results(results, false).1.unwrap();
             assert_eq!(e.to_string(), "point 1 failed");
         }
-        let (rows, e) = collect_results(vec![ok(), ok()]);
+        let (rows, e) = collect_results(vec![ok(), ok()], false);
         assert_eq!(rows.len(), 2);
         assert!(e.is_none());
+        // a stopped sweep: what finished, and why the rest did not run
+        let (rows, e) = collect_results(vec![ok(), None], true);
+        assert_eq!(rows.len(), 1);
+        assert!(matches!(e, Some(TraceError::Interrupted)), "{e:?}");
     }
 
     #[test]
