@@ -344,6 +344,63 @@ fn a_sweep_stopped_by_a_bad_trace_keeps_what_finished() {
     assert!(!out.join("results.partial.csv").exists());
 }
 
+/// SIGINT to a running sweep: the running point stops, none starts after
+/// it, and the points that finished are kept as partial results.
+#[test]
+fn an_interrupted_sweep_keeps_what_finished() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("t.ddt");
+    // 2 Mi requests: seconds per point, so the signal lands in the second
+    let o = dedupd()
+        .args(["trace", "gen", "--size", "8G", "-o"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let out = dir.path().join("out");
+    let mut child = dedupd()
+        .args([
+            "sweep",
+            "--policies",
+            "exact,lru",
+            "--index-memory",
+            "1M,2M,4M",
+        ])
+        .args(["--jobs", "1", "--traces"])
+        .arg(&t)
+        .arg("--out")
+        .arg(&out)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.starts_with("[1/4] t.ddt exact"), "{first}");
+    let started = std::time::Instant::now();
+    // SAFETY: kill(2) on the child's pid, which has not been reaped
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "{rest}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "stopping took {:?}",
+        started.elapsed()
+    );
+    assert!(rest.contains("interrupted"), "{rest}");
+    assert!(rest.contains("the 1 of 4 points that finished"), "{rest}");
+    let csv = std::fs::read_to_string(out.join("results.partial.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 2, "{csv}");
+    assert!(
+        csv.lines().nth(1).unwrap().starts_with("t.ddt,exact,"),
+        "{csv}"
+    );
+    assert!(!out.join("results.csv").exists());
+}
+
 /// Runs each command line in `dir`: it must fail, its error naming the
 /// given text.
 fn assert_refused(dir: &Path, cases: &[(Vec<&str>, &str)]) {
