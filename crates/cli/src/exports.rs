@@ -201,7 +201,7 @@ fn to_write_error(e: EngineError) -> ExportError {
 fn to_export_error(e: EngineError) -> ExportError {
     match e {
         EngineError::NoSpace { .. } => ExportError::NoSpace,
-        EngineError::ReadOnly(_) => ExportError::ReadOnly,
+        EngineError::ReadOnly { .. } | EngineError::VolumeDeleting(_) => ExportError::ReadOnly,
         EngineError::OutOfRange { .. }
         | EngineError::InvalidArgument(_)
         | EngineError::NoSuchVolume(_) => ExportError::Invalid(e.to_string()),

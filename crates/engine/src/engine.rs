@@ -1720,7 +1720,7 @@ impl Engine {
             // a damaged map given a new length would hide the damage (a
             // missing map made anew, a truncated one grown past its cut)
             if m.volumes[&id].read_only() {
-                return Err(EngineError::ReadOnly(name.into()));
+                return Err(self.read_only_error(&m.volumes[&id]));
             }
             let v = m.volumes.get_mut(&id).expect("looked up above");
             let old_blocks = v.size_blocks();
@@ -1785,7 +1785,7 @@ impl Engine {
                 return Err(EngineError::NoSuchVolume(name.into()));
             };
             if v.read_only() {
-                return Err(EngineError::ReadOnly(name.into()));
+                return Err(self.read_only_error(v));
             }
             if !shrinking && v.size_blocks() > new_blocks {
                 // grown past this size meanwhile: a shrink after all, with
@@ -1944,6 +1944,26 @@ impl Engine {
         &self.damage
     }
 
+    /// Why `v` (read-only) refuses a change: a delete not finished
+    /// ([`EngineError::VolumeDeleting`]) or damaged metadata
+    /// ([`EngineError::ReadOnly`], naming the repair for this store).
+    fn read_only_error(&self, v: &crate::meta::Volume) -> EngineError {
+        if v.deleting {
+            return EngineError::VolumeDeleting(v.record.name.clone());
+        }
+        let fsck_command = match &self.dir {
+            Some(dir) => format!(
+                "dedupd --store {} fsck --repair",
+                crate::error::store_word(dir.root())
+            ),
+            None => "dedupd fsck --repair".to_string(),
+        };
+        EngineError::ReadOnly {
+            volume: v.record.name.clone(),
+            fsck_command,
+        }
+    }
+
     /// Saves a copy of the skipped buffer taken now to
     /// `<store>/skipped.json`, durably (write, fsync, rename, fsync of the
     /// directory); see [`crate::skipped`] for what this guarantees. Best
@@ -2031,7 +2051,7 @@ impl Engine {
             });
         }
         if v.read_only() {
-            return Err(EngineError::ReadOnly(v.record.name.clone()));
+            return Err(self.read_only_error(v));
         }
         fault_check(&m)
     }
@@ -2742,7 +2762,7 @@ impl Engine {
         }
         // (a client write checked these already; a replayed one did not)
         if volume.read_only() {
-            return Err(EngineError::ReadOnly(volume.record.name.clone()));
+            return Err(self.read_only_error(volume));
         }
         fault_check(&m)?;
         let threshold = volume
@@ -2915,7 +2935,7 @@ impl Engine {
             // as gone: its release of blocks may have passed these LBAs)
             let gone = match m.volumes.get(&vol) {
                 None => Some(EngineError::NoSuchVolume(format!("#{}", vol.0))),
-                Some(v) if v.deleting => Some(EngineError::ReadOnly(v.record.name.clone())),
+                Some(v) if v.deleting => Some(EngineError::VolumeDeleting(v.record.name.clone())),
                 // (or shrunk past it and grown back: the blocks phase 1
                 // mapped there were released)
                 Some(v)
@@ -4233,7 +4253,7 @@ mod tests {
             e.delete_volume_with_progress("v", progress).map(|_| ())
         });
         let err = outcome.unwrap_err();
-        assert!(matches!(err, EngineError::ReadOnly(_)), "{err:?}");
+        assert!(matches!(err, EngineError::VolumeDeleting(_)), "{err:?}");
         assert!(e.check().is_empty(), "{:?}", e.check());
         assert_eq!(e.stats().physical_blocks_stored, 0);
     }

@@ -82,10 +82,16 @@ pub enum EngineError {
         /// Volume size in bytes.
         size_bytes: u64,
     },
-    /// The volume's metadata failed its checksums; it is served read-only
-    /// until `dedupd fsck --repair`.
-    #[error("volume {0:?} is read-only: its metadata is damaged (run `dedupd fsck --repair`)")]
-    ReadOnly(String),
+    /// The volume's metadata failed its checksums (or its map is missing
+    /// or cut short); it is served read-only until `dedupd fsck --repair`.
+    #[error("volume {volume:?} is read-only: its metadata is damaged (run `{fsck_command}`)")]
+    ReadOnly {
+        /// The volume's name.
+        volume: String,
+        /// The repair to run, naming the store (`dedupd --store PATH fsck
+        /// --repair`).
+        fsck_command: String,
+    },
     /// A read of an LBA whose mapping was lost when the store opened (on a
     /// map page that failed its checksum, past the end of a truncated map,
     /// or in a missing map): its data cannot be told, so it is not read as

@@ -209,7 +209,7 @@ fn missing_metadata_files_are_damage_not_an_empty_store() {
     assert!(e.volume_read_only(a));
     assert!(matches!(
         e.write(a, 0, &pattern(1), false),
-        Err(EngineError::ReadOnly(_))
+        Err(EngineError::ReadOnly { .. })
     ));
     let mut buf = vec![0u8; 4096];
     assert!(matches!(
@@ -413,7 +413,7 @@ fn flipped_map_page_makes_the_volume_read_only_until_repaired() {
         assert!(e.volume_read_only(a));
         assert!(matches!(
             e.write(a, 0, &[1u8; 4096], false),
-            Err(EngineError::ReadOnly(_))
+            Err(EngineError::ReadOnly { .. })
         ));
         let mut buf = vec![0u8; 4096];
         e.read(a, 0, &mut buf).unwrap();
@@ -1551,10 +1551,19 @@ fn a_volume_with_a_damaged_map_is_not_resized() {
     let e = Engine::open(&path, EngineConfig::default()).unwrap();
     for size in [4 << 20, 16 << 20] {
         assert!(
-            matches!(e.resize_volume("a", size), Err(EngineError::ReadOnly(_))),
+            matches!(
+                e.resize_volume("a", size),
+                Err(EngineError::ReadOnly { .. })
+            ),
             "a map made anew at {size} bytes would hide its loss"
         );
     }
+    // the message names the repair of this very store
+    let msg = e.resize_volume("a", 4 << 20).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!("dedupd --store {} fsck --repair", path.display())),
+        "{msg}"
+    );
     e.close().unwrap();
     drop(e);
     assert!(!map.exists());

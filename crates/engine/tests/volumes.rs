@@ -143,7 +143,7 @@ fn writes_racing_a_deletion_leak_nothing() {
                 match e.write_fingerprinted(big, Lba(lba), &fps) {
                     Ok(()) => written += 1,
                     // refused once the deletion began or ended, nothing else
-                    Err(EngineError::ReadOnly(_) | EngineError::NoSuchVolume(_)) => {
+                    Err(EngineError::VolumeDeleting(_) | EngineError::NoSuchVolume(_)) => {
                         return (written, true)
                     }
                     Err(other) => panic!("write failed: {other}"),
