@@ -438,11 +438,24 @@ pub fn fsck_with_progress(
     }
     report.notes = engine.notes().to_vec();
     report.close_lists();
-    if report.repaired {
+    // a repair also puts right what opening the store noted (a damaged
+    // `skipped.json` is saved again, every volume queued whole), which a
+    // close does even where the metadata needed nothing
+    let rewrite_notes = opts.repair
+        && !report.repair_refused
+        && !report.notes.is_empty()
+        && report.problems.is_empty();
+    if report.repaired || rewrite_notes {
         // (the repair is committed: its report, with the data it lost, is
         // not thrown away because putting it in place failed)
-        if let Err(e) = engine.close() {
-            report.close_error = Some(e.to_string());
+        match engine.close() {
+            Err(e) => report.close_error = Some(e.to_string()),
+            Ok(()) if rewrite_notes => {
+                for n in &mut report.notes {
+                    n.push_str(" (put right by this repair)");
+                }
+            }
+            Ok(()) => {}
         }
     } else {
         // a check writes nothing to the store, as e2fsck -n

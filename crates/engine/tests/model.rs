@@ -638,6 +638,30 @@ fn pending_out_of_line_work_survives_a_crash() {
             damaged,
             "{check:?}"
         );
+        if damaged {
+            // a repair saves it again, the work it held queued whole
+            let before = dir.path().join("crash-repaired");
+            crash_copy(&copy, &before);
+            let fixed = dedupd_engine::fsck::fsck(
+                &before,
+                dedupd_engine::fsck::FsckOptions {
+                    repair: true,
+                    rehash: false,
+                },
+            )
+            .unwrap();
+            assert_eq!(fixed.exit_code(), 0, "{fixed:?}");
+            let again = dedupd_engine::fsck::fsck(&before, Default::default()).unwrap();
+            assert!(again.notes.is_empty(), "{again:?}");
+            let r = Engine::open(&before, mains.clone()).unwrap();
+            while r.dedup_pass(1000).unwrap().work_remaining {}
+            assert_eq!(
+                r.stats().physical_blocks_stored,
+                n,
+                "work lost by the repair"
+            );
+            r.close().unwrap();
+        }
         let r = Engine::open(&copy, mains.clone()).unwrap();
         assert_eq!(
             r.notes().iter().any(|n| n.contains("skipped.json")),
