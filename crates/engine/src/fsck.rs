@@ -451,8 +451,12 @@ pub fn fsck_with_progress(
         match engine.close() {
             Err(e) => report.close_error = Some(e.to_string()),
             Ok(()) if rewrite_notes => {
-                for n in &mut report.notes {
-                    n.push_str(" (put right by this repair)");
+                for n in report
+                    .notes
+                    .iter_mut()
+                    .filter(|n| n.contains("skipped.json"))
+                {
+                    n.push_str(" (saved again by this repair)");
                 }
             }
             Ok(()) => {}
