@@ -228,8 +228,8 @@ pub type Handler = dyn Fn(Request, &mut dyn FnMut(u64, u64)) -> anyhow::Result<V
 /// each with `handle` (one thread per connection, at most
 /// [`MAX_CONTROL_CONNECTIONS`] at once); then stops accepting
 /// and returns once every request already taken is answered (a volume
-/// delete or offline pass running at shutdown finishes before the store
-/// is closed).
+/// delete running at shutdown finishes before the store is closed; an
+/// offline pass stops early once the engine is told to stop passes).
 pub fn serve(
     listener: UnixListener,
     stop: Arc<StopSignal>,

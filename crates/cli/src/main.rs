@@ -786,19 +786,57 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
         Request::DedupOffline {
             volume: volume.clone(),
         },
-        |e, progress| offline_pass(e, volume.as_deref(), progress),
+        |e, progress| {
+            // SIGINT or SIGTERM stops the pass early, keeping what it
+            // merged; a second one exits at once (the journal covers it)
+            let mut signals = signal_hook::iterator::Signals::new([
+                signal_hook::consts::SIGINT,
+                signal_hook::consts::SIGTERM,
+            ])?;
+            /// Ends the signal thread however the pass ends.
+            struct Closer(signal_hook::iterator::Handle);
+            impl Drop for Closer {
+                fn drop(&mut self) {
+                    self.0.close();
+                }
+            }
+            let closer = Closer(signals.handle());
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let mut received = signals.forever();
+                    if let Some(sig) = received.next() {
+                        eprintln!(
+                            "dedupd: signal {sig}: stopping the pass with the merges it has planned (again to exit at once)"
+                        );
+                        e.stop_offline_passes();
+                    }
+                    if let Some(sig) = received.next() {
+                        eprintln!("dedupd: signal {sig} again: exiting now; the next start recovers from the journal");
+                        std::process::exit(128 + sig);
+                    }
+                });
+                let v = offline_pass(e, volume.as_deref(), progress);
+                drop(closer);
+                v
+            })
+        },
     )?;
     println!(
         "examined {} stored blocks (the data file's PBAs in use), remapped {} LBAs; physical blocks {} -> {}",
         report["blocks_examined"],
         report["lbas_remapped"],
         report["physical_blocks_before"],
-        report["physical_blocks_after"]
+        report["physical_blocks_after"],
     );
     let unreadable = report["blocks_unreadable"].as_u64().unwrap_or(0);
     if unreadable > 0 {
         eprintln!(
             "dedupd: warning: {unreadable} stored blocks could not be read and were left unmerged; `dedupd fsck --rehash` (server stopped) names them"
+        );
+    }
+    if report["interrupted"].as_bool() == Some(true) {
+        bail!(
+            "the pass was stopped before it finished (what it merged is kept); run it again to finish"
         );
     }
     Ok(())

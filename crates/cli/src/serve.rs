@@ -711,6 +711,7 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     {
         let handle = handle.clone();
         let stop = stop.clone();
+        let engine = engine.clone();
         std::thread::spawn(move || {
             // (messages that cannot be written, to a terminal that hung
             // up, say, are dropped: this thread must go on to stop the
@@ -728,8 +729,10 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
                      now exits at once)"
                 ));
                 // the control socket stops accepting too; its requests
-                // already taken finish before the store is closed
+                // already taken finish before the store is closed (an
+                // offline pass early, with the merges it has planned)
                 stop.stop();
+                engine.stop_offline_passes();
                 handle.shutdown();
             }
             // a second SIGINT or SIGTERM (the operator will not wait, say

@@ -479,6 +479,9 @@ pub struct Engine {
     /// at a time, as each sizes its sort buffers and merge batch to the
     /// index budget.
     pub(crate) offline_pass_running: AtomicBool,
+    /// Raised by [`Engine::stop_offline_passes`]: full offline passes stop
+    /// early.
+    pub(crate) offline_pass_stop: AtomicBool,
     pub(crate) config: EngineConfig,
 }
 
@@ -907,7 +910,9 @@ impl Engine {
         // before the volume maps are read
         if !damage.is_empty() && !config.allow_damaged_metadata {
             let d = &damage[0];
-            let what = if d.missing {
+            let what = if let Some(detail) = &d.detail {
+                detail.clone()
+            } else if d.missing {
                 format!("the file is missing although the data file holds {data_bytes} bytes")
             } else {
                 format!(
@@ -1358,6 +1363,7 @@ impl Engine {
             no_space_commits: AtomicU64::new(0),
             foreground: AtomicU64::new(0),
             offline_pass_running: AtomicBool::new(false),
+            offline_pass_stop: AtomicBool::new(false),
             config,
         }
     }

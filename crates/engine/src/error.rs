@@ -68,9 +68,12 @@ pub enum EngineError {
     /// A volume with this name exists already.
     #[error("a volume named {0:?} exists already")]
     VolumeExists(String),
-    /// The volume's delete began and has not finished (a delete cut short
-    /// by a crash or an error): it is read-only until it is finished.
-    #[error("volume {0:?} is being deleted: finish it with `volume delete {0}`")]
+    /// The volume's delete began and has not finished (a delete running,
+    /// or one cut short by a crash or an error): it is read-only until it
+    /// is finished.
+    #[error(
+        "volume {0:?} is being deleted (if no delete is running, one was cut short: finish it with `dedupd volume delete {0}`)"
+    )]
     VolumeDeleting(String),
     /// A request reaches past the end of its volume.
     #[error("request at byte {offset} of length {len} is past the end of the volume ({size_bytes} bytes)")]

@@ -106,6 +106,10 @@ pub struct PassReport {
     pub blocks_unreadable: u64,
     /// True if work remains (skipped records or pending merges).
     pub work_remaining: bool,
+    /// A full offline pass stopped early by [`Engine::stop_offline_passes`]
+    /// (the merges it had planned are applied; the copies it had not
+    /// reached stay until the next pass).
+    pub interrupted: bool,
 }
 
 /// LBAs scanned under one hold of the metadata lock.
@@ -819,6 +823,21 @@ impl Engine {
         Ok((applied, true))
     }
 
+    /// Makes every full offline pass ([`Engine::dedup_offline`]), the one
+    /// running and any started later on this engine, stop early: within
+    /// [`SCAN_CHUNK`] blocks while it scans, or after the run of equal
+    /// fingerprints it is at while it plans merges; the merges planned by
+    /// then are applied, and its report says `interrupted`. For a shutdown
+    /// (a signal) that should not wait for a pass over the whole store.
+    pub fn stop_offline_passes(&self) {
+        self.offline_pass_stop.store(true, Ordering::SeqCst);
+    }
+
+    /// True once [`Engine::stop_offline_passes`] was called.
+    fn offline_pass_stopped(&self) -> bool {
+        self.offline_pass_stop.load(Ordering::SeqCst)
+    }
+
     /// The full post-processing pass (the baseline HPDedup compares
     /// against): every referenced block's fingerprint is compared with
     /// every other's, and every LBA (of `volume`, or of all volumes) is
@@ -895,6 +914,12 @@ impl Engine {
         let mut p = 0;
         let mut block = vec![0u8; crate::block::BLOCK_SIZE];
         while p < high {
+            if self.offline_pass_stopped() {
+                // (nothing planned yet: the merges need the whole scan)
+                r.interrupted = true;
+                r.work_remaining = !lock(&self.meta).skipped.is_empty();
+                return Ok(r);
+            }
             let limit = (p + SCAN_CHUNK).min(high);
             let mut end = p;
             // (blocks stored unhashed are read and hashed here: at most
@@ -940,7 +965,11 @@ impl Engine {
         let mut failure: Option<EngineError> = None;
         let merged = sorter.for_each_sorted::<std::io::Error>(|pairs| {
             crate::keysort::for_each_equal_key_run(pairs, |run| {
-                if failure.is_some() {
+                if failure.is_some() || r.interrupted {
+                    return;
+                }
+                if self.offline_pass_stopped() {
+                    r.interrupted = true;
                     return;
                 }
                 if merges.len() >= batch {
@@ -971,19 +1000,25 @@ impl Engine {
                     }
                 }
             });
-            match failure {
-                Some(_) => Err(std::io::Error::other("offline pass stopped")),
-                None => Ok(()),
+            if failure.is_some() || r.interrupted {
+                Err(std::io::Error::other("offline pass stopped"))
+            } else {
+                Ok(())
             }
         });
         if let Some(e) = failure {
             return Err(e);
         }
-        merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
+        if !r.interrupted {
+            merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
+        }
         r.lbas_remapped += self.apply_merges(merges, only)?;
         r.merges_applied = r.lbas_remapped;
         let mut m = lock(&self.meta);
-        if only.is_none() && (m.skipped.additions(), m.counters.blocks_written) == quiet_before {
+        if only.is_none()
+            && !r.interrupted
+            && (m.skipped.additions(), m.counters.blocks_written) == quiet_before
+        {
             // every stored block was examined and nothing was written
             // since the scan began (not even an inline hit, which may
             // share a copy the pass merged away from, and records

@@ -222,3 +222,50 @@ fn an_exact_pass_with_no_write_meanwhile_empties_the_queued_work() {
         assert!(e.check().is_empty(), "{:?}", e.check());
     }
 }
+
+/// A pass asked to stop (a signal) ends early, says so, and leaves the
+/// store consistent, its work to the next pass; the request holds for
+/// passes started later on the same engine.
+#[test]
+fn a_stopped_offline_pass_ends_early_and_consistent() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let n = 3000;
+    {
+        let e = Engine::create(&path, HashAlgorithm::Sha256, inline_off()).unwrap();
+        let a = e.create_volume("a", n * 4096).unwrap();
+        let b = e.create_volume("b", n * 4096).unwrap();
+        for k in 0..n {
+            e.write(a, k * 4096, &block(k), false).unwrap();
+            e.write(b, k * 4096, &block(k), false).unwrap();
+        }
+        assert_eq!(e.stats().physical_blocks_stored, 2 * n);
+        // stopped while it scans: at its second progress report
+        let mut reports = 0;
+        let r = e
+            .dedup_offline(None, &mut |_, _| {
+                reports += 1;
+                if reports == 2 {
+                    e.stop_offline_passes();
+                }
+            })
+            .unwrap();
+        assert!(r.interrupted, "{r:?}");
+        assert!(r.blocks_examined < 2 * n, "{r:?}");
+        assert_eq!(r.lbas_remapped, 0, "{r:?}");
+        assert!(r.work_remaining, "the queued work was dropped: {r:?}");
+        // and any pass started later on this engine
+        let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+        assert!(r.interrupted && r.lbas_remapped == 0, "{r:?}");
+        assert!(e.check().is_empty(), "{:?}", e.check());
+        e.close().unwrap();
+    }
+    let check = fsck(&path, FsckOptions::default()).unwrap();
+    assert_eq!(check.exit_code(), 0, "{check:?}");
+    // a new engine runs the pass whole
+    let e = Engine::open(&path, inline_off()).unwrap();
+    let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    assert!(!r.interrupted, "{r:?}");
+    assert_eq!(e.stats().physical_blocks_stored, n);
+    e.close().unwrap();
+}
