@@ -112,6 +112,18 @@ pub struct PassReport {
     pub interrupted: bool,
 }
 
+/// [`crate::meta::Meta::index_if_absent`] for a pass, with the copies the
+/// insert displaced from the index collected at once
+/// ([`crate::meta::Meta::collect_displaced`], otherwise done by the next
+/// commit): returns the work that added to the skipped buffer (copies
+/// that could not all be remembered), which the pass itself examines.
+fn index_if_absent_counted(m: &mut crate::meta::Meta, p: Pba, fp: Fingerprint) -> u64 {
+    let before = m.skipped.additions();
+    m.index_if_absent(p, fp);
+    m.collect_displaced();
+    m.skipped.additions() - before
+}
+
 /// LBAs scanned under one hold of the metadata lock.
 const SCAN_CHUNK: u64 = 1024;
 
@@ -128,6 +140,11 @@ const MERGE_HEADROOM: usize = 64;
 #[derive(Debug, Default)]
 pub(crate) struct MergeScan {
     merges: HashMap<u64, u64>,
+    /// Work the scan itself added to the skipped buffer (its index
+    /// inserts may displace copies that cannot all be remembered: see
+    /// [`crate::meta::Meta::merges_dropped`]), in
+    /// [`crate::skipped::SkippedBuffer::additions`].
+    own_additions: u64,
     /// Copies whose bytes are still to be compared with their kept PBA's
     /// (`verify`), those found to differ (never merged), and the
     /// [`crate::meta::Meta::reuse_epoch`] at which each of the others was
@@ -571,10 +588,17 @@ impl Engine {
     }
 
     /// Applies `merges` (copy PBA → kept PBA) to every LBA of `only`, or of
-    /// all volumes, at once (the offline pass). Returns the LBAs remapped.
-    fn apply_merges(&self, merges: HashMap<u64, u64>, only: Option<VolumeId>) -> Result<u64> {
+    /// all volumes, at once (the offline pass). Returns the LBAs remapped,
+    /// and the work the scan itself added to the skipped buffer
+    /// ([`MergeScan::own_additions`]).
+    fn apply_merges(
+        &self,
+        merges: HashMap<u64, u64>,
+        only: Option<VolumeId>,
+    ) -> Result<(u64, u64)> {
         let mut scan = self.merge_scan_of(merges, only, false);
-        Ok(self.run_merge_scan(&mut scan, &|| false)?.0)
+        let applied = self.run_merge_scan(&mut scan, &|| false)?.0;
+        Ok((applied, scan.own_additions))
     }
 
     /// A scan applying `merges` to the volumes of `only` (or all); with
@@ -596,6 +620,7 @@ impl Engine {
         };
         MergeScan {
             merges,
+            own_additions: 0,
             to_verify,
             differ: Default::default(),
             same_at: HashMap::new(),
@@ -782,7 +807,7 @@ impl Engine {
                             match found.or_else(indexed) {
                                 Some(t) => t,
                                 None => {
-                                    m.index_if_absent(p, fp);
+                                    scan.own_additions += index_if_absent_counted(&mut m, p, fp);
                                     continue;
                                 }
                             }
@@ -808,7 +833,7 @@ impl Engine {
                             m.counters.out_of_line_duplicates += 1;
                             // the copy's last reference: had the index held
                             // it, the content is now unindexed
-                            m.index_if_absent(target, fp);
+                            scan.own_additions += index_if_absent_counted(&mut m, target, fp);
                         }
                     }
                 }
@@ -912,6 +937,7 @@ impl Engine {
             self.dir.as_ref().and_then(|d| d.scratch_file()),
         );
         let mut p = 0;
+        let mut own_additions = 0u64;
         let mut block = vec![0u8; crate::block::BLOCK_SIZE];
         while p < high {
             if self.offline_pass_stopped() {
@@ -944,7 +970,7 @@ impl Engine {
                     fp = self.hash.fingerprint(&block);
                     // indexed unless a live copy is (the merges below
                     // fold them), so inline dedup finds it from now on
-                    m.index_if_absent(Pba(q), fp);
+                    own_additions += index_if_absent_counted(&mut m, Pba(q), fp);
                     r.blocks_hashed += 1;
                 }
                 sorter.push(crate::index::key_of(&fp), q);
@@ -974,7 +1000,10 @@ impl Engine {
                 }
                 if merges.len() >= batch {
                     match self.apply_merges(std::mem::take(&mut merges), only) {
-                        Ok(applied) => r.lbas_remapped += applied,
+                        Ok((applied, own)) => {
+                            r.lbas_remapped += applied;
+                            own_additions += own;
+                        }
                         Err(e) => failure = Some(e),
                     }
                 }
@@ -1012,12 +1041,19 @@ impl Engine {
         if !r.interrupted {
             merged.map_err(|e| EngineError::io("reading the scratch file back", e))?;
         }
-        r.lbas_remapped += self.apply_merges(merges, only)?;
+        let (applied, own) = self.apply_merges(merges, only)?;
+        r.lbas_remapped += applied;
+        own_additions += own;
         r.merges_applied = r.lbas_remapped;
         let mut m = lock(&self.meta);
+        // (what the pass itself queued, copies its own index inserts
+        // displaced, it has examined: every stored block was)
         if only.is_none()
             && !r.interrupted
-            && (m.skipped.additions(), m.counters.blocks_written) == quiet_before
+            && (
+                m.skipped.additions() - own_additions,
+                m.counters.blocks_written,
+            ) == quiet_before
         {
             // every stored block was examined and nothing was written
             // since the scan began (not even an inline hit, which may

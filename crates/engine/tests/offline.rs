@@ -269,3 +269,43 @@ fn a_stopped_offline_pass_ends_early_and_consistent() {
     assert_eq!(e.stats().physical_blocks_stored, n);
     e.close().unwrap();
 }
+
+/// The pass's own index inserts may displace copies from a small index,
+/// and displaced copies that cannot all be remembered queue every volume
+/// whole: work the pass itself examines, so it still empties the queue
+/// (it used to leave the volume queued and merges pending).
+#[test]
+fn the_work_an_exact_pass_queues_itself_does_not_outlive_it() {
+    const N: u64 = 2000;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = EngineConfig {
+        index: IndexConfig {
+            memory_budget_bytes: 4096,
+            ..IndexConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let e = Engine::create(&dir.path().join("store"), HashAlgorithm::Sha256, cfg).unwrap();
+    let v = e.create_volume("v", 64 << 20).unwrap();
+    // the same N blocks twice, 32 to a request
+    for base in [0, 2 * N] {
+        for first in (0..N).step_by(32) {
+            let data: Vec<u8> = (first..(first + 32).min(N)).flat_map(block).collect();
+            e.write(v, (base + first) * 4096, &data, false).unwrap();
+        }
+    }
+    e.flush().unwrap();
+    let r = e.dedup_offline(None, &mut |_, _| {}).unwrap();
+    assert!(!r.interrupted && !r.work_remaining, "{r:?}");
+    e.flush().unwrap();
+    let s = e.stats();
+    assert_eq!(s.physical_blocks_stored, N);
+    assert_eq!(
+        s.skipped.records + s.skipped.regions + s.skipped.volumes,
+        0,
+        "{:?}",
+        s.skipped
+    );
+    assert_eq!(s.pending_merges, 0);
+    e.close().unwrap();
+}
