@@ -775,6 +775,68 @@ fn a_small_ext4_fills_with_data_before_enospc() {
     server.stop();
 }
 
+/// A journal reserve larger than the file system's free space takes none
+/// of it (ext4 keeps what a failed preallocation got: the reserve used to
+/// fill the file system and leave no room for data), and a start with a
+/// smaller reserve gives back what an earlier one took.
+#[test]
+fn a_journal_reserve_takes_no_more_than_fits_and_shrinks() {
+    require("qemu-io");
+    require("mkfs.ext4");
+    require("losetup");
+    let tmp = tempfile::tempdir().unwrap();
+    let small = SmallExt4::mount(tmp.path());
+    let store = small.store.clone();
+    let serve = |reserve: &str| {
+        Server::start(
+            &store,
+            &[
+                "--default-volume-size",
+                "64M",
+                "--journal-reserve",
+                reserve,
+                "--max-dirty",
+                "4M",
+            ],
+        )
+    };
+    // 200 MiB on a 64 MiB file system: no reserve, the space stays free
+    let server = serve("200M");
+    let free = available_bytes(&store);
+    assert!(
+        free > 40 << 20,
+        "{free} bytes free with a reserve that does not fit"
+    );
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x3c 0 16M",
+        "-c",
+        "flush",
+        &server.uri("default"),
+    ]));
+    server.stop();
+    // a reserve that fits takes its space; a smaller one later gives it back
+    let server = serve("32M");
+    let free_32m = available_bytes(&store);
+    server.stop();
+    let server = serve("8M");
+    let free_8m = available_bytes(&store);
+    assert!(
+        free_8m >= free_32m + (20 << 20),
+        "{free_32m} bytes free with a 32 MiB reserve, {free_8m} with 8 MiB"
+    );
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x3c 0 16M",
+        &server.uri("default"),
+    ]));
+    server.stop();
+}
+
 /// `chattr +i` on a file while alive (even root cannot write it then),
 /// `chattr -i` when dropped so the directory can be removed.
 struct Immutable(std::path::PathBuf);

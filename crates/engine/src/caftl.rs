@@ -39,6 +39,10 @@ pub struct CaftlStats {
     pub sample_misses: u64,
 }
 
+/// Largest pre-hash table, bytes (1 GiB: 128 Mi CRC slots); smallest
+/// non-zero one is one slot (8 bytes).
+pub const MAX_PREHASH_BYTES: u64 = 1 << 30;
+
 /// The pre-hash CRC set: a direct-mapped table of CRC-32C values.
 #[derive(Debug, Default)]
 pub struct PrehashTable {

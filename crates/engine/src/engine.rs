@@ -518,6 +518,15 @@ fn check_config(config: &EngineConfig) -> Result<()> {
             crate::skipped::MAX_CAPACITY_BYTES >> 20
         )));
     }
+    if config.prehash_bytes > crate::caftl::MAX_PREHASH_BYTES
+        || (1..8).contains(&config.prehash_bytes)
+    {
+        return Err(EngineError::InvalidArgument(format!(
+            "pre-hash table of {} bytes (--prehash): 8 bytes (one CRC slot) to {} MiB, or 0 for off",
+            config.prehash_bytes,
+            crate::caftl::MAX_PREHASH_BYTES >> 20
+        )));
+    }
     if config.journal_reserve_bytes < config.max_dirty_bytes.saturating_mul(2) {
         return Err(EngineError::InvalidArgument(format!(
             "a journal reserve of {} bytes (--journal-reserve) is less than twice the \
@@ -1245,8 +1254,22 @@ impl Engine {
             .map_err(|e| EngineError::io("reading the journal's length", e))?
             .with_replayed_chain(replayed)
             .with_observer(config.observer.clone());
-        // best effort: without the reserve the store still works
-        let _ = journal.reserve(config.journal_reserve_bytes);
+        // best effort: without the reserve the store still works. What an
+        // earlier start reserved is given back first, so a smaller
+        // --journal-reserve takes effect
+        let _ = journal.release_reserve();
+        if let Err(e) = journal.reserve(config.journal_reserve_bytes) {
+            damage_notes.push(format!(
+                "the journal reserve of {} bytes (--journal-reserve) could not be allocated \
+                 ({e}; {} bytes free on the file system): the store runs without one, so \
+                 once the file system is full a commit can fail, even one that records \
+                 TRIMs freeing space; give a smaller reserve",
+                config.journal_reserve_bytes,
+                journal
+                    .available_bytes()
+                    .map_or("unknown".to_string(), |b| b.to_string())
+            ));
+        }
         let chain_pending = journal.replayed_chain_bytes() > 0;
         let mut engine = Engine::assemble(sb.hash, Box::new(data), meta, Some(journal), config);
         engine
@@ -4147,6 +4170,19 @@ mod tests {
             },
             "skipped buffer",
         );
+    }
+
+    #[test]
+    fn a_prehash_table_out_of_bounds_is_refused() {
+        for bytes in [1, 7, crate::caftl::MAX_PREHASH_BYTES + 1, 1 << 50] {
+            refused_before_anything_is_created(
+                || EngineConfig {
+                    prehash_bytes: bytes,
+                    ..EngineConfig::default()
+                },
+                "--prehash",
+            );
+        }
     }
 
     #[test]

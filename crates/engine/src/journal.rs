@@ -600,15 +600,46 @@ impl Journal {
     /// where the next transaction goes as commits advance (best effort),
     /// so commits within that space never fail with ENOSPC (a full file
     /// system can still record the TRIMs that free space).
+    ///
+    /// Errors: the allocation's (`ENOSPC`: the file system has less room
+    /// than the reserve). What a failed allocation took is given back, so
+    /// a reserve larger than the free space does not fill the file system
+    /// (the journal is then left with no reserve).
     pub fn reserve(&mut self, bytes: u64) -> io::Result<()> {
         self.reserve_bytes = bytes;
-        self.allocate(0, bytes.max(self.write_offset_bytes + bytes))
+        let result = self.allocate(0, bytes.max(self.write_offset_bytes + bytes));
+        if result.is_err() {
+            let _ = self.release_reserve();
+        }
+        result
     }
 
-    /// Allocates `[start, end)` (keeping the length), and notes it.
+    /// Gives back the disk space allocated past the file's end (the
+    /// reserve, or part of one an allocation failed to complete): cutting
+    /// a file to its own length frees the blocks past it.
+    ///
+    /// Errors: reading the length or cutting the file.
+    pub fn release_reserve(&mut self) -> io::Result<()> {
+        let len_bytes = self.file.metadata()?.len();
+        self.file.set_len(len_bytes)?;
+        self.reserved_end_bytes = self.reserved_end_bytes.min(len_bytes);
+        Ok(())
+    }
+
+    /// Allocates `[start, end)` (keeping the length), and notes it. Fails
+    /// with `ENOSPC` without allocating anything if the file system has
+    /// less room than the part not allocated yet (past the file's end and
+    /// the reserve so far): a preallocation that fails part way keeps
+    /// what it got on ext4, which would take the file system's last free
+    /// space from the data.
     fn allocate(&mut self, start: u64, end: u64) -> io::Result<()> {
         if end <= start {
             return Ok(());
+        }
+        let len_bytes = self.file.metadata()?.len();
+        let needed = end.saturating_sub(start.max(len_bytes).max(self.reserved_end_bytes));
+        if crate::fileio::available_bytes(&self.file).is_some_and(|free| free < needed) {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
         crate::fileio::allocate_keeping_size(&self.file, start, end)?;
         if start <= self.reserved_end_bytes {
@@ -665,7 +696,7 @@ impl Journal {
         self.written_bytes += bytes.len() as u64;
         self.next_seq += 1;
         // the reserve ahead of the next transaction, extended a quarter
-        // reserve at a time (a full file system: what is left of it)
+        // reserve at a time (not on a file system without room for it)
         if self.reserve_bytes > 0
             && self.write_offset_bytes + self.reserve_bytes > self.reserved_end_bytes
         {
