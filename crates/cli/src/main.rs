@@ -1206,11 +1206,13 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
         s.bytes("read_cache.capacity_bytes")
     );
     line!(
-        "out-of-line duplicates       {} (skipped buffer: {} records, {} regions, {} volumes; {} merges pending)",
+        "out-of-line duplicates       {} (skipped buffer: {} records, {} regions, {} volumes, {} used of {}; {} merges pending)",
         s.n("out_of_line_duplicates"),
         s.n("skipped.records"),
         s.n("skipped.regions"),
         s.n("skipped.volumes"),
+        s.bytes("skipped.used_bytes"),
+        s.bytes("skipped.capacity_bytes"),
         s.n("pending_merges")
     );
     line!(
@@ -1273,7 +1275,7 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
     // (present only while a server answers)
     if v.get("connections_open").is_some() {
         line!(
-            "NBD connections open         {} ({} negotiating, {} total, {} refused at the limit; read buffers {}; negotiation buffers {}; kept request buffers {}; payload in flight {}, at most {})",
+            "NBD connections open         {} ({} negotiating, {} total, {} refused at the limit; read buffers {}; negotiation buffers {}; kept request buffers {}; payload in flight {}, peak {} of a {} budget)",
             s.n("connections_open"),
             s.n("connections_negotiating"),
             s.n("connections_total"),
@@ -1282,7 +1284,8 @@ fn format_stats(v: &Value) -> (String, Vec<String>) {
             s.bytes("negotiation_buffer_bytes"),
             s.bytes("connection_kept_buffer_bytes"),
             s.bytes("inflight_bytes"),
-            s.bytes("inflight_bytes_peak")
+            s.bytes("inflight_bytes_peak"),
+            s.bytes("inflight_budget_bytes")
         );
     }
     (out, s.missing.into_inner())

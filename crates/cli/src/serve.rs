@@ -883,6 +883,7 @@ pub(crate) fn stats_with_server(
     v["requests_total"] = s.requests_total.into();
     v["inflight_bytes"] = s.inflight_bytes.into();
     v["inflight_bytes_peak"] = s.inflight_bytes_peak.into();
+    v["inflight_budget_bytes"] = s.inflight_budget_bytes.into();
     v["connections_refused"] = s.connections_refused.into();
     v["connection_read_buffer_bytes"] = s.read_buffer_bytes.into();
     v["connection_kept_buffer_bytes"] = s.kept_buffer_bytes.into();

@@ -217,6 +217,8 @@ pub struct ServerStats {
     /// server was created: at most [`ServerConfig::inflight_budget_bytes`],
     /// or one request larger than the budget served alone.
     pub inflight_bytes_peak: u64,
+    /// The in-flight budget in bytes ([`ServerConfig::inflight_budget_bytes`]).
+    pub inflight_budget_bytes: u64,
     /// Connections closed at once because [`ServerConfig::max_connections`]
     /// were open.
     pub connections_refused: u64,
@@ -608,6 +610,7 @@ impl Server {
             requests_total: s.requests_total.load(Ordering::Relaxed),
             inflight_bytes: s.budget.in_use() as u64,
             inflight_bytes_peak: s.budget.peak() as u64,
+            inflight_budget_bytes: s.budget.capacity() as u64,
             connections_refused: s.connections_refused.load(Ordering::Relaxed),
             read_buffer_bytes: s.connections_open.load(Ordering::Relaxed)
                 * READ_BUFFER_BYTES as u64,
