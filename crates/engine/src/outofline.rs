@@ -850,7 +850,7 @@ impl Engine {
 
     /// Makes every full offline pass ([`Engine::dedup_offline`]), the one
     /// running and any started later on this engine, stop early: within
-    /// [`SCAN_CHUNK`] blocks while it scans, or after the run of equal
+    /// 1024 blocks (`SCAN_CHUNK`) while it scans, or after the run of equal
     /// fingerprints it is at while it plans merges; the merges planned by
     /// then are applied, and its report says `interrupted`. For a shutdown
     /// (a signal) that should not wait for a pass over the whole store.
