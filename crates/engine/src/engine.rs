@@ -511,10 +511,14 @@ fn release_piece(v: &crate::meta::Volume, from: u64, end: u64) -> (Vec<(u64, u64
 
 /// Refuses a configuration out of its documented bounds.
 fn check_config(config: &EngineConfig) -> Result<()> {
-    if config.skipped_buffer_bytes > crate::skipped::MAX_CAPACITY_BYTES {
+    if config.skipped_buffer_bytes > crate::skipped::MAX_CAPACITY_BYTES
+        || config.skipped_buffer_bytes < crate::skipped::MIN_CAPACITY_BYTES
+    {
         return Err(EngineError::InvalidArgument(format!(
-            "skipped buffer of {} bytes: at most {} MiB",
+            "skipped buffer of {} bytes (--skipped-buffer): {} bytes (16 records) to {} MiB \
+             (out-of-line dedup is turned off with --out-of-line-rate 0, not here)",
             config.skipped_buffer_bytes,
+            crate::skipped::MIN_CAPACITY_BYTES,
             crate::skipped::MAX_CAPACITY_BYTES >> 20
         )));
     }
@@ -4162,14 +4166,20 @@ mod tests {
     }
 
     #[test]
-    fn a_skipped_buffer_past_its_bound_is_refused_before_anything_is_created() {
-        refused_before_anything_is_created(
-            || EngineConfig {
-                skipped_buffer_bytes: crate::skipped::MAX_CAPACITY_BYTES + 1,
-                ..EngineConfig::default()
-            },
-            "skipped buffer",
-        );
+    fn a_skipped_buffer_past_its_bounds_is_refused_before_anything_is_created() {
+        for bytes in [
+            0,
+            crate::skipped::MIN_CAPACITY_BYTES - 1,
+            crate::skipped::MAX_CAPACITY_BYTES + 1,
+        ] {
+            refused_before_anything_is_created(
+                || EngineConfig {
+                    skipped_buffer_bytes: bytes,
+                    ..EngineConfig::default()
+                },
+                "skipped buffer",
+            );
+        }
     }
 
     #[test]

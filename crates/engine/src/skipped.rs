@@ -38,6 +38,9 @@ use crate::block::VolumeId;
 /// records, whose saved copy, at up to 26 bytes of JSON each, stays well
 /// within what a start reads of it).
 pub const MAX_CAPACITY_BYTES: usize = 256 << 20;
+
+/// Smallest capacity a skipped buffer may be given, bytes (16 records).
+pub const MIN_CAPACITY_BYTES: usize = RECORD_BYTES * 16;
 /// Blocks per dirty region, the first coarser record.
 pub const REGION_BLOCKS: u64 = 256;
 const RECORD_BYTES: usize = 16;
@@ -117,7 +120,7 @@ impl SkippedBuffer {
     /// An empty buffer of `capacity_bytes`.
     pub fn new(capacity_bytes: usize) -> Self {
         SkippedBuffer {
-            capacity_bytes: capacity_bytes.max(RECORD_BYTES * 16),
+            capacity_bytes: capacity_bytes.max(MIN_CAPACITY_BYTES),
             ..SkippedBuffer::default()
         }
     }
@@ -409,7 +412,7 @@ impl SkippedBuffer {
     /// hold, and a buffer over the new capacity degrades as a full one
     /// does, so nothing is forgotten.
     pub fn set_capacity(&mut self, capacity_bytes: usize) {
-        self.capacity_bytes = capacity_bytes.max(RECORD_BYTES * 16);
+        self.capacity_bytes = capacity_bytes.max(MIN_CAPACITY_BYTES);
         self.records.shrink_to_fit();
         if self.used_bytes() > self.capacity_bytes {
             self.degradations += 1;
