@@ -1347,17 +1347,30 @@ fn a_check_without_repair_writes_nothing() {
 fn truncated_map_is_damage_not_a_hole() {
     let d = tempfile::tempdir().unwrap();
     let path = build(d.path());
-    let map = first_map_file(&path);
+    let e = cut_first_map_after_page_0(&path, &[508, 550]);
+    let (a, _) = e.volume("a").unwrap();
+    e.write(a, 550 * 4096, &pattern(550), false).unwrap();
+    assert!(e.check().is_empty(), "{:?}", e.check());
+}
+
+/// Cuts the map of volume `a` of [`build`] after its page 0 (LBAs 0..508
+/// of its 600) and checks what follows: the volume is read-only, LBA 10
+/// intact, the first of `lost` (each at or past 508) fails to read, fsck
+/// names the LBAs from 508 on, a repair gives the volume back writable
+/// with every LBA of `lost` reading zeros. Returns the repaired store,
+/// open.
+fn cut_first_map_after_page_0(path: &Path, lost: &[u64]) -> Engine {
+    let map = first_map_file(path);
     std::fs::OpenOptions::new()
         .write(true)
         .open(&map)
         .unwrap()
-        .set_len(4096) // page 0 only: LBAs 0..508 of volume a's 600
+        .set_len(4096)
         .unwrap();
     {
-        let e = Engine::open(&path, EngineConfig::default()).unwrap();
+        let e = Engine::open(path, EngineConfig::default()).unwrap();
         let (a, _) = e.volume("a").unwrap();
-        assert!(e.volume_read_only(a));
+        assert!(e.volume_read_only(a), "{:?}", e.damage());
         assert!(
             e.damage()
                 .iter()
@@ -1369,12 +1382,12 @@ fn truncated_map_is_damage_not_a_hole() {
         e.read(a, 10 * 4096, &mut buf).unwrap();
         assert!(buf == pattern(10));
         assert!(matches!(
-            e.read(a, 508 * 4096, &mut buf),
-            Err(EngineError::MappingLost { lba: 508, .. })
+            e.read(a, lost[0] * 4096, &mut buf),
+            Err(EngineError::MappingLost { lba, .. }) if lba == lost[0]
         ));
         e.close().unwrap();
     }
-    let check = fsck(&path, FsckOptions::default()).unwrap();
+    let check = fsck(path, FsckOptions::default()).unwrap();
     assert_eq!(check.exit_code(), 4, "{check:?}");
     assert!(
         check
@@ -1384,17 +1397,19 @@ fn truncated_map_is_damage_not_a_hole() {
         "{:?}",
         check.data_lost
     );
-    assert_eq!(repair(&path), 1);
-    let e = Engine::open(&path, EngineConfig::default()).unwrap();
+    assert_eq!(repair(path), 1);
+    let e = Engine::open(path, EngineConfig::default()).unwrap();
     let (a, _) = e.volume("a").unwrap();
     assert!(!e.volume_read_only(a));
     let mut buf = vec![0u8; 4096];
     e.read(a, 10 * 4096, &mut buf).unwrap();
     assert!(buf == pattern(10));
-    e.read(a, 550 * 4096, &mut buf).unwrap();
-    assert!(buf.iter().all(|&b| b == 0));
-    e.write(a, 550 * 4096, &pattern(550), false).unwrap();
+    for &lba in lost {
+        e.read(a, lba * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "LBA {lba}");
+    }
     assert!(e.check().is_empty(), "{:?}", e.check());
+    e
 }
 
 /// A map file cut short while the journal holds changes to pages past the
@@ -1415,48 +1430,7 @@ fn truncated_map_with_journaled_pages_past_the_cut_is_damage() {
         e.flush().unwrap();
         e.drop_without_closing();
     }
-    let map = first_map_file(&path);
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&map)
-        .unwrap()
-        .set_len(4096) // page 0 only: LBAs 0..508 of volume a's 600
-        .unwrap();
-    {
-        let e = Engine::open(&path, EngineConfig::default()).unwrap();
-        let (a, _) = e.volume("a").unwrap();
-        assert!(e.volume_read_only(a), "{:?}", e.damage());
-        let mut buf = vec![0u8; 4096];
-        e.read(a, 10 * 4096, &mut buf).unwrap();
-        assert!(buf == pattern(10));
-        assert!(matches!(
-            e.read(a, 520 * 4096, &mut buf),
-            Err(EngineError::MappingLost { lba: 520, .. })
-        ));
-        e.close().unwrap();
-    }
-    let check = fsck(&path, FsckOptions::default()).unwrap();
-    assert_eq!(check.exit_code(), 4, "{check:?}");
-    assert!(
-        check
-            .data_lost
-            .iter()
-            .any(|l| l.contains("volume a") && l.contains("from 508 on")),
-        "{:?}",
-        check.data_lost
-    );
-    assert_eq!(repair(&path), 1);
-    let e = Engine::open(&path, EngineConfig::default()).unwrap();
-    let (a, _) = e.volume("a").unwrap();
-    assert!(!e.volume_read_only(a));
-    let mut buf = vec![0u8; 4096];
-    for lba in [520, 1100] {
-        e.read(a, lba * 4096, &mut buf).unwrap();
-        assert!(buf.iter().all(|&b| b == 0), "LBA {lba}");
-    }
-    e.read(a, 10 * 4096, &mut buf).unwrap();
-    assert!(buf == pattern(10));
-    assert!(e.check().is_empty(), "{:?}", e.check());
+    cut_first_map_after_page_0(&path, &[520, 1100]);
 }
 
 /// Copies the store at every journal sync until the first change to
