@@ -188,7 +188,9 @@ pub fn call(
             .map_err(|e| unsent_context(e.into()))?;
         if read == 0 {
             return Err(unsent_context(anyhow::anyhow!(
-                "the server closed the control connection without a reply"
+                "the server closed the control connection without a reply (it stopped or \
+                 crashed): the operation may be done, cut short or not begun; running the \
+                 same command again finishes it, or says why not"
             )));
         }
         let v: Value = serde_json::from_str(&reply).context("malformed reply from the server")?;

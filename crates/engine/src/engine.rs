@@ -1756,6 +1756,14 @@ impl Engine {
                 return Err(self.read_only_error(&m.volumes[&id]));
             }
             let v = m.volumes.get_mut(&id).expect("looked up above");
+            // (a resize meanwhile would be undone when the shrink sets the
+            // size it was asked for)
+            if let Some(&to) = v.shrinking_to.iter().min() {
+                return Err(EngineError::VolumeShrinking {
+                    name: name.into(),
+                    to_bytes: to * BLOCK_SIZE_U64,
+                });
+            }
             let old_blocks = v.size_blocks();
             let mark_before = v.record.shrinking_to_bytes;
             // shrinking: no LBA past the new end is written from now on
@@ -3737,19 +3745,26 @@ pub(crate) fn validate_size(size_bytes: u64) -> Result<()> {
 fn unfinished_volume_notes(engine: &Engine) -> Vec<String> {
     let m = lock(&engine.meta);
     let mut notes = Vec::new();
+    // (the commands name the store: one elsewhere than the default would
+    // otherwise be looked for in ./dedupd-store)
+    let dedupd = match &engine.dir {
+        Some(dir) => format!("dedupd --store {}", crate::error::store_word(dir.root())),
+        None => "dedupd".to_string(),
+    };
     for v in m.volumes.values() {
         let name = &v.record.name;
+        let word = crate::error::shell_quote(name);
         if v.record.deleting {
             notes.push(format!(
                 "volume {name}: a delete was cut short; the volume is served read-only, \
                  the LBAs it had released already reading as zeros, until \
-                 `dedupd volume delete {name}` finishes it"
+                 `{dedupd} volume delete {word}` finishes it"
             ));
         } else if let Some(to) = v.record.shrinking_to_bytes {
             notes.push(format!(
                 "volume {name}: a shrink to {to} bytes was cut short; it takes no writes \
                  past that size (where LBAs it had released already read as zeros) until \
-                 `dedupd volume resize {name} {to} --shrink` finishes it"
+                 `{dedupd} volume resize {word} {to} --shrink` finishes it"
             ));
         }
     }
@@ -4348,6 +4363,32 @@ mod tests {
         // a write that saw no shrink begin goes through
         e.write(v, 200 * 4096, &[3u8; 2 * BLOCK_SIZE], false)
             .unwrap();
+    }
+
+    #[test]
+    fn a_resize_while_a_shrink_runs_is_refused() {
+        let e = Engine::in_memory(HashAlgorithm::Sha256);
+        let v = e.create_volume("v", 4 << 20).unwrap();
+        e.write(v, 0, &vec![5u8; 4 << 20], false).unwrap();
+        let mut tried = Vec::new();
+        e.resize_volume_with_progress("v", 64 * 4096, &mut |_, _| {
+            if tried.is_empty() {
+                tried.push(e.resize_volume("v", 8 << 20));
+                tried.push(e.resize_volume("v", 32 * 4096));
+            }
+        })
+        .unwrap();
+        assert_eq!(tried.len(), 2, "no progress reported");
+        for r in tried {
+            assert!(
+                matches!(r, Err(EngineError::VolumeShrinking { to_bytes, .. }) if to_bytes == 64 * 4096),
+                "{r:?}"
+            );
+        }
+        assert_eq!(e.volume("v").unwrap().1, 64 * 4096);
+        assert!(e.check().is_empty(), "{:?}", e.check());
+        // once it finished, a resize goes through
+        e.resize_volume("v", 8 << 20).unwrap();
     }
 
     #[test]

@@ -75,6 +75,17 @@ pub enum EngineError {
         "volume {0:?} is being deleted (if no delete is running, one was cut short: finish it with `dedupd volume delete {0}`)"
     )]
     VolumeDeleting(String),
+    /// A resize of a volume while a shrink of it runs (it would be undone
+    /// or overtaken when the shrink ends).
+    #[error(
+        "volume {name:?} is being shrunk to {to_bytes} bytes: resize it again once that finishes"
+    )]
+    VolumeShrinking {
+        /// The volume's name.
+        name: String,
+        /// The size the running shrink gives it, in bytes.
+        to_bytes: u64,
+    },
     /// A request reaches past the end of its volume.
     #[error("request at byte {offset} of length {len} is past the end of the volume ({size_bytes} bytes)")]
     OutOfRange {

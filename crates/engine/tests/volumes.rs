@@ -405,9 +405,10 @@ fn a_shrink_cut_short_keeps_the_tail_unwritten_until_resized_again() {
     assert!(e.check().is_empty(), "{:?}", e.check());
     // the open says so, with the command that finishes it
     assert!(
-        e.notes()
-            .iter()
-            .any(|n| n.contains("volume resize v 409600 --shrink")),
+        e.notes().iter().any(|n| n.contains(&format!(
+            "`dedupd --store {} volume resize v 409600 --shrink`",
+            path.display()
+        ))),
         "{:?}",
         e.notes()
     );
