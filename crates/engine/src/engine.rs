@@ -1287,6 +1287,13 @@ impl Engine {
         // volume operations a crash (or an error) cut short: said at every
         // open until finished, with the command that finishes them
         damage_notes.extend(unfinished_volume_notes(&engine));
+        let lost_list = path.join(crate::fsck::DATA_LOST_FILE);
+        if lost_list.exists() {
+            damage_notes.push(format!(
+                "an earlier `fsck --repair` discarded data: the list is in {} (delete it once read)",
+                lost_list.display()
+            ));
+        }
         engine.notes = damage_notes;
         let c = engine.commit.get_mut().unwrap_or_else(|e| e.into_inner());
         c.checkpoint = checkpoint;

@@ -186,6 +186,47 @@ impl FsckReport {
     }
 }
 
+/// The file in the store where `fsck --repair` appends the data it
+/// discards, before it commits (see [`save_data_lost`]); the store's open
+/// notes it while it exists.
+pub const DATA_LOST_FILE: &str = "fsck-data-lost.txt";
+
+/// Appends `r`'s lost-data lines to `path` under a line naming the repair
+/// (seconds since the Unix epoch), durably (the file synced, and its
+/// directory when the file is new).
+///
+/// Errors: writing or syncing.
+fn save_data_lost(path: &Path, r: &FsckReport) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let existed = path.exists();
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut text = format!("fsck --repair at {secs} s since the Unix epoch discarded:\n");
+    for line in &r.data_lost {
+        text.push_str(line);
+        text.push('\n');
+    }
+    if r.data_lost_not_listed > 0 {
+        text.push_str(&format!(
+            "... and {} more not listed\n",
+            r.data_lost_not_listed
+        ));
+    }
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    if !existed {
+        if let Some(parent) = path.parent() {
+            std::fs::File::open(parent)?.sync_all()?;
+        }
+    }
+    Ok(())
+}
+
 /// The outcome of a check.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct FsckReport {
@@ -436,7 +477,10 @@ pub fn fsck_with_progress(
             report.repaired = true;
         }
     }
-    report.notes = engine.notes().to_vec();
+    // (the open's notes first, then the check's own)
+    let mut notes = engine.notes().to_vec();
+    notes.append(&mut report.notes);
+    report.notes = notes;
     report.close_lists();
     // a repair also puts right what opening the store noted (a damaged
     // `skipped.json` is saved again, every volume queued whole), which a
@@ -998,6 +1042,28 @@ impl Engine {
         }
         if !opts.repair || r.problems.is_empty() {
             return Ok(r);
+        }
+        // what the repair discards is kept in the store before the repair
+        // commits anything: a repair cut short after its commit (a crash,
+        // a kill) leaves a store every later check finds clean, and this
+        // list the only record of the data it lost
+        if !r.data_lost.is_empty() || r.data_lost_not_listed > 0 {
+            if let Some(dir) = &self.dir {
+                let path = dir.root().join(DATA_LOST_FILE);
+                save_data_lost(&path, &r).map_err(|e| {
+                    crate::error::EngineError::io(
+                        format!(
+                            "saving the list of data the repair discards to {} (nothing repaired)",
+                            path.display()
+                        ),
+                        e,
+                    )
+                })?;
+                r.notes.push(format!(
+                    "the data lost is also listed in {} (kept until deleted)",
+                    path.display()
+                ));
+            }
         }
         // (the repair commits through it)
         let journal_missing = self

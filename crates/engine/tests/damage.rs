@@ -1508,6 +1508,20 @@ fn a_repair_of_a_missing_file_survives_a_crash_before_its_checkpoint() {
         let (a, _) = e.volume("a").unwrap();
         assert!(!e.volume_read_only(a), "{name}: volume a still damaged");
         assert!(e.check().is_empty(), "{name}: {:?}", e.check());
+        // a lost map's LBAs: their list was kept before the repair
+        // committed, so the crash did not take the only record of them
+        let lost_list = crash.join(dedupd_engine::fsck::DATA_LOST_FILE);
+        if name.starts_with("maps") {
+            let text = std::fs::read_to_string(&lost_list).unwrap();
+            assert!(text.contains("volume a"), "{text}");
+            assert!(
+                e.notes().iter().any(|n| n.contains("fsck-data-lost.txt")),
+                "{:?}",
+                e.notes()
+            );
+        } else {
+            assert!(!lost_list.exists(), "{name}: nothing was lost");
+        }
         e.close().unwrap();
         drop(e);
         assert!(crash.join(name).exists());
