@@ -965,7 +965,7 @@ impl Engine {
             // (a length past what the volume's size needs is damage of
             // no consequence: the map is read as cut there)
             let map_len = crate::paged::disk_len(rec.size_bytes / BLOCK_SIZE_U64 * 8);
-            let map = load(
+            let mut map = load(
                 MetaFile::Map(rec.id),
                 &map_cache,
                 &mut mine,
@@ -1006,6 +1006,11 @@ impl Engine {
                     truncated: Some((have, want_pages)),
                     detail: None,
                 });
+                // the pages the journal holds past the cut go too (as they
+                // go from the checkpoint below): their LBAs are lost with
+                // the others, and nothing (a check, a repair, a merge)
+                // counts or changes mappings there
+                map.truncate(have * crate::paged::PAYLOAD_SIZE as u64);
             }
             damage.extend(mine);
             meta.insert_volume(Volume {
