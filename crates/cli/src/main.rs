@@ -788,35 +788,35 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
         },
         |e, progress| {
             // SIGINT or SIGTERM stops the pass early, keeping what it
-            // merged; a second one exits at once (the journal covers it)
-            let mut signals = signal_hook::iterator::Signals::new([
-                signal_hook::consts::SIGINT,
-                signal_hook::consts::SIGTERM,
-            ])?;
-            /// Ends the signal thread however the pass ends.
-            struct Closer(signal_hook::iterator::Handle);
-            impl Drop for Closer {
-                fn drop(&mut self) {
-                    self.0.close();
-                }
+            // merged; a second one exits at once (the journal covers it).
+            // (flags, not an iterator: they stay registered until the
+            // process ends, so a signal during the commit and checkpoint
+            // that follow the pass is not ignored)
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            for (sig, status) in [
+                (signal_hook::consts::SIGINT, 130),
+                (signal_hook::consts::SIGTERM, 143),
+            ] {
+                signal_hook::flag::register_conditional_shutdown(sig, status, stop.clone())?;
+                signal_hook::flag::register(sig, stop.clone())?;
             }
-            let closer = Closer(signals.handle());
+            let done = std::sync::atomic::AtomicBool::new(false);
             std::thread::scope(|s| {
                 s.spawn(|| {
-                    let mut received = signals.forever();
-                    if let Some(sig) = received.next() {
-                        eprintln!(
-                            "dedupd: signal {sig}: stopping the pass with the merges it has planned (again to exit at once)"
-                        );
-                        e.stop_offline_passes();
-                    }
-                    if let Some(sig) = received.next() {
-                        eprintln!("dedupd: signal {sig} again: exiting now; the next start recovers from the journal");
-                        std::process::exit(128 + sig);
+                    use std::sync::atomic::Ordering::Relaxed;
+                    while !done.load(Relaxed) {
+                        if stop.load(Relaxed) {
+                            eprintln!(
+                                "dedupd: stopping the pass with the merges it has planned (a second SIGINT or SIGTERM exits at once)"
+                            );
+                            e.stop_offline_passes();
+                            return;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(50));
                     }
                 });
                 let v = offline_pass(e, volume.as_deref(), progress);
-                drop(closer);
+                done.store(true, std::sync::atomic::Ordering::Relaxed);
                 v
             })
         },

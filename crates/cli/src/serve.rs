@@ -635,6 +635,13 @@ pub fn run(store: &Path, args: ServeArgs, given: CreationOptionsGiven) -> anyhow
     for n in engine.notes() {
         err_line!("dedupd: warning: {n}");
     }
+    // (the open kept a larger reserve an earlier start made; the server's
+    // is the one asked for. A failure is said, unless the open said it)
+    if let Err(note) = engine.fit_journal_reserve() {
+        if !engine.notes().contains(&note) {
+            err_line!("dedupd: warning: {note}");
+        }
+    }
     for d in engine.damage() {
         err_line!(
             "dedupd: warning: {}; its volume is served read-only, and reads of the \

@@ -92,8 +92,11 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
     // one ends the process at once). SIGINT is caught even when ignored,
     // as a script's background job has it.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register_conditional_shutdown(sig, 130, stop.clone())?;
+    for (sig, status) in [
+        (signal_hook::consts::SIGINT, 130),
+        (signal_hook::consts::SIGTERM, 143),
+    ] {
+        signal_hook::flag::register_conditional_shutdown(sig, status, stop.clone())?;
         signal_hook::flag::register(sig, stop.clone())?;
     }
     let cfg = SweepConfig {

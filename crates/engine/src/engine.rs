@@ -509,6 +509,25 @@ fn release_piece(v: &crate::meta::Volume, from: u64, end: u64) -> (Vec<(u64, u64
     }
 }
 
+/// The note of a journal reserve that could not be allocated.
+fn reserve_note(journal: &Journal, reserve_bytes: u64, e: &std::io::Error) -> String {
+    let advice = if e.raw_os_error() == Some(libc::ENOSPC) {
+        format!(
+            "{} bytes free on the file system; give a smaller reserve",
+            journal
+                .available_bytes()
+                .map_or("unknown".to_string(), |b| b.to_string())
+        )
+    } else {
+        "the file system cannot preallocate it".to_string()
+    };
+    format!(
+        "the journal reserve of {reserve_bytes} bytes (--journal-reserve) could not be \
+         allocated ({e}; {advice}): the store runs without one, so once the file system \
+         is full a commit can fail, even one that records TRIMs freeing space"
+    )
+}
+
 /// Refuses a configuration out of its documented bounds.
 fn check_config(config: &EngineConfig) -> Result<()> {
     if config.skipped_buffer_bytes > crate::skipped::MAX_CAPACITY_BYTES
@@ -1263,21 +1282,11 @@ impl Engine {
             .map_err(|e| EngineError::io("reading the journal's length", e))?
             .with_replayed_chain(replayed)
             .with_observer(config.observer.clone());
-        // best effort: without the reserve the store still works. What an
-        // earlier start reserved is given back first, so a smaller
-        // --journal-reserve takes effect
-        let _ = journal.release_reserve();
+        // best effort: without the reserve the store still works (what an
+        // earlier start reserved beyond it stays: see
+        // `Engine::fit_journal_reserve`)
         if let Err(e) = journal.reserve(config.journal_reserve_bytes) {
-            damage_notes.push(format!(
-                "the journal reserve of {} bytes (--journal-reserve) could not be allocated \
-                 ({e}; {} bytes free on the file system): the store runs without one, so \
-                 once the file system is full a commit can fail, even one that records \
-                 TRIMs freeing space; give a smaller reserve",
-                config.journal_reserve_bytes,
-                journal
-                    .available_bytes()
-                    .map_or("unknown".to_string(), |b| b.to_string())
-            ));
+            damage_notes.push(reserve_note(&journal, config.journal_reserve_bytes, &e));
         }
         let chain_pending = journal.replayed_chain_bytes() > 0;
         let mut engine = Engine::assemble(sb.hash, Box::new(data), meta, Some(journal), config);
@@ -3183,6 +3192,26 @@ impl Engine {
     }
 
     // ---- durability -------------------------------------------------------
+
+    /// Makes the journal's reserve the configured one
+    /// ([`EngineConfig::journal_reserve_bytes`]): what an earlier start
+    /// reserved beyond it is given back to the file system first, so a
+    /// smaller `--journal-reserve` takes effect (an open keeps a larger
+    /// reserve it finds, as short commands open the store with a smaller
+    /// one than the server's). For a server, once open.
+    ///
+    /// Errors: the allocation's, as a note for the operator (the store
+    /// then runs without a reserve).
+    pub fn fit_journal_reserve(&self) -> std::result::Result<(), String> {
+        let mut c = lock(&self.commit);
+        let Some(journal) = c.journal.as_mut() else {
+            return Ok(());
+        };
+        let _ = journal.release_reserve();
+        journal
+            .reserve(self.config.journal_reserve_bytes)
+            .map_err(|e| reserve_note(journal, self.config.journal_reserve_bytes, &e))
+    }
 
     /// Makes every write completed before this call durable (group commit:
     /// concurrent flushes share one journal transaction), then releases the

@@ -206,7 +206,9 @@ fn save_data_lost(path: &Path, r: &FsckReport) -> std::io::Result<()> {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let mut text = format!("fsck --repair at {secs} s since the Unix epoch discarded:\n");
+    let mut text = format!(
+        "fsck --repair at {secs} s since the Unix epoch (unless its report says it failed, it discarded these):\n"
+    );
     for line in &r.data_lost {
         text.push_str(line);
         text.push('\n');

@@ -636,8 +636,16 @@ impl Journal {
         if end <= start {
             return Ok(());
         }
-        let len_bytes = self.file.metadata()?.len();
-        let needed = end.saturating_sub(start.max(len_bytes).max(self.reserved_end_bytes));
+        // (allocated already: the file's blocks, a reserve an earlier
+        // start made among them)
+        let meta = self.file.metadata()?;
+        let allocated_bytes = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+        let needed = end.saturating_sub(
+            start
+                .max(meta.len())
+                .max(self.reserved_end_bytes)
+                .max(allocated_bytes),
+        );
         if crate::fileio::available_bytes(&self.file).is_some_and(|free| free < needed) {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
