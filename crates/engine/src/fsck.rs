@@ -187,7 +187,8 @@ impl FsckReport {
 }
 
 /// The file in the store where `fsck --repair` appends the data it
-/// discards, before it commits (see [`save_data_lost`]); the store's open
+/// discards, before it commits (a line with the time, then its "data
+/// lost" lines); the store's open
 /// notes it while it exists.
 pub const DATA_LOST_FILE: &str = "fsck-data-lost.txt";
 
