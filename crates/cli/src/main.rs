@@ -690,8 +690,9 @@ fn volume(store: &Path, cmd: VolumeCommand) -> anyhow::Result<()> {
             if done.map_damaged {
                 eprintln!(
                     "dedupd: volume {name}'s map was damaged: the blocks its lost entries \
-                     referenced stay allocated until `dedupd fsck --repair` (with the server \
-                     stopped) reclaims them"
+                     referenced stay allocated until `dedupd --store {} fsck --repair` (with \
+                     the server stopped) reclaims them",
+                    serve::shell_quote(&store.display().to_string())
                 );
             }
         }

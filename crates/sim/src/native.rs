@@ -244,6 +244,21 @@ fn read_exact_or_eof(r: &mut dyn Read, buf: &mut [u8]) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Fills `buf` wholly, or says why not: `truncated WHAT` if the input
+/// ends first, else the read error (a decompressor's names the
+/// compression).
+fn read_part(r: &mut dyn Read, buf: &mut [u8], what: &str) -> Result<(), String> {
+    match read_exact_or_eof(r, buf) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(format!("truncated {what}")),
+        // (the end of the input, as read_exact_or_eof says it)
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof && e.get_ref().is_none() => {
+            Err(format!("truncated {what}"))
+        }
+        Err(e) => Err(format!("reading the {what}: {e}")),
+    }
+}
+
 impl NativeReader {
     /// Reads and checks the header.
     ///
@@ -310,8 +325,8 @@ impl NativeReader {
         let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
         if len == 0 {
             let mut tail = [0u8; 12];
-            if !matches!(read_exact_or_eof(&mut self.input, &mut tail), Ok(true)) {
-                return Err(self.err("truncated end marker"));
+            if let Err(why) = read_part(&mut self.input, &mut tail, "end marker") {
+                return Err(self.err(why));
             }
             let crc = u32::from_le_bytes([tail[8], tail[9], tail[10], tail[11]]);
             if crc32c::crc32c(&tail[..8]) != crc {
@@ -344,16 +359,13 @@ impl NativeReader {
         if len > MAX_CHUNK_BYTES {
             return Err(self.err(format!("chunk of {len} bytes exceeds 1 MiB")));
         }
-        if !matches!(read_exact_or_eof(&mut self.input, &mut h[4..8]), Ok(true)) {
-            return Err(self.err("truncated chunk header"));
+        if let Err(why) = read_part(&mut self.input, &mut h[4..8], "chunk header") {
+            return Err(self.err(why));
         }
         let crc = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
         self.chunk.resize(len, 0);
-        if !matches!(
-            read_exact_or_eof(&mut self.input, &mut self.chunk),
-            Ok(true)
-        ) {
-            return Err(self.err("truncated chunk"));
+        if let Err(why) = read_part(&mut self.input, &mut self.chunk, "chunk") {
+            return Err(self.err(why));
         }
         if crc32c::crc32c(&self.chunk) != crc {
             return Err(self.err("chunk checksum mismatch"));

@@ -136,6 +136,23 @@ fn corruption_and_truncation_are_detected() {
     }
 }
 
+/// A compressed native trace cut short in a chunk: the decompressor's
+/// error is said, not taken for the end of the trace.
+#[test]
+fn a_cut_compressed_native_trace_says_the_compression_is_cut() {
+    let (src, reqs) = one_block_writes(20_000);
+    let good = encode(&src, &reqs);
+    let zst = zstd::encode_all(&good[..], 1).unwrap();
+    let e = decode(&zst[..zst.len() / 2]).unwrap_err();
+    assert!(
+        e.to_string().contains("zstd data is corrupt or cut short"),
+        "{e}"
+    );
+    // uncompressed, cut in a chunk: truncated
+    let e = decode(&good[..good.len() / 2]).unwrap_err();
+    assert!(e.to_string().contains("truncated chunk"), "{e}");
+}
+
 #[test]
 fn a_varint_past_64_bits_is_refused() {
     // a source record, then a write whose LBA varint is 10 bytes with a
