@@ -158,9 +158,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
         } else {
             match dedupd_sim::sweep::write_partial(&rows, &args.out) {
                 Ok(files) => format!(
-                    "\nthe sweep stopped; the {} of {} points that finished are in {}",
+                    "\nthe sweep stopped; the {} of {} points that finished {} in {}",
                     rows.len(),
                     points_total.load(std::sync::atomic::Ordering::Relaxed),
+                    if rows.len() == 1 { "is" } else { "are" },
                     files
                         .iter()
                         .map(|f| f.display().to_string())
