@@ -789,18 +789,9 @@ fn dedup(store: &Path, offline: bool, volume: Option<String>) -> anyhow::Result<
         },
         |e, progress| {
             // SIGINT or SIGTERM stops the pass early, keeping what it
-            // merged; a second one exits at once (the journal covers it).
-            // (flags, not an iterator: they stay registered until the
-            // process ends, so a signal during the commit and checkpoint
-            // that follow the pass is not ignored)
-            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            for (sig, status) in [
-                (signal_hook::consts::SIGINT, 130),
-                (signal_hook::consts::SIGTERM, 143),
-            ] {
-                signal_hook::flag::register_conditional_shutdown(sig, status, stop.clone())?;
-                signal_hook::flag::register(sig, stop.clone())?;
-            }
+            // merged; a second one exits at once (the journal covers it),
+            // also during the commit and checkpoint after the pass
+            let stop = stopsignal::stop_flag_on_interrupt()?;
             let done = std::sync::atomic::AtomicBool::new(false);
             std::thread::scope(|s| {
                 s.spawn(|| {

@@ -1,6 +1,7 @@
-//! A stop flag the server's threads sleep on: a timed wait ends at once
-//! when it is raised, and a descriptor becomes readable for `poll`, so an
-//! idle server does not wake up to look at it.
+//! Stopping on signals: a stop flag the server's threads sleep on (a
+//! timed wait ends at once when it is raised, and a descriptor becomes
+//! readable for `poll`, so an idle server does not wake up to look at it),
+//! and the flag of commands that stop early on SIGINT or SIGTERM.
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
@@ -70,6 +71,26 @@ impl Default for StopSignal {
     fn default() -> Self {
         StopSignal::new()
     }
+}
+
+/// A flag raised by the first SIGINT or SIGTERM, for a command that stops
+/// early on it and keeps what it did (a sweep, an offline pass); a second
+/// one ends the process at once, with status 128 + the signal's number
+/// (130, 143). The handlers stay registered until the process ends, so a
+/// signal is never ignored once this was called (SIGINT included, even if
+/// the caller had it ignored, as a script's background job has).
+///
+/// Errors: registering a handler.
+pub fn stop_flag_on_interrupt() -> std::io::Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for (sig, status) in [
+        (signal_hook::consts::SIGINT, 130),
+        (signal_hook::consts::SIGTERM, 143),
+    ] {
+        signal_hook::flag::register_conditional_shutdown(sig, status, stop.clone())?;
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    Ok(stop)
 }
 
 #[cfg(test)]

@@ -88,17 +88,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<()> {
             |j| usize::try_from(j).unwrap_or(usize::MAX),
         )
         .min(points.max(1));
-    // SIGINT or SIGTERM stops the sweep and keeps what finished (a second
-    // one ends the process at once). SIGINT is caught even when ignored,
-    // as a script's background job has it.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for (sig, status) in [
-        (signal_hook::consts::SIGINT, 130),
-        (signal_hook::consts::SIGTERM, 143),
-    ] {
-        signal_hook::flag::register_conditional_shutdown(sig, status, stop.clone())?;
-        signal_hook::flag::register(sig, stop.clone())?;
-    }
+    // SIGINT or SIGTERM stops the sweep and keeps what finished
+    let stop = crate::stopsignal::stop_flag_on_interrupt()?;
     let cfg = SweepConfig {
         traces: args.traces.clone(),
         policies: args.policies.clone(),
